@@ -1,0 +1,149 @@
+"""NVFP4 core: hand-written cases and bit-for-bit conformance with the compressed-tensors package."""
+
+import pytest
+import torch
+
+from fp4moe.formats import nvfp4
+
+ct_nvfp4 = pytest.importorskip("compressed_tensors.compressors.nvfp4.base")
+from compressed_tensors.quantization import preset_name_to_scheme  # noqa: E402
+from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam  # noqa: E402
+
+
+def test_e2m1_round_half_to_even_and_saturation():
+    x = torch.tensor([0.0, 0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.01, 7.0, 100.0, 0.74, 2.51])
+    expected = torch.tensor([0.0, 0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, 6.0, 0.5, 3.0])
+    assert torch.equal(nvfp4.e2m1_values(nvfp4.e2m1_codes(x)), expected)
+    assert torch.equal(nvfp4.e2m1_values(nvfp4.e2m1_codes(-x)), -expected)
+
+
+def test_codes_sign_bit_and_magnitude_table():
+    codes = nvfp4.e2m1_codes(torch.tensor([0.5, -0.5, 6.0, -6.0, -0.1, -0.0, 0.0]))
+    assert codes.tolist() == [1, 9, 7, 15, 8, 0, 0]
+    values = nvfp4.e2m1_values(torch.arange(16, dtype=torch.uint8))
+    assert values[:8].tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    assert torch.signbit(values[8]) and values[15] == -6
+
+
+def test_pack_low_nibble_first_and_round_trip():
+    codes = torch.tensor([[1, 2, 15, 8]], dtype=torch.uint8)
+    packed = nvfp4.pack_fp4(codes)
+    assert packed.tolist() == [[0x21, 0x8F]]
+    assert torch.equal(nvfp4.unpack_fp4(packed), codes)
+    rand = torch.randint(0, 16, (3, 5, 32), dtype=torch.uint8)
+    assert torch.equal(nvfp4.unpack_fp4(nvfp4.pack_fp4(rand)), rand)
+
+
+def test_pack_rejects_odd_and_wrong_dtype():
+    with pytest.raises(nvfp4.NVFP4Error, match="odd"):
+        nvfp4.pack_fp4(torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(nvfp4.NVFP4Error, match="uint8"):
+        nvfp4.pack_fp4(torch.zeros(4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_inf_rejected_with_position(bad):
+    w = torch.randn(4, 32)
+    w[2, 17] = bad
+    with pytest.raises(nvfp4.NVFP4Error, match=r"experts.3.*\(2, 17\)"):
+        nvfp4.quantize(w, name="experts.3")
+
+
+def test_group_size_and_rank_errors():
+    with pytest.raises(nvfp4.NVFP4Error, match="not divisible by the NVFP4 group size 16"):
+        nvfp4.quantize(torch.randn(4, 24))
+    with pytest.raises(nvfp4.NVFP4Error, match="matrix"):
+        nvfp4.quantize(torch.randn(32))
+
+
+def test_exactly_representable_block_is_lossless():
+    # a block whose max is 6 * s maps every E2M1 value exactly (global scale 448*6/amax)
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6, 6.0])
+    w = torch.stack([grid, grid * 2.0])  # [2, 16]
+    q = nvfp4.quantize(w)
+    torch.testing.assert_close(q.dequantize(), w, rtol=0, atol=0)
+
+
+def test_batched_equals_per_matrix():
+    w = torch.randn(3, 8, 64, dtype=torch.bfloat16)
+    q = nvfp4.quantize(w)
+    for e in range(3):
+        qe = nvfp4.quantize(w[e])
+        assert torch.equal(q.packed[e], qe.packed)
+        assert torch.equal(q.block_scales[e].view(torch.uint8), qe.block_scales.view(torch.uint8))
+
+
+def _adversarial(kind: str, gen: torch.Generator) -> torch.Tensor:
+    shape = (32, 128)
+    if kind == "normal":
+        return torch.randn(shape, generator=gen)
+    if kind == "heavy_tailed":  # student-t like: normal / sqrt(chi2)
+        return torch.randn(shape, generator=gen) / (torch.rand(shape, generator=gen) ** 2 + 1e-3)
+    if kind == "ties":  # values on exact E2M1 midpoints after scaling: block max 6 -> unit scale
+        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, 6.0, -6.0])
+        return mids.repeat(shape[0], shape[1] // 16)[:, torch.randperm(shape[1], generator=gen)] * 1.0
+    if kind == "zeros_and_zero_blocks":
+        w = torch.randn(shape, generator=gen)
+        w[:, :16] = 0.0
+        w[3] = 0.0
+        w[5, 40:56] = -0.0
+        w[7, ::3] = 0.0
+        return w
+    if kind == "all_zero":
+        return torch.zeros(shape)
+    if kind == "tiny_amax":
+        return torch.randn(shape, generator=gen) * 1e-30
+    if kind == "huge_amax":
+        return torch.randn(shape, generator=gen) * 1e30
+    if kind == "one_outlier":
+        w = torch.randn(shape, generator=gen) * 1e-3
+        w[11, 77] = 50.0
+        return w
+    raise AssertionError(kind)
+
+
+KINDS = ["normal", "heavy_tailed", "ties", "zeros_and_zero_blocks", "all_zero", "tiny_amax", "huge_amax", "one_outlier"]
+
+
+def _ct_compress(w: torch.Tensor, observer_dtype: torch.dtype = torch.float32):
+    """compressed-tensors' own scale computation and compressor. llm-compressor's observer feeds
+    min/max in the weight's dtype, which rounds the global scale to bf16 for bf16 weights; we keep
+    float32, so the default here observes in float32 (the block and packing math is the same)."""
+    scheme = preset_name_to_scheme("NVFP4", ["Linear"])
+    gs = generate_gparam(w.min().to(observer_dtype), w.max().to(observer_dtype))
+    groups = w.unflatten(-1, (w.shape[-1] // 16, 16))
+    scale, _ = calculate_qparams(groups.amin(-1).float(), groups.amax(-1).float(), scheme.weights, global_scale=gs)
+    out = ct_nvfp4.NVFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_global_scale": gs}, scheme)
+    return out, scheme
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", KINDS)
+def test_bit_identical_to_compressed_tensors(kind, dtype):
+    gen = torch.Generator().manual_seed(hash(kind) % 2**31)
+    w = _adversarial(kind, gen).to(dtype)
+    ours = nvfp4.quantize(w)
+    theirs, scheme = _ct_compress(w)
+    if dtype == torch.bfloat16:  # also with llm-compressor's bf16-rounded global scale, given to us
+        bf16_theirs, _ = _ct_compress(w, observer_dtype=torch.bfloat16)
+        bf16_ours = nvfp4.quantize(w, global_scale=bf16_theirs["weight_global_scale"])
+        assert torch.equal(bf16_ours.packed, bf16_theirs["weight_packed"])
+        assert torch.equal(bf16_ours.block_scales.view(torch.uint8), bf16_theirs["weight_scale"].view(torch.uint8))
+    assert torch.equal(ours.packed, theirs["weight_packed"]), "packed bytes differ"
+    assert torch.equal(ours.block_scales.view(torch.uint8), theirs["weight_scale"].view(torch.uint8)), "block scales differ"
+    assert torch.equal(ours.global_scale.reshape(1), theirs["weight_global_scale"].float().reshape(1))
+    # and their decompressor reads our bytes as the values our dequantizer gives
+    dec = ct_nvfp4.NVFP4PackedCompressor.decompress(
+        {"weight_packed": ours.packed, "weight_scale": ours.block_scales, "weight_global_scale": ours.global_scale.reshape(1)},
+        scheme,
+    )["weight"]
+    torch.testing.assert_close(dec.float(), ours.dequantize(dec.dtype).float(), rtol=0, atol=0)
+
+
+def test_modelopt_decode_matches_ct_decode_within_one_ulp():
+    w = torch.randn(16, 64) * 3
+    q = nvfp4.quantize(w)
+    s2 = nvfp4.weight_scale_2_from_amax(w.abs().amax())
+    a = nvfp4.dequantize_modelopt(q.packed, q.block_scales, s2)
+    b = q.dequantize()
+    torch.testing.assert_close(a, b, rtol=2e-7, atol=0)  # 1/gs and amax/2688 differ by <= 1 ulp
