@@ -1,0 +1,270 @@
+"""safetensors checkpoint directories: a lazy, validated reader and a streaming, atomic writer."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+# safetensors dtype strings -> bytes per element
+_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+    "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E8M0": 1, "F4": 1,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be read as it claims to be."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: str
+    dtype: str  # safetensors dtype string, e.g. "BF16"
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * _DTYPE_BYTES.get(self.dtype, 1)
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse one safetensors file's header and check the file holds all the bytes it promises."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > size - 8 or header_len > 100_000_000:
+            raise CheckpointError(f"{path}: truncated or corrupt safetensors header (claims {header_len} bytes)")
+        try:
+            header = json.loads(f.read(header_len))
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    header.pop("__metadata__", None)
+    data_end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if 8 + header_len + data_end > size:
+        raise CheckpointError(
+            f"{path}: truncated: tensors need {8 + header_len + data_end} bytes, file has {size}"
+        )
+    return {
+        name: TensorInfo(name, path.name, v["dtype"], tuple(v["shape"])) for name, v in header.items()
+    }
+
+
+class CheckpointReader:
+    """Tensors of a safetensors directory by name, read on demand (nothing is loaded up front)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: not a directory")
+        self.infos: dict[str, TensorInfo] = {}
+        index = self.path / INDEX_NAME
+        if index.exists():
+            self._read_index(index)
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{self.path}: no *.safetensors files and no {INDEX_NAME}")
+            for file in files:
+                self._add_file(file)
+        self._handles: dict[str, object] = {}
+
+    def _add_file(self, file: Path) -> dict[str, TensorInfo]:
+        infos = read_header(file)
+        for name, info in infos.items():
+            if name in self.infos:
+                raise CheckpointError(f"{self.path}: tensor {name} is in both {self.infos[name].file} and {file.name}")
+            self.infos[name] = info
+        return infos
+
+    def _read_index(self, index: Path) -> None:
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        for file in sorted(set(weight_map.values())):
+            if not (self.path / file).exists():
+                names = [n for n, f in weight_map.items() if f == file]
+                raise CheckpointError(f"{self.path}: shard {file} is missing (it should hold {len(names)} tensors, e.g. {names[0]})")
+            self._add_file(self.path / file)
+        for name, file in weight_map.items():
+            info = self.infos.get(name)
+            if info is None:
+                raise CheckpointError(f"{index}: names tensor {name} in {file}, but {file} has no such tensor")
+            if info.file != file:
+                raise CheckpointError(f"{index}: names {name} in {file}, but it is in {info.file}")
+        # tensors present in shards but absent from the index are read too (index wins on conflicts)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.infos
+
+    def __len__(self) -> int:
+        return len(self.infos)
+
+    def names(self) -> list[str]:
+        return list(self.infos)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.infos[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no tensor named {name}") from None
+
+    def get(self, name: str) -> torch.Tensor:
+        info = self.info(name)
+        handle = self._handles.get(info.file)
+        if handle is None:
+            handle = safe_open(str(self.path / info.file), framework="pt")
+            self._handles[info.file] = handle
+        return handle.get_tensor(name)
+
+    def total_bytes(self) -> int:
+        return sum(i.num_bytes for i in self.infos.values())
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' / '500MB' / '1024' -> bytes."""
+    if isinstance(text, int):
+        return text
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise ValueError(f"invalid size {text!r}; use e.g. 2GB, 500MB or a byte count") from None
+
+
+class ShardedWriter:
+    """Writes tensors into ``model-XXXXX-of-YYYYY.safetensors`` shards of at most ``max_shard_bytes``
+    (one tensor larger than that gets a shard of its own) plus an index. Holds at most one shard."""
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int = 2 << 30, metadata: dict[str, str] | None = None):
+        self.out_dir = Path(out_dir)
+        self.max_shard_bytes = max_shard_bytes
+        self.metadata = metadata or {"format": "pt"}
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffer_bytes = 0
+        self._shards: list[list[str]] = []
+        self._named_files: dict[str, list[str]] = {}
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        num_bytes = tensor.numel() * tensor.element_size()
+        if self._buffer and self._buffer_bytes + num_bytes > self.max_shard_bytes:
+            self.flush()
+        self._buffer[name] = tensor.detach().to("cpu").contiguous()
+        self._buffer_bytes += num_bytes
+        self.total_bytes += num_bytes
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        index = len(self._shards)
+        _save(self._buffer, self.out_dir / f".shard-{index:05d}.safetensors", self.metadata)
+        self._shards.append(list(self._buffer))
+        self._buffer, self._buffer_bytes = {}, 0
+
+    def write_file(self, filename: str, tensors: dict[str, torch.Tensor]) -> None:
+        """A named extra shard (e.g. ``model-mtp.safetensors``), listed in the index too."""
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        _save(tensors, self.out_dir / filename, self.metadata)
+        self._named_files[filename] = list(tensors)
+        self.total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def close(self) -> dict[str, str]:
+        """Flush, give the shards their final names, write the index; returns the weight map."""
+        self.flush()
+        weight_map: dict[str, str] = {}
+        n = len(self._shards)
+        for i, names in enumerate(self._shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.out_dir / f".shard-{i:05d}.safetensors", self.out_dir / final)
+            weight_map.update(dict.fromkeys(names, final))
+        for filename, names in self._named_files.items():
+            weight_map.update(dict.fromkeys(names, filename))
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        write_json(self.out_dir / INDEX_NAME, index)
+        return weight_map
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"disk full while writing {path.name} in {path.parent}") from e
+        raise
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary directory beside ``dst``; on success it replaces ``dst`` in one rename.
+
+    On any error (or a kill) ``dst`` is untouched: it does not exist or is the old one. With
+    ``overwrite`` an existing ``dst`` is moved aside, replaced, and only then deleted.
+    """
+    dst = Path(dst).resolve()
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst} already exists; pass --overwrite to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_side_files(src: Path, dst: Path, skip: set[str]) -> list[str]:
+    """Copy every non-weight file (tokenizer, chat template, processor, generation config...)."""
+    copied = []
+    for p in sorted(Path(src).iterdir()):
+        if p.name in skip or p.suffix == ".safetensors" or p.name.startswith("."):
+            continue
+        if p.suffix in (".bin", ".pt", ".pth", ".pkl", ".ckpt"):
+            continue  # pickled weights are never read or propagated
+        if p.is_dir():
+            shutil.copytree(p, dst / p.name)
+        else:
+            shutil.copy2(p, dst / p.name)
+        copied.append(p.name)
+    return copied

@@ -1,0 +1,248 @@
+"""qwen3_5_moe as data: config fields, layer types, and the role of every checkpoint tensor.
+
+Covers Qwen3.5/Qwen3.6-35B-A3B (``Qwen3_5MoeForConditionalGeneration``: ``model.language_model.*``,
+``model.visual.*``, ``lm_head``, ``mtp.*``) and text-only re-saves (``model.layers.*``). Routed experts
+come in three on-disk layouts, detected per block (main layers and MTP separately):
+- fused 3-D ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows first) + ``mlp.experts.down_proj`` [E, H, I];
+- per-expert 2-D ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (transformers re-saves; Qwen3.5 MTP).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+class ExpertLayout(enum.Enum):
+    FUSED = "fused"
+    PER_EXPERT = "per-expert"
+
+
+class Role(enum.Enum):
+    ROUTED_EXPERT = "routed_expert"
+    ROUTER = "router"
+    SHARED_EXPERT = "shared_expert"
+    SHARED_EXPERT_GATE = "shared_expert_gate"
+    ATTENTION = "attention"
+    DELTANET = "deltanet"
+    NORM = "norm"
+    EMBED = "embed"
+    LM_HEAD = "lm_head"
+    VISION = "vision"
+    MTP = "mtp"
+    OTHER = "other"
+
+
+@dataclass
+class TextConfig:
+    """The fields of the text config that quantization and validation need."""
+
+    num_layers: int
+    hidden_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    vocab_size: int
+    layer_types: list[str]
+    mtp_num_hidden_layers: int = 0
+    raw: dict = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    text: TextConfig
+    has_vision: bool
+    raw: dict = field(repr=False)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.exists():
+            raise CheckpointError(f"{path}: no config.json")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from None
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported model_type {model_type!r}; fp4moe supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        text = raw.get("text_config", raw) if model_type == "qwen3_5_moe" else raw
+        try:
+            num_layers = int(text["num_hidden_layers"])
+            layer_types = text.get("layer_types") or [
+                "full_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) == 0 else "linear_attention"
+                for i in range(num_layers)
+            ]
+            tc = TextConfig(
+                num_layers=num_layers,
+                hidden_size=int(text["hidden_size"]),
+                num_experts=int(text["num_experts"]),
+                num_experts_per_tok=int(text["num_experts_per_tok"]),
+                moe_intermediate_size=int(text["moe_intermediate_size"]),
+                vocab_size=int(text["vocab_size"]),
+                layer_types=list(layer_types),
+                mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
+                raw=text,
+            )
+        except KeyError as e:
+            raise CheckpointError(f"config.json: text config lacks {e.args[0]!r}") from None
+        return cls(model_type, tc, has_vision="vision_config" in raw, raw=raw)
+
+
+_LAYER_RE = re.compile(r"^(?P<prefix>.*?layers\.)(?P<idx>\d+)\.(?P<rest>.+)$")
+_PER_EXPERT_RE = re.compile(r"^mlp\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<suffix>.+)$")
+
+
+def text_prefix(reader: CheckpointReader) -> str:
+    """``model.language_model.`` (the VLM checkpoint) or ``model.`` (text-only re-saves)."""
+    for name in reader.names():
+        if name.startswith("model.language_model.layers."):
+            return "model.language_model."
+    for name in reader.names():
+        if name.startswith("model.layers."):
+            return "model."
+    raise CheckpointError(f"{reader.path}: no decoder layers found (expected model.language_model.layers.N.*)")
+
+
+def classify(name: str) -> Role:
+    """The role of a checkpoint tensor, by name alone."""
+    if name.startswith("mtp."):
+        return Role.MTP
+    if name.startswith(("model.visual.", "visual.")):
+        return Role.VISION
+    if name.startswith("lm_head."):
+        return Role.LM_HEAD
+    if name.endswith("embed_tokens.weight"):
+        return Role.EMBED
+    m = _LAYER_RE.match(name)
+    if not m:
+        return Role.NORM if name.endswith("norm.weight") else Role.OTHER
+    rest = m["rest"]
+    if rest.startswith("mlp.experts."):
+        return Role.ROUTED_EXPERT
+    if rest.startswith("mlp.gate."):
+        return Role.ROUTER
+    if rest.startswith("mlp.shared_expert_gate."):
+        return Role.SHARED_EXPERT_GATE
+    if rest.startswith("mlp.shared_expert."):
+        return Role.SHARED_EXPERT
+    if rest.startswith("self_attn."):
+        return Role.NORM if "norm" in rest else Role.ATTENTION
+    if rest.startswith("linear_attn."):
+        return Role.DELTANET
+    if "layernorm" in rest:
+        return Role.NORM
+    return Role.OTHER
+
+
+def layer_of(name: str) -> int | None:
+    """Decoder layer index of a main-model tensor (None for MTP, vision and top-level tensors)."""
+    if name.startswith("mtp.") or classify(name) is Role.VISION:
+        return None
+    m = _LAYER_RE.match(name)
+    return int(m["idx"]) if m else None
+
+
+def detect_expert_layout(reader: CheckpointReader, experts_prefix: str) -> ExpertLayout | None:
+    """Layout of one MoE block's routed experts (``experts_prefix`` ends with ``mlp.experts.``)."""
+    if f"{experts_prefix}gate_up_proj" in reader:
+        return ExpertLayout.FUSED
+    if f"{experts_prefix}0.gate_proj.weight" in reader:
+        return ExpertLayout.PER_EXPERT
+    return None
+
+
+@dataclass
+class ExpertBlock:
+    """The routed experts of one MoE block as read from disk."""
+
+    prefix: str  # e.g. "model.language_model.layers.3.mlp.experts."
+    layout: ExpertLayout
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+    def source_names(self) -> list[str]:
+        if self.layout is ExpertLayout.FUSED:
+            return [f"{self.prefix}gate_up_proj", f"{self.prefix}down_proj"]
+        return [f"{self.prefix}{e}.{p}.weight" for e in range(self.num_experts) for p in PROJECTIONS]
+
+    def read(self, reader: CheckpointReader, experts: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [e, 2I, H], down [e, H, I]) for the given experts, in the checkpoint's dtype."""
+        experts = experts if experts is not None else range(self.num_experts)
+        if self.layout is ExpertLayout.FUSED:
+            gate_up = reader.get(f"{self.prefix}gate_up_proj")
+            down = reader.get(f"{self.prefix}down_proj")
+            _check_shape(f"{self.prefix}gate_up_proj", gate_up, (self.num_experts, 2 * self.intermediate_size, self.hidden_size))
+            _check_shape(f"{self.prefix}down_proj", down, (self.num_experts, self.hidden_size, self.intermediate_size))
+            return gate_up[experts.start : experts.stop], down[experts.start : experts.stop]
+        gate_up, down = [], []
+        for e in experts:
+            g, u, d = (reader.get(f"{self.prefix}{e}.{p}.weight") for p in PROJECTIONS)
+            _check_shape(f"{self.prefix}{e}.gate_proj.weight", g, (self.intermediate_size, self.hidden_size))
+            _check_shape(f"{self.prefix}{e}.up_proj.weight", u, (self.intermediate_size, self.hidden_size))
+            _check_shape(f"{self.prefix}{e}.down_proj.weight", d, (self.hidden_size, self.intermediate_size))
+            gate_up.append(torch.cat([g, u], dim=0))
+            down.append(d)
+        return torch.stack(gate_up), torch.stack(down)
+
+
+def _check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(t.shape) != expected:
+        raise CheckpointError(f"{name}: shape {tuple(t.shape)}, expected {expected} from config.json")
+
+
+def expert_block(reader: CheckpointReader, experts_prefix: str, cfg: TextConfig) -> ExpertBlock:
+    layout = detect_expert_layout(reader, experts_prefix)
+    if layout is None:
+        raise CheckpointError(f"{reader.path}: no routed experts under {experts_prefix}* (fused or per-expert)")
+    block = ExpertBlock(experts_prefix, layout, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+    missing = [n for n in block.source_names() if n not in reader]
+    if missing:
+        raise CheckpointError(f"{reader.path}: {len(missing)} expert tensors missing under {experts_prefix}, e.g. {missing[0]}")
+    return block
+
+
+def layer_names(reader: CheckpointReader, prefix: str, idx: int) -> list[str]:
+    """All tensor names of main decoder layer ``idx``."""
+    head = f"{prefix}layers.{idx}."
+    return [n for n in reader.names() if n.startswith(head)]
+
+
+def strip_layer_prefix(name: str) -> str:
+    """``model.language_model.layers.3.mlp.gate.weight`` -> ``mlp.gate.weight``."""
+    m = _LAYER_RE.match(name)
+    if not m:
+        raise ValueError(f"{name} is not a decoder-layer tensor")
+    return m["rest"]
+
+
+def per_expert_name(experts_prefix: str, e: int, proj: str, suffix: str) -> str:
+    return f"{experts_prefix}{e}.{proj}.{suffix}"
+
+
+def parse_per_expert(rest: str) -> tuple[int, str, str] | None:
+    """``mlp.experts.7.up_proj.weight_scale`` -> (7, "up_proj", "weight_scale")."""
+    m = _PER_EXPERT_RE.match(rest)
+    return (int(m["e"]), m["proj"], m["suffix"]) if m else None

@@ -1,0 +1,213 @@
+"""Tiny random qwen3_5_moe checkpoints built with transformers: the embedded default and the test fixtures.
+
+Each has the real architecture at toy width (3 Gated DeltaNet layers + 1 gated-attention layer per 4,
+routed + shared experts, a small vision tower, an MTP head), bf16 weights, a BPE tokenizer trained on the
+packaged CPython-docs corpus, a ChatML chat template, and is written sharded with an index in one of the
+expert layouts found in the wild.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fp4moe.data import corpus_text
+from fp4moe.formats.checkpoint import ShardedWriter
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+    "<|image_pad|>", "<|video_pad|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+]
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- elif part['type'] in ('image', 'image_url') %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+
+
+class CheckpointLayout(enum.Enum):
+    """Expert layouts of a whole checkpoint: main layers / MTP block."""
+
+    QWEN3_5 = "qwen3.5"  # fused main experts, per-expert MTP experts (the Qwen3.5 release)
+    QWEN3_6 = "qwen3.6"  # fused main experts, fused MTP experts (the Qwen3.6 release)
+    RESAVED = "resaved"  # per-expert everywhere (transformers save_pretrained derivatives)
+
+
+@dataclass
+class TinySpec:
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    shared_expert_intermediate_size: int = 32
+    vocab_size: int = 1024
+    tokenizer_vocab: int = 1000
+    init_std: float = 0.08
+    with_vision: bool = True
+    with_mtp: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.tokenizer_vocab > self.vocab_size:
+            raise ValueError(f"tokenizer_vocab {self.tokenizer_vocab} exceeds vocab_size {self.vocab_size}")
+
+
+def train_tokenizer(vocab_size: int):
+    """Byte-level BPE trained on the packaged calibration corpus (deterministic, ~1 s)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    text = corpus_text("calib")
+    tok.train_from_iterator((text[i : i + 4096] for i in range(0, len(text), 4096)), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(spec: TinySpec, token_ids: dict[str, int]):
+    from transformers import Qwen3_5MoeConfig
+
+    head_dim = 32
+    text = dict(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+        num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+        # partial rotary 0.25 of 32 dims = 8 dims = 4 frequencies = sum(mrope_section)
+        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                             mrope_section=[2, 1, 1], mrope_interleaved=True),
+        max_position_embeddings=8192, initializer_range=spec.init_std,
+        eos_token_id=token_ids["<|im_end|>"], pad_token_id=token_ids["<|endoftext|>"],
+    )
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=spec.hidden_size,
+        num_position_embeddings=64, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+        initializer_range=spec.init_std,
+    )
+    return Qwen3_5MoeConfig(
+        text_config=text, vision_config=vision if spec.with_vision else None,
+        image_token_id=token_ids["<|image_pad|>"], video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"], vision_end_token_id=token_ids["<|vision_end|>"],
+    )
+
+
+def _randomize(t: torch.Tensor, gen: torch.Generator, std: float) -> torch.Tensor:
+    return torch.randn(t.shape, generator=gen) * std
+
+
+def build_state(spec: TinySpec, config) -> dict[str, torch.Tensor]:
+    """Random weights in transformers' in-memory names (fused experts), plus MTP tensors, fp32."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    torch.manual_seed(spec.seed)
+    model = Qwen3_5MoeForConditionalGeneration(config)
+    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    for name, t in state.items():
+        # norms start at 0 in transformers ((1 + w) form); give them spread so the tests see them
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight") and "visual" not in name:
+            state[name] = _randomize(t, gen, 0.1)
+    if not spec.with_vision:
+        state = {k: v for k, v in state.items() if not k.startswith("model.visual.")}
+    if spec.with_mtp:
+        state.update(_mtp_state(state, config.text_config, gen, spec.init_std))
+    return state
+
+
+def _mtp_state(state, text_config, gen, std) -> dict[str, torch.Tensor]:
+    h = text_config.hidden_size
+    full = next(i for i, t in enumerate(text_config.layer_types) if t == "full_attention")
+    src = f"model.language_model.layers.{full}."
+    out = {
+        "mtp.fc.weight": torch.randn(h, 2 * h, generator=gen) * std,
+        "mtp.pre_fc_norm_embedding.weight": torch.randn(h, generator=gen) * 0.1,
+        "mtp.pre_fc_norm_hidden.weight": torch.randn(h, generator=gen) * 0.1,
+        "mtp.norm.weight": torch.randn(h, generator=gen) * 0.1,
+    }
+    for name, t in state.items():
+        if name.startswith(src):  # one full-attention decoder layer with its own MoE, fresh weights
+            scale = 0.1 if t.ndim == 1 else std
+            out["mtp.layers.0." + name[len(src):]] = torch.randn(t.shape, generator=gen) * scale
+    return out
+
+
+def split_experts(state: dict[str, torch.Tensor], prefix_filter: str) -> dict[str, torch.Tensor]:
+    """Rewrite fused experts whose name starts with ``prefix_filter`` into per-expert 2-D tensors."""
+    out = {}
+    for name, t in state.items():
+        if name.startswith(prefix_filter) and name.endswith("mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :inter].clone()
+                out[f"{base}{e}.up_proj.weight"] = t[e, inter:].clone()
+        elif name.startswith(prefix_filter) and name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[name] = t
+    return out
+
+
+def write_tiny_checkpoint(
+    out_dir: str | Path,
+    layout: CheckpointLayout = CheckpointLayout.QWEN3_5,
+    spec: TinySpec | None = None,
+    max_shard_bytes: int = 200_000,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Write a tiny random qwen3_5_moe checkpoint directory; same weights for every layout."""
+    spec = spec or TinySpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(spec.tokenizer_vocab)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = tiny_config(spec, ids)
+    state = build_state(spec, config)
+    if layout in (CheckpointLayout.QWEN3_5, CheckpointLayout.RESAVED):
+        state = split_experts(state, "mtp.")
+    if layout is CheckpointLayout.RESAVED:
+        state = split_experts(state, "model.")
+    writer = ShardedWriter(out, max_shard_bytes=max_shard_bytes)
+    for name in sorted(state):
+        writer.add(name, state[name].to(dtype))
+    writer.close()
+
+    raw = config.to_dict()
+    raw["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
+    raw["dtype"] = str(dtype).removeprefix("torch.")
+    raw["text_config"].update(
+        mtp_num_hidden_layers=1 if spec.with_mtp else 0, mtp_use_dedicated_embeddings=False,
+        attn_output_gate=True, mamba_ssm_dtype="float32",
+    )
+    (out / "config.json").write_text(json.dumps(raw, indent=2, default=str) + "\n")
+    tokenizer.save_pretrained(out)
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "do_sample": False}, indent=2) + "\n"
+    )
+    return out
