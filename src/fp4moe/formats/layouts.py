@@ -1,0 +1,191 @@
+"""How quantized experts are named on disk, and the quantization config that goes with them.
+
+- ModelOpt NVFP4 (``--format modelopt``, default): per expert and projection ``weight`` uint8 [N, K/2],
+  ``weight_scale`` e4m3 [N, K/16] row-major, ``weight_scale_2`` f32 0-D (decode scale amax/2688),
+  ``input_scale`` f32 0-D (act_amax/2688). ``config.json`` gets ``quantization_config`` with
+  ``quant_method: modelopt``; ``hf_quant_config.json`` carries the same facts in ModelOpt's shape.
+- compressed-tensors ``nvfp4-pack-quantized``: ``weight_packed``, ``weight_scale``, ``weight_global_scale``
+  [1] (= 2688/amax, the reciprocal), ``input_global_scale`` [1] (= 2688/act_amax).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from fp4moe import __version__
+from fp4moe.formats import nvfp4
+
+GROUP_SIZE = nvfp4.BLOCK_SIZE
+
+
+class OutputFormat(enum.Enum):
+    MODELOPT = "modelopt"
+    COMPRESSED_TENSORS = "compressed-tensors"
+
+
+# suffixes of one quantized linear, by format; the first is the packed weight
+SUFFIXES = {
+    OutputFormat.MODELOPT: ("weight", "weight_scale", "weight_scale_2", "input_scale"),
+    OutputFormat.COMPRESSED_TENSORS: ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"),
+}
+
+
+def quantized_linear_tensors(
+    fmt: OutputFormat,
+    q: nvfp4.NVFP4Tensor,
+    weight_amax: torch.Tensor,
+    input_amax: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """The tensors of one 2-D NVFP4 linear, keyed by suffix. ``weight_amax`` decides the global scale
+    (pass the joint amax of gate and up for both, so they share it)."""
+    if fmt is OutputFormat.MODELOPT:
+        return {
+            "weight": q.packed,
+            "weight_scale": q.block_scales,
+            "weight_scale_2": nvfp4.weight_scale_2_from_amax(weight_amax).reshape(()),
+            "input_scale": nvfp4.input_scale_from_amax(input_amax).reshape(()),
+        }
+    return {
+        "weight_packed": q.packed,
+        "weight_scale": q.block_scales,
+        "weight_global_scale": q.global_scale.float().reshape(1),
+        "input_global_scale": nvfp4.global_scale_from_amax(input_amax).reshape(1),
+    }
+
+
+def read_quantized_linear(fmt: OutputFormat, tensors: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
+    """Dequantize one stored linear (keyed by suffix) in the format's own decode order."""
+    if fmt is OutputFormat.MODELOPT:
+        return nvfp4.dequantize_modelopt(tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"], dtype)
+    return nvfp4.dequantize(
+        tensors["weight_packed"], tensors["weight_scale"], tensors["weight_global_scale"].reshape(()), dtype
+    )
+
+
+def producer() -> dict[str, str]:
+    return {"name": "fp4moe", "version": __version__}
+
+
+def modelopt_quantization_config(exclude: list[str], kv_cache_quant_algo: str | None = None) -> dict:
+    """``config.json`` -> ``quantization_config`` in the form ModelOpt's exporter writes (config_groups with
+    weights and input activations, ``ignore``), plus ``group_size``/``exclude_modules``/``kv_cache_quant_algo``
+    that older vLLM readers use. vLLM detects ``modelopt`` + ``NVFP4`` as modelopt_fp4."""
+    fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": GROUP_SIZE}
+    config = {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "group_size": GROUP_SIZE,
+        "config_groups": {"group_0": {"weights": dict(fp4), "input_activations": dict(fp4), "targets": ["Linear"]}},
+        "ignore": list(exclude),
+        "exclude_modules": list(exclude),
+        "kv_cache_quant_algo": kv_cache_quant_algo,
+        "producer": producer(),
+    }
+    if kv_cache_quant_algo == "FP8":
+        config["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    return config
+
+
+def hf_quant_config(exclude: list[str], kv_cache_quant_algo: str | None = None) -> dict:
+    """``hf_quant_config.json`` as ModelOpt writes it; every key vLLM requires is present."""
+    return {
+        "producer": producer(),
+        "quantization": {
+            "quant_algo": "NVFP4",
+            "kv_cache_quant_algo": kv_cache_quant_algo,
+            "group_size": GROUP_SIZE,
+            "exclude_modules": list(exclude),
+        },
+    }
+
+
+def _ct_args(dynamic, observer: str) -> dict:
+    return {
+        "num_bits": 4, "type": "float", "symmetric": True, "group_size": GROUP_SIZE, "strategy": "tensor_group",
+        "block_structure": None, "dynamic": dynamic, "actorder": None, "observer": observer,
+        "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": None,
+    }
+
+
+def compressed_tensors_quantization_config(ignore: list[str], targets: list[str]) -> dict:
+    """``quantization_config`` for ``nvfp4-pack-quantized`` (W4A4, scheme NVFP4), as llm-compressor writes it."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": list(targets),
+                "weights": _ct_args(False, "memoryless_minmax"),
+                "input_activations": _ct_args("local", "static_minmax"),
+                "output_activations": None,
+                "format": "nvfp4-pack-quantized",
+            }
+        },
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": "0.20.1",
+        "producer": producer(),
+    }
+
+
+def excluded_modules(shapes: dict[str, tuple[int, ...]], fmt: OutputFormat) -> list[str]:
+    """Every module left in bf16, by the names that really exist in the shards.
+
+    One exact entry per module with a >=2-D ``weight`` that is not a routed expert: attention and
+    Gated DeltaNet projections (vLLM fuses q/k/v -> qkv_proj, in_proj_qkv/z -> in_proj_qkvz, b/a ->
+    in_proj_ba and checks each shard by exact name, so all shards are listed), conv1d, shared experts,
+    routers, embeddings, lm_head, vision tower (not in vLLM's defaults), MTP. vLLM maps the
+    ``model.language_model.`` / ``model.visual.`` prefixes of these entries to its own module names.
+    The MTP block's MoE is excluded as a module (``mtp.layers.N.mlp.experts``); compressed-tensors
+    additionally gets ``re:`` entries, which vLLM does not remap (MTP and lm_head names are stable).
+    """
+    from fp4moe.models.qwen3_5_moe import Role, classify
+
+    modules: set[str] = set()
+    for name, shape in shapes.items():
+        if name.startswith("mtp.") and ".mlp.experts." in name:
+            modules.add(name[: name.index(".mlp.experts.") + len(".mlp.experts")])
+            continue
+        if not name.endswith(".weight") or len(shape) < 2 or classify(name) is Role.ROUTED_EXPERT:
+            continue
+        modules.add(name.removesuffix(".weight"))
+    entries = sorted(modules)
+    if fmt is OutputFormat.COMPRESSED_TENSORS:
+        entries += [r"re:^mtp\..*", r"re:.*lm_head$"]
+    return entries
+
+
+# The reference build's fused NVFP4 experts (needed a patched vLLM loader): one tensor per block and
+# kind, ``{experts_prefix}{gate_up_proj|down_proj}{suffix}``.
+FUSED_NVFP4_SUFFIXES = ("", "_weight_scale", "_weight_scale_2", "_input_scale")
+
+
+def module_of(tensor_name: str) -> str:
+    """``a.b.weight_scale`` -> ``a.b`` (the module a tensor belongs to)."""
+    return tensor_name.rsplit(".", 1)[0]
+
+
+def exclude_entry_matches(entry: str, module: str, fmt: OutputFormat) -> bool:
+    """Does an exclude/ignore entry cover a module name, by the rule vLLM applies for the format?
+
+    ModelOpt: exact, substring, or fnmatch (``foo*`` also as ``foo`` + ``foo.*``). compressed-tensors:
+    ``re:`` entries by ``re.match``, others exactly.
+    """
+    import fnmatch
+    import re
+
+    if fmt is OutputFormat.COMPRESSED_TENSORS:
+        if entry.startswith("re:"):
+            return re.match(entry[3:], module) is not None
+        return entry == module
+    if entry == module or entry in module:
+        return True
+    if fnmatch.fnmatch(module, entry):
+        return True
+    return entry.endswith("*") and not entry.endswith(".*") and fnmatch.fnmatch(module, entry[:-1] + ".*")

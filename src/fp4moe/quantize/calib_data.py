@@ -1,0 +1,92 @@
+"""Calibration text -> token windows [num_samples, seq_len].
+
+Sources: the packaged CPython-docs corpus (default, offline), ``--calib-file`` (plain text, or JSON
+lines with a "text" field), or ``--calib-dataset NAME`` through the ``datasets`` package when a network
+is available (``wikitext`` = wikitext-2-raw-v1 train, the reference recipe's choice).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from fp4moe.data import corpus_text
+
+DATASET_ALIASES = {"wikitext": ("wikitext", "wikitext-2-raw-v1", "train")}
+
+
+class CalibrationDataError(ValueError):
+    pass
+
+
+def read_calib_file(path: str | Path) -> str:
+    path = Path(path)
+    if not path.is_file():
+        raise CalibrationDataError(f"calibration file {path} does not exist")
+    raw = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix in (".jsonl", ".json"):
+        texts = []
+        for lineno, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CalibrationDataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise CalibrationDataError(f'{path}:{lineno}: expected an object with a "text" string')
+            texts.append(obj["text"])
+        raw = "\n\n".join(texts)
+    if not raw.strip():
+        raise CalibrationDataError(f"calibration file {path} holds no text")
+    return raw
+
+
+def load_dataset_text(name: str) -> str:
+    try:
+        import datasets
+    except ImportError:
+        raise CalibrationDataError("--calib-dataset needs the 'datasets' package (pip install fp4moe[datasets])") from None
+    path, config, split = DATASET_ALIASES.get(name, (name, None, "train"))
+    try:
+        ds = datasets.load_dataset(path, config, split=split)
+    except Exception as e:  # network or hub errors come in many types
+        raise CalibrationDataError(f"could not load dataset {name!r}: {e}") from None
+    return "\n\n".join(t for t in ds["text"] if t.strip())
+
+
+def calibration_text(calib_file: str | Path | None = None, calib_dataset: str | None = None) -> tuple[str, str]:
+    """(text, description of its source)."""
+    if calib_file and calib_dataset:
+        raise CalibrationDataError("give either --calib-file or --calib-dataset, not both")
+    if calib_file:
+        return read_calib_file(calib_file), f"file {calib_file}"
+    if calib_dataset:
+        return load_dataset_text(calib_dataset), f"dataset {calib_dataset}"
+    return corpus_text("calib"), "packaged CPython 3.11 docs (tutorial, howto, faq)"
+
+
+def token_windows(token_ids: list[int], num_samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """``num_samples`` windows of ``seq_len`` tokens at seeded random, distinct-as-possible offsets."""
+    if num_samples <= 0 or seq_len <= 0:
+        raise CalibrationDataError(f"num_samples and seq_len must be positive (got {num_samples}, {seq_len})")
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    if ids.numel() < seq_len:
+        raise CalibrationDataError(f"calibration text has {ids.numel()} tokens, fewer than --seq-len {seq_len}")
+    num_starts = ids.numel() - seq_len + 1
+    gen = torch.Generator().manual_seed(seed)
+    if num_samples * seq_len <= ids.numel():
+        # non-overlapping windows, chosen at random among the len // seq_len slots
+        slots = torch.randperm(ids.numel() // seq_len, generator=gen)[:num_samples] * seq_len
+    else:
+        slots = torch.randint(0, num_starts, (num_samples,), generator=gen)
+    return torch.stack([ids[s : s + seq_len] for s in slots.tolist()])
+
+
+def tokenize(tokenizer, text: str, chunk_chars: int = 1 << 16) -> list[int]:
+    ids: list[int] = []
+    for i in range(0, len(text), chunk_chars):
+        ids.extend(tokenizer(text[i : i + chunk_chars], add_special_tokens=False)["input_ids"])
+    return ids

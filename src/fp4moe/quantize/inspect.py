@@ -1,0 +1,303 @@
+"""Validate an NVFP4 qwen3_5_moe checkpoint (ours, ModelOpt's, llm-compressor's): complete and sound.
+
+Checks every routed expert of every layer is quantized with all scales present, shaped and typed right,
+finite and positive; gate/up share a global scale; the exclude list names real modules and covers every
+bf16 linear (and no quantized expert); MTP and vision are present as the config says; sizes vs bf16.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from fp4moe.formats import layouts
+from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
+from fp4moe.formats.layouts import FUSED_NVFP4_SUFFIXES, SUFFIXES, OutputFormat
+from fp4moe.formats.nvfp4 import BLOCK_SIZE
+from fp4moe.models import qwen3_5_moe as arch
+
+MAX_LISTED = 20  # problems of one kind listed before "... and N more"
+SCALAR_SHAPES = ((), (1,))
+
+
+@dataclass
+class InspectReport:
+    path: str
+    format: str | None = None
+    num_layers: int = 0
+    num_experts: int = 0
+    experts_quantized: int = 0
+    experts_bf16: int = 0
+    experts_fused_nvfp4: int = 0
+    exclude_entries: int = 0
+    mtp_tensors: int = 0
+    vision_tensors: int = 0
+    bytes_on_disk: int = 0
+    bytes_bf16_equivalent: int = 0
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "ok": self.ok}, indent=2)
+
+    def table(self) -> str:
+        gb = 1e9
+        ratio = self.bytes_on_disk / self.bytes_bf16_equivalent if self.bytes_bf16_equivalent else 0.0
+        rows = [
+            ("checkpoint", self.path),
+            ("format", self.format or "-"),
+            ("layers x experts", f"{self.num_layers} x {self.num_experts}"),
+            ("experts NVFP4 (per-expert)", str(self.experts_quantized)),
+            ("experts NVFP4 fused (needs convert)", str(self.experts_fused_nvfp4)),
+            ("experts left bf16", str(self.experts_bf16)),
+            ("exclude-list entries", str(self.exclude_entries)),
+            ("MTP tensors", str(self.mtp_tensors)),
+            ("vision tensors", str(self.vision_tensors)),
+            ("size", f"{self.bytes_on_disk / gb:.3f} GB ({ratio:.1%} of {self.bytes_bf16_equivalent / gb:.3f} GB bf16)"),
+            ("result", "OK" if self.ok else f"{len(self.problems)} problem(s)"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        out = [f"{k:<{width}}  {v}" for k, v in rows]
+        out += [f"PROBLEM: {p}" for p in self.problems]
+        out += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(out)
+
+
+class _Problems:
+    """Collects problems, listing at most MAX_LISTED of each kind."""
+
+    def __init__(self, report: InspectReport):
+        self.report = report
+        self.counts: dict[str, int] = {}
+
+    def add(self, kind: str, message: str) -> None:
+        n = self.counts.get(kind, 0) + 1
+        self.counts[kind] = n
+        if n <= MAX_LISTED:
+            self.report.problems.append(message)
+
+    def finish(self) -> None:
+        for kind, n in self.counts.items():
+            if n > MAX_LISTED:
+                self.report.problems.append(f"... and {n - MAX_LISTED} more problems of kind '{kind}'")
+
+
+def detect_format(config: dict) -> tuple[OutputFormat | None, list[str], str | None]:
+    """(format, exclude entries, problem) from config.json's quantization_config."""
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict):
+        return None, [], "config.json has no quantization_config: not a quantized checkpoint"
+    method = qc.get("quant_method")
+    if method == "modelopt":
+        if str(qc.get("quant_algo", "")).upper() not in ("NVFP4", "W4A16_NVFP4"):
+            return None, [], f"quantization_config.quant_algo is {qc.get('quant_algo')!r}, not NVFP4"
+        entries = qc.get("ignore") or qc.get("exclude_modules") or []
+        return OutputFormat.MODELOPT, list(entries), None
+    if method == "compressed-tensors":
+        if qc.get("format") != "nvfp4-pack-quantized":
+            return None, [], f"compressed-tensors format is {qc.get('format')!r}, not nvfp4-pack-quantized"
+        return OutputFormat.COMPRESSED_TENSORS, list(qc.get("ignore") or []), None
+    return None, [], f"quantization_config.quant_method {method!r} is neither modelopt nor compressed-tensors"
+
+
+def _check_hf_quant_config(path: Path, report: InspectReport) -> None:
+    f = path / "hf_quant_config.json"
+    if not f.exists():
+        report.warnings.append("no hf_quant_config.json (vLLM uses config.json's quantization_config)")
+        return
+    try:
+        q = json.loads(f.read_text()).get("quantization", {})
+    except (json.JSONDecodeError, AttributeError) as e:
+        report.problems.append(f"hf_quant_config.json is not valid JSON ({e})")
+        return
+    missing = [k for k in ("quant_algo", "group_size", "kv_cache_quant_algo", "exclude_modules") if k not in q]
+    if missing:
+        report.problems.append(f"hf_quant_config.json 'quantization' lacks keys vLLM requires: {', '.join(missing)}")
+    if q.get("group_size") not in (None, BLOCK_SIZE):
+        report.problems.append(f"hf_quant_config.json group_size {q.get('group_size')} is not {BLOCK_SIZE}")
+
+
+def _scalar_ok(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all() and (t > 0).all())
+
+
+def _check_expert(
+    reader: CheckpointReader, fmt: OutputFormat, prefix: str, e: int, hidden: int, inter: int, problems: _Problems
+) -> dict[str, torch.Tensor] | None:
+    """Check one per-expert NVFP4 expert; returns its global scales by projection (None if broken)."""
+    packed_sfx, block_sfx, global_sfx, input_sfx = SUFFIXES[fmt]
+    shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    scales: dict[str, torch.Tensor] = {}
+    for proj, (n, k) in shapes.items():
+        base = f"{prefix}{e}.{proj}."
+        if base + packed_sfx not in reader:
+            if fmt is OutputFormat.MODELOPT or base + "weight" not in reader:
+                problems.add("missing", f"{base}{packed_sfx} is missing")
+            return None
+        info = reader.info(base + packed_sfx)
+        if info.dtype in ("BF16", "F16", "F32"):
+            problems.add("bf16-expert", f"{base}{packed_sfx} is {info.dtype}: routed expert left unquantized")
+            return None
+        expected = {
+            packed_sfx: ("U8", (n, k // 2)),
+            block_sfx: ("F8_E4M3", (n, k // BLOCK_SIZE)),
+            global_sfx: ("F32", None),
+            input_sfx: ("F32", None),
+        }
+        for sfx, (dtype, shape) in expected.items():
+            name = base + sfx
+            if name not in reader:
+                problems.add("missing", f"{name} is missing")
+                return None
+            info = reader.info(name)
+            if info.dtype != dtype:
+                problems.add("dtype", f"{name} has dtype {info.dtype}, expected {dtype}")
+            if shape is not None and info.shape != shape:
+                problems.add("shape", f"{name} has shape {info.shape}, expected {shape}")
+            if shape is None and info.shape not in SCALAR_SHAPES:
+                problems.add("shape", f"{name} has shape {info.shape}, expected a scalar (0-D or [1])")
+        for sfx in (global_sfx, input_sfx):
+            t = reader.get(base + sfx)
+            if not _scalar_ok(t.float()):
+                problems.add("scale", f"{base}{sfx} = {t.flatten().tolist()} is not finite and positive")
+        blocks = reader.get(base + block_sfx).float()
+        if not _scalar_ok(blocks):
+            bad = int((~torch.isfinite(blocks) | (blocks <= 0)).sum())
+            problems.add("scale", f"{base}{block_sfx}: {bad} block scales are not finite and positive")
+        scales[proj] = reader.get(base + global_sfx).float().reshape(())
+    return scales
+
+
+def _check_layer_experts(reader, fmt, cfg, prefix: str, report: InspectReport, problems: _Problems) -> None:
+    h, i_size, num_e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    if f"{prefix}gate_up_proj_weight_scale" in reader or (
+        f"{prefix}gate_up_proj" in reader and reader.info(f"{prefix}gate_up_proj").dtype == "U8"
+    ):
+        report.experts_fused_nvfp4 += num_e
+        problems.add(
+            "fused-nvfp4",
+            f"{prefix}*: NVFP4 experts stored fused with fused scales; stock vLLM drops or rejects these "
+            "scales -- rewrite them with `fp4moe convert`",
+        )
+        return
+    if f"{prefix}gate_up_proj" in reader:
+        report.experts_bf16 += num_e
+        problems.add("bf16-expert", f"{prefix}gate_up_proj is {reader.info(prefix + 'gate_up_proj').dtype}: routed experts left unquantized")
+        return
+    for e in range(num_e):
+        scales = _check_expert(reader, fmt, prefix, e, h, i_size, problems)
+        if scales is None:
+            if f"{prefix}{e}.gate_proj.weight" in reader and reader.info(f"{prefix}{e}.gate_proj.weight").dtype != "U8":
+                report.experts_bf16 += 1
+            continue
+        report.experts_quantized += 1
+        if not torch.equal(scales["gate_proj"], scales["up_proj"]):
+            problems.add(
+                "gate-up",
+                f"{prefix}{e}: gate and up global scales differ ({scales['gate_proj'].item():.6g} vs "
+                f"{scales['up_proj'].item():.6g}); vLLM keeps only the gate's",
+            )
+
+
+def _check_exclude_list(reader, fmt, entries: list[str], cfg, prefix: str, problems: _Problems) -> None:
+    modules = sorted({layouts.module_of(n) for n in reader.names()})
+    for entry in entries:
+        if not any(layouts.exclude_entry_matches(entry, m, fmt) for m in modules):
+            problems.add("exclude-unmatched", f"exclude entry {entry!r} matches no tensor in the shards")
+    for name in reader.names():
+        info = reader.info(name)
+        if (
+            name.endswith(".weight")
+            and len(info.shape) >= 2
+            and info.dtype in ("BF16", "F16", "F32")
+            and arch.classify(name) is not arch.Role.ROUTED_EXPERT
+        ):
+            module = layouts.module_of(name)
+            if not name.startswith("mtp.") or ".mlp.experts." not in name:
+                covered = any(layouts.exclude_entry_matches(e, module, fmt) for e in entries)
+            else:  # MTP experts are excluded as their MoE module (or by expert-0 names for compressed-tensors)
+                moe = name[: name.index(".mlp.experts.") + len(".mlp.experts")]
+                covered = any(layouts.exclude_entry_matches(e, m, fmt) for e in entries for m in (moe, module))
+            if not covered:
+                problems.add("not-excluded", f"{module} is {info.dtype} but not in the exclude list: vLLM would expect it quantized")
+    for i in range(cfg.num_layers):
+        moe = f"{prefix}layers.{i}.mlp.experts"
+        for m in (moe, f"{moe}.0.gate_proj", f"{moe}.0.down_proj"):
+            hits = [e for e in entries if layouts.exclude_entry_matches(e, m, fmt)]
+            if hits:
+                problems.add("excludes-experts", f"exclude entry {hits[0]!r} covers the quantized routed experts {m}")
+                break
+
+
+def _sizes(reader: CheckpointReader, report: InspectReport) -> None:
+    for name, info in reader.infos.items():
+        report.bytes_on_disk += info.num_bytes
+        if arch.classify(name) is not arch.Role.ROUTED_EXPERT:
+            report.bytes_bf16_equivalent += info.num_bytes
+        elif info.dtype == "U8":
+            report.bytes_bf16_equivalent += info.num_bytes * 4  # two FP4 values per byte, 2 bytes each in bf16
+        elif info.dtype in ("BF16", "F16"):
+            report.bytes_bf16_equivalent += info.num_bytes
+        # FP8 block scales and FP32 scalars have no bf16 counterpart
+
+
+def _compare_with_reference(reader: CheckpointReader, reference: CheckpointReader, problems: _Problems) -> None:
+    """Everything but the routed experts must be carried over unchanged in name, shape and dtype."""
+    for name in reference.names():
+        if arch.classify(name) is arch.Role.ROUTED_EXPERT and not name.startswith("mtp."):
+            continue
+        if name not in reader:
+            problems.add("lost", f"{name} from the source checkpoint is missing")
+            continue
+        a, b = reference.info(name), reader.info(name)
+        if (a.dtype, a.shape) != (b.dtype, b.shape):
+            problems.add("changed", f"{name}: {a.dtype}{list(a.shape)} in the source, {b.dtype}{list(b.shape)} here")
+
+
+def inspect_checkpoint(path: str | Path, reference: CheckpointReader | None = None) -> InspectReport:
+    """Validate ``path``; ``reference`` (the bf16 source) adds a completeness check."""
+    path = Path(path)
+    report = InspectReport(path=str(path))
+    problems = _Problems(report)
+    try:
+        cfg = arch.ModelConfig.from_dir(path)
+        reader = CheckpointReader(path)
+        prefix = arch.text_prefix(reader)
+    except (CheckpointError, arch.UnsupportedModelError) as e:
+        report.problems.append(str(e))
+        return report
+    fmt, entries, problem = detect_format(cfg.raw)
+    if problem:
+        report.problems.append(problem)
+    fmt = fmt or OutputFormat.MODELOPT
+    report.format = fmt.value if not problem else None
+    report.num_layers, report.num_experts = cfg.text.num_layers, cfg.text.num_experts
+    report.exclude_entries = len(entries)
+    if fmt is OutputFormat.MODELOPT and not problem:
+        _check_hf_quant_config(path, report)
+
+    for i in range(cfg.text.num_layers):
+        _check_layer_experts(reader, fmt, cfg.text, f"{prefix}layers.{i}.mlp.experts.", report, problems)
+    if not problem:
+        _check_exclude_list(reader, fmt, entries, cfg.text, prefix, problems)
+
+    report.mtp_tensors = sum(n.startswith("mtp.") for n in reader.names())
+    report.vision_tensors = sum(arch.classify(n) is arch.Role.VISION for n in reader.names())
+    if cfg.text.mtp_num_hidden_layers and not report.mtp_tensors:
+        problems.add("mtp", f"config declares mtp_num_hidden_layers={cfg.text.mtp_num_hidden_layers} but no mtp.* tensors exist")
+    if report.mtp_tensors and not cfg.text.mtp_num_hidden_layers:
+        report.warnings.append("mtp.* tensors present but the config declares no MTP layer")
+    if cfg.has_vision and not report.vision_tensors:
+        problems.add("vision", "config has a vision_config but no model.visual.* tensors exist")
+    if reference is not None:
+        _compare_with_reference(reader, reference, problems)
+    _sizes(reader, report)
+    problems.finish()
+    return report

@@ -1,0 +1,285 @@
+"""``quantize(src, dst, options)``: read -> calibrate -> quantize -> write, one decoder layer at a time.
+
+Peak host memory is one decoder layer (its bf16 tensors, a compute copy, the quantized experts) plus the
+calibration activations plus at most one output shard -- independent of the number of layers.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from fp4moe.formats import layouts
+from fp4moe.formats.checkpoint import (
+    INDEX_NAME,
+    CheckpointError,
+    CheckpointReader,
+    ShardedWriter,
+    atomic_output_dir,
+    copy_side_files,
+    parse_size,
+    write_json,
+)
+from fp4moe.formats.layouts import OutputFormat
+from fp4moe.formats.nvfp4 import BLOCK_SIZE, NVFP4Error
+from fp4moe.models import qwen3_5_moe as arch
+from fp4moe.quantize import calib_data, calibrate
+from fp4moe.quantize.scales import QuantizedExperts, ScaleMethod, quantize_experts
+
+MTP_FILE = "model-mtp.safetensors"
+
+
+class QuantizeError(RuntimeError):
+    pass
+
+
+@dataclass
+class QuantizeOptions:
+    format: OutputFormat = OutputFormat.MODELOPT
+    num_samples: int = 128
+    seq_len: int = 512
+    calib_file: str | None = None
+    calib_dataset: str | None = None
+    calibrate_all_experts: bool = False
+    scale_method: ScaleMethod = ScaleMethod.RTN
+    device: str = "auto"
+    calib_dtype: str = "auto"
+    batch_size: int = 8
+    max_shard_size: str | int = "2GB"
+    kv_cache_quant_algo: str | None = None
+    overwrite: bool = False
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self):
+        self.format = OutputFormat(self.format)
+        self.scale_method = ScaleMethod(self.scale_method)
+        for name in ("num_samples", "seq_len", "batch_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.calib_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"calib_dtype must be auto, bfloat16, float16 or float32, got {self.calib_dtype!r}")
+        if self.kv_cache_quant_algo not in (None, "FP8"):
+            raise ValueError(f"kv_cache_quant_algo must be None or 'FP8', got {self.kv_cache_quant_algo!r}")
+        self.max_shard_bytes = parse_size(self.max_shard_size)
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.calib_dtype == "auto":
+            # the model is served in bf16; CPUs without bf16 matmul units run it slowly, so fp32 there
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return getattr(torch, self.calib_dtype)
+
+
+@dataclass
+class QuantizeReport:
+    src: str
+    dst: str
+    format: str
+    num_layers: int
+    num_experts: int
+    expert_layouts: dict[str, str]
+    calibration: str
+    calibration_tokens: int
+    device: str
+    calib_dtype: str
+    bytes_in: int
+    bytes_out: int
+    experts_quantized: int
+    experts_calibrated: int
+    fallback_experts: list[list[int]] = field(default_factory=list)  # [layer, expert]
+    min_tokens_per_expert: int = 0
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def summary(self) -> str:
+        gb = 1e9
+        lines = [
+            f"quantized {self.src} -> {self.dst} ({self.format})",
+            f"  layers {self.num_layers}, routed experts {self.experts_quantized} quantized "
+            f"({self.num_experts} per layer; input layouts: {', '.join(f'{k}={v}' for k, v in self.expert_layouts.items())})",
+            f"  calibration: {self.calibration}, {self.calibration_tokens} tokens on {self.device} ({self.calib_dtype})",
+            f"  experts calibrated: {self.experts_calibrated}/{self.experts_quantized}; "
+            f"fallbacks: {len(self.fallback_experts)}; fewest tokens for a calibrated expert: {self.min_tokens_per_expert}",
+            f"  size: {self.bytes_in / gb:.3f} GB -> {self.bytes_out / gb:.3f} GB "
+            f"({self.bytes_out / max(self.bytes_in, 1):.1%})",
+            f"  time {self.seconds:.1f} s, peak RSS {self.peak_rss_bytes / gb:.2f} GB",
+        ]
+        return "\n".join(lines)
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _finite(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        raise NVFP4Error(f"{name}: contains NaN or Inf values")
+    return t
+
+
+def _load_tokenizer(src: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(src), trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise QuantizeError(f"{src}: cannot load a tokenizer for calibration ({e})") from None
+
+
+def calibration_token_ids(src: Path, cfg: arch.ModelConfig, options: QuantizeOptions) -> tuple[torch.Tensor, str]:
+    text, source = calib_data.calibration_text(options.calib_file, options.calib_dataset)
+    tokenizer = _load_tokenizer(src)
+    ids = calib_data.tokenize(tokenizer, text)
+    tokens = calib_data.token_windows(ids, options.num_samples, options.seq_len, options.seed)
+    if int(tokens.max()) >= cfg.text.vocab_size:
+        raise QuantizeError(f"tokenizer produced id {int(tokens.max())} >= vocab_size {cfg.text.vocab_size}")
+    return tokens, source
+
+
+def _validate_dims(cfg: arch.TextConfig) -> None:
+    for what, dim in (("hidden_size", cfg.hidden_size), ("moe_intermediate_size", cfg.moe_intermediate_size)):
+        if dim % BLOCK_SIZE:
+            raise NVFP4Error(f"{what} {dim} is not divisible by the NVFP4 group size {BLOCK_SIZE}")
+
+
+def write_experts(
+    writer: ShardedWriter, fmt: OutputFormat, experts_prefix: str, q: QuantizedExperts
+) -> None:
+    """Per-expert NVFP4 tensors: gate/up share the global scale and input scale of the gate_up block."""
+    inter = q.intermediate_size
+    for e in range(q.gate_up.packed.shape[0]):
+        gu = q.gate_up[e]
+        parts = {
+            "gate_proj": (type(gu)(gu.packed[:inter], gu.block_scales[:inter], gu.global_scale), q.gate_up_amax[e], q.gate_up_input_amax[e]),
+            "up_proj": (type(gu)(gu.packed[inter:], gu.block_scales[inter:], gu.global_scale), q.gate_up_amax[e], q.gate_up_input_amax[e]),
+            "down_proj": (q.down[e], q.down_amax[e], q.down_input_amax[e]),
+        }
+        for proj, (qt, w_amax, in_amax) in parts.items():
+            for suffix, t in layouts.quantized_linear_tensors(fmt, qt, w_amax, in_amax).items():
+                writer.add(arch.per_expert_name(experts_prefix, e, proj, suffix), t.clone())
+
+
+def _quantization_configs(fmt: OutputFormat, exclude: list[str], kv: str | None) -> tuple[dict, dict | None]:
+    if fmt is OutputFormat.MODELOPT:
+        return layouts.modelopt_quantization_config(exclude, kv), layouts.hf_quant_config(exclude, kv)
+    return layouts.compressed_tensors_quantization_config(exclude, ["Linear"]), None
+
+
+def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None = None) -> QuantizeReport:
+    """Quantize the routed experts of a bf16 qwen3_5_moe checkpoint to NVFP4; everything else verbatim."""
+    from fp4moe.quantize.inspect import inspect_checkpoint
+
+    options = options or QuantizeOptions()
+    t0 = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and not options.overwrite:
+        raise FileExistsError(f"{dst} already exists; pass --overwrite to replace it")
+    if dst.resolve() == src.resolve():
+        raise QuantizeError("DST must differ from SRC")
+    cfg = arch.ModelConfig.from_dir(src)
+    reader = CheckpointReader(src)
+    _validate_dims(cfg.text)
+    prefix = arch.text_prefix(reader)
+    blocks = [arch.expert_block(reader, f"{prefix}layers.{i}.mlp.experts.", cfg.text) for i in range(cfg.text.num_layers)]
+    mtp_names = [n for n in reader.names() if n.startswith("mtp.")]
+    layouts_seen = {"main": blocks[0].layout.value}
+    mtp_layout = arch.detect_expert_layout(reader, "mtp.layers.0.mlp.experts.")
+    if mtp_layout is not None:
+        layouts_seen["mtp"] = mtp_layout.value
+    if cfg.text.mtp_num_hidden_layers and not mtp_names:
+        raise CheckpointError(f"{src}: config declares {cfg.text.mtp_num_hidden_layers} MTP layer(s) but no mtp.* tensors exist")
+
+    device = options.resolve_device()
+    dtype = options.resolve_dtype(device)
+    tokens, source = calibration_token_ids(src, cfg, options)
+    text_config = calibrate.text_config_for(cfg.raw)
+    rotary = calibrate.rotary_for(text_config, device)
+    done: set[str] = set()
+    fallbacks: list[list[int]] = []
+    num_calibrated = 0
+    min_tokens = None
+    show = options.progress
+
+    with atomic_output_dir(dst, overwrite=options.overwrite) as tmp:
+        writer = ShardedWriter(tmp, options.max_shard_bytes)
+        embed_name = f"{prefix}embed_tokens.weight"
+        embed = _finite(embed_name, reader.get(embed_name))
+        hidden = F.embedding(tokens.to(device), embed.to(device=device, dtype=dtype))  # [B, S, H]
+        writer.add(embed_name, embed)
+        done.add(embed_name)
+        del embed
+
+        for i, block in enumerate(tqdm(blocks, desc="layers", unit="layer", disable=not show)):
+            names = arch.layer_names(reader, prefix, i)
+            expert_names = set(block.source_names())
+            dense = {n: _finite(n, reader.get(n)) for n in names if n not in expert_names}
+            gate_up, down = block.read(reader)
+            _finite(f"{block.prefix}gate_up_proj", gate_up)
+            _finite(f"{block.prefix}down_proj", down)
+            layer_tensors = {arch.strip_layer_prefix(n): t for n, t in dense.items()}
+            layer_tensors["mlp.experts.gate_up_proj"] = gate_up
+            layer_tensors["mlp.experts.down_proj"] = down
+            layer = calibrate.build_layer(text_config, i, layer_tensors, dtype, device)
+            hidden, stats = calibrate.calibrate_layer(
+                layer, hidden, rotary, all_experts=options.calibrate_all_experts, batch_size=options.batch_size
+            )
+            del layer, layer_tensors
+            # quantize the checkpoint's own values (not the calibration-dtype copy), on the device
+            q = quantize_experts(gate_up.to(device), down.to(device), stats, options.scale_method, name=block.prefix)
+            for name, t in dense.items():
+                writer.add(name, t)
+            write_experts(writer, options.format, block.prefix, q)
+            fallbacks += [[i, int(e)] for e in q.fallback.nonzero().flatten()]
+            num_calibrated += int(stats.calibrated.sum())
+            seen = stats.num_tokens[stats.calibrated]
+            if seen.numel():
+                min_tokens = int(seen.min()) if min_tokens is None else min(min_tokens, int(seen.min()))
+            done.update(names)
+            del dense, gate_up, down, q
+
+        for name in tqdm([n for n in reader.names() if n not in done and not n.startswith("mtp.")],
+                         desc="other tensors", unit="tensor", disable=not show):
+            writer.add(name, _finite(name, reader.get(name)))
+        if mtp_names:
+            writer.write_file(MTP_FILE, {n: _finite(n, reader.get(n)) for n in mtp_names})
+        writer.close()
+
+        shapes = {n: reader.info(n).shape for n in reader.names() if arch.classify(n) is not arch.Role.ROUTED_EXPERT}
+        exclude = layouts.excluded_modules(shapes, options.format)
+        qcfg, hf_qcfg = _quantization_configs(options.format, exclude, options.kv_cache_quant_algo)
+        raw = dict(cfg.raw)
+        raw["quantization_config"] = qcfg
+        write_json(tmp / "config.json", raw)
+        if hf_qcfg is not None:
+            write_json(tmp / "hf_quant_config.json", hf_qcfg)
+        copy_side_files(src, tmp, skip={"config.json", INDEX_NAME, "hf_quant_config.json"})
+
+        check = inspect_checkpoint(tmp, reference=reader)
+        if not check.ok:
+            raise QuantizeError("the written checkpoint failed inspection:\n  " + "\n  ".join(check.problems))
+        bytes_out = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
+
+    num_quantized = cfg.text.num_layers * cfg.text.num_experts
+    return QuantizeReport(
+        src=str(src), dst=str(dst), format=options.format.value, num_layers=cfg.text.num_layers,
+        num_experts=cfg.text.num_experts, expert_layouts=layouts_seen, calibration=source,
+        calibration_tokens=int(tokens.numel()), device=str(device), calib_dtype=str(dtype).removeprefix("torch."),
+        bytes_in=reader.total_bytes(), bytes_out=bytes_out, experts_quantized=num_quantized,
+        experts_calibrated=num_calibrated, fallback_experts=fallbacks, min_tokens_per_expert=min_tokens or 0,
+        seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(),
+    )
