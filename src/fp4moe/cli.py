@@ -1,0 +1,209 @@
+"""The ``fp4moe`` command."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import sys
+import tempfile
+from pathlib import Path
+
+from fp4moe import __version__
+
+EXIT_PROBLEMS = 1  # inspect found problems
+EXIT_ERROR = 2  # bad input, nothing written
+
+
+def _add_quantize(sub) -> None:
+    p = sub.add_parser(
+        "quantize",
+        help="NVFP4-quantize the routed experts of a bf16 qwen3_5_moe checkpoint",
+        description=(
+            "Calibrate and quantize the routed experts of a bf16 qwen3_5_moe checkpoint (Qwen3.5/3.6-35B-A3B) "
+            "to NVFP4, one decoder layer at a time; everything else (attention, Gated DeltaNet, shared experts, "
+            "routers, embeddings, lm_head, vision tower, MTP head) is copied verbatim in bf16. The output loads "
+            "in stock vLLM. It is written to a temporary directory beside DST and renamed only after it passes "
+            "`fp4moe inspect`."
+        ),
+    )
+    p.add_argument("src", help="bf16 checkpoint directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
+    p.add_argument("--format", choices=["modelopt", "compressed-tensors"], default="modelopt",
+                   help="on-disk layout: ModelOpt NVFP4 per-expert tensors (default; loads in vLLM 0.17-0.33) "
+                        "or compressed-tensors nvfp4-pack-quantized")
+    p.add_argument("--calib-file", help="calibration text: a .txt file, or .jsonl with a \"text\" field per line")
+    p.add_argument("--calib-dataset", help="calibration dataset through the `datasets` package (needs a network); "
+                                           "'wikitext' = wikitext-2-raw-v1 train")
+    p.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--calibrate-all-experts", action="store_true",
+                   help="collect statistics for every expert from every token (layer outputs stay routed "
+                        "as usual); no expert falls back")
+    p.add_argument("--scale-method", choices=["rtn"], default="rtn",
+                   help="how scales are chosen: rtn = round-to-nearest from amax (ModelOpt/llm-compressor default)")
+    p.add_argument("--device", default="auto", help="calibration device: auto (cuda if present), cpu, cuda, cuda:N")
+    p.add_argument("--calib-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="dtype the layers run in during calibration (auto: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default 8)")
+    p.add_argument("--max-shard-size", default="2GB", help="largest output shard; also bounds the write buffer (default 2GB)")
+    p.add_argument("--kv-cache-quant-algo", choices=["FP8"], default=None,
+                   help="declare an FP8 KV cache in the quantization config (scales are computed by the engine)")
+    p.add_argument("--seed", type=int, default=0, help="seed for choosing calibration windows")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once the new one is complete)")
+    p.add_argument("--report", help="also write the report as JSON to this file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="validate an NVFP4 checkpoint (ours, ModelOpt's, llm-compressor's)",
+        description=(
+            "Check that every routed expert of every layer is NVFP4 with all scales present, typed, shaped, "
+            "finite and positive; gate/up share a global scale; the exclude list names real modules and covers "
+            "every bf16 linear; MTP and vision are present as configured. Exit code 1 when problems are found."
+        ),
+    )
+    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--reference", help="the bf16 source: also check nothing but the routed experts changed")
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="rewrite fused-expert NVFP4 (needs a patched vLLM) into per-expert NVFP4 (stock vLLM)",
+        description=(
+            "Rewrite an NVFP4 checkpoint whose experts are fused 3-D tensors with fused scales "
+            "(…experts.gate_up_proj, …gate_up_proj_weight_scale, …_weight_scale_2, …_input_scale, same for "
+            "down_proj) into per-expert ModelOpt tensors. Packed bytes and block scales are copied bit for bit."
+        ),
+    )
+    p.add_argument("src", help="fused NVFP4 checkpoint directory")
+    p.add_argument("dst", help="output directory")
+    p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default 2GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="end to end on a tiny built-in model: build, quantize, inspect, measure KL",
+        description=(
+            "Build a tiny random qwen3_5_moe checkpoint (Qwen3.5 layout: fused experts, vision tower, MTP head), "
+            "quantize it to NVFP4, inspect the result and compare it with the bf16 model in transformers."
+        ),
+    )
+    p.add_argument("--out", help="keep the checkpoints in this directory (default: a temporary one)")
+    p.add_argument("--format", choices=["modelopt", "compressed-tensors"], default="modelopt", help="output format")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fp4moe", description="NVFP4 for fused-expert MoE models (qwen3_5_moe).")
+    parser.add_argument("--version", action="version", version=f"fp4moe {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_quantize(sub)
+    _add_inspect(sub)
+    _add_convert(sub)
+    _add_demo(sub)
+    return parser
+
+
+def cmd_quantize(args) -> int:
+    from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+
+    options = QuantizeOptions(
+        format=args.format, num_samples=args.num_samples, seq_len=args.seq_len, calib_file=args.calib_file,
+        calib_dataset=args.calib_dataset, calibrate_all_experts=args.calibrate_all_experts,
+        scale_method=args.scale_method, device=args.device, calib_dtype=args.calib_dtype,
+        batch_size=args.batch_size, max_shard_size=args.max_shard_size,
+        kv_cache_quant_algo=args.kv_cache_quant_algo, overwrite=args.overwrite, seed=args.seed,
+        progress=not args.no_progress,
+    )
+    report = quantize(args.src, args.dst, options)
+    print(report.summary())
+    if args.report:
+        Path(args.report).write_text(report.to_json() + "\n")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from fp4moe.formats.checkpoint import CheckpointReader
+    from fp4moe.quantize.inspect import inspect_checkpoint
+
+    reference = CheckpointReader(args.reference) if args.reference else None
+    report = inspect_checkpoint(args.path, reference=reference)
+    print(report.to_json() if args.json else report.table())
+    return 0 if report.ok else EXIT_PROBLEMS
+
+
+def cmd_convert(args) -> int:
+    from fp4moe.quantize.convert import convert
+
+    report = convert(args.src, args.dst, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
+                     progress=not args.no_progress)
+    print(report.summary())
+    return 0
+
+
+def cmd_demo(args) -> int:
+    import torch
+
+    from fp4moe.models.tiny import write_tiny_checkpoint
+    from fp4moe.quantize.inspect import inspect_checkpoint
+    from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+    from fp4moe.quantize.quality import compare_with_reference
+
+    with tempfile.TemporaryDirectory(prefix="fp4moe-demo-") as tmp:
+        root = Path(args.out) if args.out else Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        src, dst = root / "tiny-bf16", root / f"tiny-nvfp4-{args.format}"
+        print(f"1. building a tiny random qwen3_5_moe checkpoint in {src}")
+        write_tiny_checkpoint(src)
+        print("2. quantizing the routed experts to NVFP4")
+        report = quantize(src, dst, QuantizeOptions(format=args.format, num_samples=16, seq_len=128, overwrite=True))
+        print(report.summary())
+        print("3. inspecting the result")
+        print(inspect_checkpoint(dst).table())
+        print("4. transformers on the dequantized NVFP4 experts vs the bf16 model (64 held-out tokens x 4)")
+        from transformers import AutoTokenizer
+
+        from fp4moe.data import corpus_text
+
+        tok = AutoTokenizer.from_pretrained(str(src))
+        ids = tok(corpus_text("heldout")[:20000])["input_ids"]
+        batch = torch.tensor([ids[i * 64 : (i + 1) * 64] for i in range(4)])
+        kl = compare_with_reference(dst, src, batch)
+        print(f"   mean KL {kl.mean_kl:.5f} nats/token, max {kl.max_kl:.5f}, top-1 agreement {kl.top1_agreement:.1%}")
+        if args.out:
+            print(f"checkpoints kept in {root}")
+    return 0
+
+
+COMMANDS = {"quantize": cmd_quantize, "inspect": cmd_inspect, "convert": cmd_convert, "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fp4moe.errors import USER_ERRORS
+
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except USER_ERRORS as e:
+        print(f"fp4moe {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            print(f"fp4moe {args.command}: error: {e.strerror or e}; nothing was written", file=sys.stderr)
+            return EXIT_ERROR
+        raise
+    except KeyboardInterrupt:
+        print(f"fp4moe {args.command}: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+

@@ -1,0 +1,50 @@
+"""Read a per-expert NVFP4 checkpoint back as dense weights: the fused-expert state dict transformers'
+``Qwen3_5MoeForConditionalGeneration`` holds, with the routed experts dequantized in the format's own
+decode order. Used to measure quantization error against the bf16 model with transformers itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fp4moe.formats import layouts
+from fp4moe.formats.checkpoint import CheckpointReader
+from fp4moe.formats.layouts import SUFFIXES, OutputFormat
+from fp4moe.models import qwen3_5_moe as arch
+from fp4moe.quantize.inspect import detect_format
+
+
+def dequantized_experts(
+    reader: CheckpointReader, fmt: OutputFormat, experts_prefix: str, num_experts: int, dtype=torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [E, 2I, H], down [E, H, I]) decoded from per-expert NVFP4 tensors."""
+    gate_up, down = [], []
+    for e in range(num_experts):
+        w = {}
+        for proj in arch.PROJECTIONS:
+            tensors = {s: reader.get(f"{experts_prefix}{e}.{proj}.{s}") for s in SUFFIXES[fmt]}
+            w[proj] = layouts.read_quantized_linear(fmt, tensors, dtype)
+        gate_up.append(torch.cat([w["gate_proj"], w["up_proj"]]))
+        down.append(w["down_proj"])
+    return torch.stack(gate_up), torch.stack(down)
+
+
+def dequantized_state_dict(path: str | Path, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Every tensor transformers loads (no ``mtp.*``), routed experts fused and dequantized."""
+    cfg = arch.ModelConfig.from_dir(path)
+    fmt, _, problem = detect_format(cfg.raw)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
+    reader = CheckpointReader(path)
+    prefix = arch.text_prefix(reader)
+    state = {}
+    for name in reader.names():
+        if name.startswith("mtp.") or arch.classify(name) is arch.Role.ROUTED_EXPERT:
+            continue
+        state[name] = reader.get(name).to(dtype)
+    for i in range(cfg.text.num_layers):
+        p = f"{prefix}layers.{i}.mlp.experts."
+        gu, dn = dequantized_experts(reader, fmt, p, cfg.text.num_experts, dtype)
+        state[f"{p}gate_up_proj"], state[f"{p}down_proj"] = gu, dn
+    return state
