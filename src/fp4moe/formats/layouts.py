@@ -150,7 +150,8 @@ def excluded_modules(shapes: dict[str, tuple[int, ...]], fmt: OutputFormat) -> l
     modules: set[str] = set()
     for name, shape in shapes.items():
         if name.startswith("mtp.") and ".mlp.experts." in name:
-            modules.add(name[: name.index(".mlp.experts.") + len(".mlp.experts")])
+            if fmt is OutputFormat.MODELOPT:  # compressed-tensors matches exactly: its re: entry covers these
+                modules.add(name[: name.index(".mlp.experts.") + len(".mlp.experts")])
             continue
         if not name.endswith(".weight") or len(shape) < 2 or classify(name) is Role.ROUTED_EXPERT:
             continue

@@ -1,0 +1,62 @@
+"""Tiny random qwen3_5_moe checkpoints (built with transformers), cached per test session."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from fp4moe.formats.checkpoint import INDEX_NAME, ShardedWriter
+from fp4moe.models.tiny import CheckpointLayout, TinySpec, write_tiny_checkpoint
+from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+
+CALIB = dict(num_samples=8, seq_len=64, progress=False)
+
+
+class Checkpoints:
+    """Builds each checkpoint once: ``bf16(layout)``, ``quantized(layout, fmt)``."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._cache: dict[tuple, Path] = {}
+
+    def bf16(self, layout: CheckpointLayout = CheckpointLayout.QWEN3_5, spec: TinySpec | None = None) -> Path:
+        key = ("bf16", layout, repr(spec))
+        if key not in self._cache:
+            self._cache[key] = write_tiny_checkpoint(self.root / f"bf16-{layout.value}-{len(self._cache)}", layout, spec)
+        return self._cache[key]
+
+    def quantized(self, layout: CheckpointLayout = CheckpointLayout.QWEN3_5, fmt: str = "modelopt", **options) -> Path:
+        key = ("q", layout, fmt, tuple(sorted(options.items())))
+        if key not in self._cache:
+            dst = self.root / f"q-{layout.value}-{fmt}-{len(self._cache)}"
+            quantize(self.bf16(layout), dst, QuantizeOptions(format=fmt, **{**CALIB, **options}))
+            self._cache[key] = dst
+        return self._cache[key]
+
+    def copy(self, src: Path, name: str) -> Path:
+        dst = self.root / f"copy-{name}-{len(self._cache)}"
+        self._cache[("copy", name, len(self._cache))] = dst
+        shutil.copytree(src, dst)
+        return dst
+
+
+def load_all(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory."""
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def rewrite_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Replace a checkpoint's shards and index with ``tensors`` (test helper for planting defects)."""
+    for f in Path(path).glob("*.safetensors"):
+        f.unlink()
+    (Path(path) / INDEX_NAME).unlink(missing_ok=True)
+    writer = ShardedWriter(Path(path), max_shard_bytes=200_000)
+    for name in sorted(tensors):
+        writer.add(name, tensors[name])
+    writer.close()
