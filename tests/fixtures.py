@@ -12,7 +12,8 @@ from fp4moe.formats.checkpoint import INDEX_NAME, ShardedWriter
 from fp4moe.models.tiny import CheckpointLayout, TinySpec, write_tiny_checkpoint
 from fp4moe.quantize.pipeline import QuantizeOptions, quantize
 
-CALIB = dict(num_samples=8, seq_len=64, progress=False)
+# float32 calibration so expert statistics can be compared with transformers run in float32
+CALIB = dict(num_samples=8, seq_len=64, progress=False, calib_dtype="float32")
 
 
 class Checkpoints:
@@ -25,10 +26,14 @@ class Checkpoints:
     def bf16(self, layout: CheckpointLayout = CheckpointLayout.QWEN3_5, spec: TinySpec | None = None) -> Path:
         key = ("bf16", layout, repr(spec))
         if key not in self._cache:
-            self._cache[key] = write_tiny_checkpoint(self.root / f"bf16-{layout.value}-{len(self._cache)}", layout, spec)
+            self._cache[key] = write_tiny_checkpoint(
+                self.root / f"bf16-{layout.value}-{len(self._cache)}", layout, spec
+            )
         return self._cache[key]
 
-    def quantized(self, layout: CheckpointLayout = CheckpointLayout.QWEN3_5, fmt: str = "modelopt", **options) -> Path:
+    def quantized(
+        self, layout: CheckpointLayout = CheckpointLayout.QWEN3_5, fmt: str = "modelopt", **options
+    ) -> Path:
         key = ("q", layout, fmt, tuple(sorted(options.items())))
         if key not in self._cache:
             dst = self.root / f"q-{layout.value}-{fmt}-{len(self._cache)}"

@@ -28,28 +28,62 @@ def _add_quantize(sub) -> None:
     )
     p.add_argument("src", help="bf16 checkpoint directory (config.json, *.safetensors, tokenizer)")
     p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
-    p.add_argument("--format", choices=["modelopt", "compressed-tensors"], default="modelopt",
-                   help="on-disk layout: ModelOpt NVFP4 per-expert tensors (default; loads in vLLM 0.17-0.33) "
-                        "or compressed-tensors nvfp4-pack-quantized")
-    p.add_argument("--calib-file", help="calibration text: a .txt file, or .jsonl with a \"text\" field per line")
-    p.add_argument("--calib-dataset", help="calibration dataset through the `datasets` package (needs a network); "
-                                           "'wikitext' = wikitext-2-raw-v1 train")
+    p.add_argument(
+        "--format",
+        choices=["modelopt", "compressed-tensors"],
+        default="modelopt",
+        help="on-disk layout: ModelOpt NVFP4 per-expert tensors (default; loads in vLLM 0.17-0.33) "
+        "or compressed-tensors nvfp4-pack-quantized",
+    )
+    p.add_argument(
+        "--calib-file", help='calibration text: a .txt file, or .jsonl with a "text" field per line'
+    )
+    p.add_argument(
+        "--calib-dataset",
+        help="calibration dataset through the `datasets` package (needs a network); "
+        "'wikitext' = wikitext-2-raw-v1 train",
+    )
     p.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
-    p.add_argument("--calibrate-all-experts", action="store_true",
-                   help="collect statistics for every expert from every token (layer outputs stay routed "
-                        "as usual); no expert falls back")
-    p.add_argument("--scale-method", choices=["rtn"], default="rtn",
-                   help="how scales are chosen: rtn = round-to-nearest from amax (ModelOpt/llm-compressor default)")
-    p.add_argument("--device", default="auto", help="calibration device: auto (cuda if present), cpu, cuda, cuda:N")
-    p.add_argument("--calib-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="dtype the layers run in during calibration (auto: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument(
+        "--calibrate-all-experts",
+        action="store_true",
+        help="collect statistics for every expert from every token (layer outputs stay routed "
+        "as usual); no expert falls back",
+    )
+    p.add_argument(
+        "--scale-method",
+        choices=["rtn"],
+        default="rtn",
+        help="how scales are chosen: rtn = round-to-nearest from amax (ModelOpt/llm-compressor default)",
+    )
+    p.add_argument(
+        "--device", default="auto", help="calibration device: auto (cuda if present), cpu, cuda, cuda:N"
+    )
+    p.add_argument(
+        "--calib-dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="dtype the layers run in during calibration (auto: bfloat16 on GPU, float32 on CPU)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default 8)")
-    p.add_argument("--max-shard-size", default="2GB", help="largest output shard; also bounds the write buffer (default 2GB)")
-    p.add_argument("--kv-cache-quant-algo", choices=["FP8"], default=None,
-                   help="declare an FP8 KV cache in the quantization config (scales are computed by the engine)")
+    p.add_argument(
+        "--max-shard-size",
+        default="2GB",
+        help="largest output shard; also bounds the write buffer (default 2GB)",
+    )
+    p.add_argument(
+        "--kv-cache-quant-algo",
+        choices=["FP8"],
+        default=None,
+        help="declare an FP8 KV cache in the quantization config (scales are computed by the engine)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for choosing calibration windows")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (only once the new one is complete)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DST if it exists (only once the new one is complete)",
+    )
     p.add_argument("--report", help="also write the report as JSON to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -96,11 +130,15 @@ def _add_demo(sub) -> None:
         ),
     )
     p.add_argument("--out", help="keep the checkpoints in this directory (default: a temporary one)")
-    p.add_argument("--format", choices=["modelopt", "compressed-tensors"], default="modelopt", help="output format")
+    p.add_argument(
+        "--format", choices=["modelopt", "compressed-tensors"], default="modelopt", help="output format"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fp4moe", description="NVFP4 for fused-expert MoE models (qwen3_5_moe).")
+    parser = argparse.ArgumentParser(
+        prog="fp4moe", description="NVFP4 for fused-expert MoE models (qwen3_5_moe)."
+    )
     parser.add_argument("--version", action="version", version=f"fp4moe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_quantize(sub)
@@ -114,11 +152,20 @@ def cmd_quantize(args) -> int:
     from fp4moe.quantize.pipeline import QuantizeOptions, quantize
 
     options = QuantizeOptions(
-        format=args.format, num_samples=args.num_samples, seq_len=args.seq_len, calib_file=args.calib_file,
-        calib_dataset=args.calib_dataset, calibrate_all_experts=args.calibrate_all_experts,
-        scale_method=args.scale_method, device=args.device, calib_dtype=args.calib_dtype,
-        batch_size=args.batch_size, max_shard_size=args.max_shard_size,
-        kv_cache_quant_algo=args.kv_cache_quant_algo, overwrite=args.overwrite, seed=args.seed,
+        format=args.format,
+        num_samples=args.num_samples,
+        seq_len=args.seq_len,
+        calib_file=args.calib_file,
+        calib_dataset=args.calib_dataset,
+        calibrate_all_experts=args.calibrate_all_experts,
+        scale_method=args.scale_method,
+        device=args.device,
+        calib_dtype=args.calib_dtype,
+        batch_size=args.batch_size,
+        max_shard_size=args.max_shard_size,
+        kv_cache_quant_algo=args.kv_cache_quant_algo,
+        overwrite=args.overwrite,
+        seed=args.seed,
         progress=not args.no_progress,
     )
     report = quantize(args.src, args.dst, options)
@@ -141,8 +188,13 @@ def cmd_inspect(args) -> int:
 def cmd_convert(args) -> int:
     from fp4moe.quantize.convert import convert
 
-    report = convert(args.src, args.dst, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
-                     progress=not args.no_progress)
+    report = convert(
+        args.src,
+        args.dst,
+        overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size,
+        progress=not args.no_progress,
+    )
     print(report.summary())
     return 0
 
@@ -162,7 +214,9 @@ def cmd_demo(args) -> int:
         print(f"1. building a tiny random qwen3_5_moe checkpoint in {src}")
         write_tiny_checkpoint(src)
         print("2. quantizing the routed experts to NVFP4")
-        report = quantize(src, dst, QuantizeOptions(format=args.format, num_samples=16, seq_len=128, overwrite=True))
+        report = quantize(
+            src, dst, QuantizeOptions(format=args.format, num_samples=16, seq_len=128, overwrite=True)
+        )
         print(report.summary())
         print("3. inspecting the result")
         print(inspect_checkpoint(dst).table())
@@ -175,7 +229,9 @@ def cmd_demo(args) -> int:
         ids = tok(corpus_text("heldout")[:20000])["input_ids"]
         batch = torch.tensor([ids[i * 64 : (i + 1) * 64] for i in range(4)])
         kl = compare_with_reference(dst, src, batch)
-        print(f"   mean KL {kl.mean_kl:.5f} nats/token, max {kl.max_kl:.5f}, top-1 agreement {kl.top1_agreement:.1%}")
+        print(
+            f"   mean KL {kl.mean_kl:.5f} nats/token, max {kl.max_kl:.5f}, top-1 agreement {kl.top1_agreement:.1%}"
+        )
         if args.out:
             print(f"checkpoints kept in {root}")
     return 0
@@ -205,5 +261,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-

@@ -7,6 +7,13 @@ from fp4moe.quantize.calib_data import CalibrationDataError
 from fp4moe.quantize.pipeline import QuantizeError
 
 USER_ERRORS = (
-    CheckpointError, NVFP4Error, UnsupportedModelError, CalibrationDataError, QuantizeError,
-    FileExistsError, FileNotFoundError, NotADirectoryError, ValueError,
+    CheckpointError,
+    NVFP4Error,
+    UnsupportedModelError,
+    CalibrationDataError,
+    QuantizeError,
+    FileExistsError,
+    FileNotFoundError,
+    NotADirectoryError,
+    ValueError,
 )

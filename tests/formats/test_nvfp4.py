@@ -80,7 +80,9 @@ def _adversarial(kind: str, gen: torch.Generator) -> torch.Tensor:
     if kind == "heavy_tailed":  # student-t like: normal / sqrt(chi2)
         return torch.randn(shape, generator=gen) / (torch.rand(shape, generator=gen) ** 2 + 1e-3)
     if kind == "ties":  # values on exact E2M1 midpoints after scaling: block max 6 -> unit scale
-        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, 6.0, -6.0])
+        mids = torch.tensor(
+            [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, 6.0, -6.0]
+        )
         return mids.repeat(shape[0], shape[1] // 16)[:, torch.randperm(shape[1], generator=gen)] * 1.0
     if kind == "zeros_and_zero_blocks":
         w = torch.randn(shape, generator=gen)
@@ -102,7 +104,16 @@ def _adversarial(kind: str, gen: torch.Generator) -> torch.Tensor:
     raise AssertionError(kind)
 
 
-KINDS = ["normal", "heavy_tailed", "ties", "zeros_and_zero_blocks", "all_zero", "tiny_amax", "huge_amax", "one_outlier"]
+KINDS = [
+    "normal",
+    "heavy_tailed",
+    "ties",
+    "zeros_and_zero_blocks",
+    "all_zero",
+    "tiny_amax",
+    "huge_amax",
+    "one_outlier",
+]
 
 
 def _ct_compress(w: torch.Tensor, observer_dtype: torch.dtype = torch.float32):
@@ -112,8 +123,12 @@ def _ct_compress(w: torch.Tensor, observer_dtype: torch.dtype = torch.float32):
     scheme = preset_name_to_scheme("NVFP4", ["Linear"])
     gs = generate_gparam(w.min().to(observer_dtype), w.max().to(observer_dtype))
     groups = w.unflatten(-1, (w.shape[-1] // 16, 16))
-    scale, _ = calculate_qparams(groups.amin(-1).float(), groups.amax(-1).float(), scheme.weights, global_scale=gs)
-    out = ct_nvfp4.NVFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_global_scale": gs}, scheme)
+    scale, _ = calculate_qparams(
+        groups.amin(-1).float(), groups.amax(-1).float(), scheme.weights, global_scale=gs
+    )
+    out = ct_nvfp4.NVFP4PackedCompressor.compress(
+        {"weight": w, "weight_scale": scale, "weight_global_scale": gs}, scheme
+    )
     return out, scheme
 
 
@@ -128,13 +143,21 @@ def test_bit_identical_to_compressed_tensors(kind, dtype):
         bf16_theirs, _ = _ct_compress(w, observer_dtype=torch.bfloat16)
         bf16_ours = nvfp4.quantize(w, global_scale=bf16_theirs["weight_global_scale"])
         assert torch.equal(bf16_ours.packed, bf16_theirs["weight_packed"])
-        assert torch.equal(bf16_ours.block_scales.view(torch.uint8), bf16_theirs["weight_scale"].view(torch.uint8))
+        assert torch.equal(
+            bf16_ours.block_scales.view(torch.uint8), bf16_theirs["weight_scale"].view(torch.uint8)
+        )
     assert torch.equal(ours.packed, theirs["weight_packed"]), "packed bytes differ"
-    assert torch.equal(ours.block_scales.view(torch.uint8), theirs["weight_scale"].view(torch.uint8)), "block scales differ"
+    assert torch.equal(ours.block_scales.view(torch.uint8), theirs["weight_scale"].view(torch.uint8)), (
+        "block scales differ"
+    )
     assert torch.equal(ours.global_scale.reshape(1), theirs["weight_global_scale"].float().reshape(1))
     # and their decompressor reads our bytes as the values our dequantizer gives
     dec = ct_nvfp4.NVFP4PackedCompressor.decompress(
-        {"weight_packed": ours.packed, "weight_scale": ours.block_scales, "weight_global_scale": ours.global_scale.reshape(1)},
+        {
+            "weight_packed": ours.packed,
+            "weight_scale": ours.block_scales,
+            "weight_global_scale": ours.global_scale.reshape(1),
+        },
         scheme,
     )["weight"]
     torch.testing.assert_close(dec.float(), ours.dequantize(dec.dtype).float(), rtol=0, atol=0)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-from fixtures import load_all
 
+from fixtures import load_all
 from fp4moe.formats import layouts, nvfp4
 from fp4moe.formats.checkpoint import CheckpointReader
 from fp4moe.formats.layouts import OutputFormat
@@ -32,7 +32,9 @@ def test_dequantized_experts_equal_reference_quant_dequant(checkpoints, layout):
     reader = CheckpointReader(out)
     for layer in range(4):
         gate_up, down = _source_experts(checkpoints.bf16(layout), layer)
-        ours_gu, ours_d = dequantized_experts(reader, OutputFormat.MODELOPT, f"{PREFIX}{layer}.mlp.experts.", 8)
+        ours_gu, ours_d = dequantized_experts(
+            reader, OutputFormat.MODELOPT, f"{PREFIX}{layer}.mlp.experts.", 8
+        )
         # reference: quant-dequant of the whole [2I, H] gate_up block (one shared global scale) in fp32;
         # ModelOpt decodes with amax/2688 where the reference uses 1/(2688/amax): <= 1 ulp apart
         torch.testing.assert_close(ours_gu, nvfp4.fake_quantize(gate_up.float()), rtol=2e-7, atol=0)
@@ -48,11 +50,15 @@ def test_all_input_layouts_give_byte_identical_output(checkpoints):
         for name in non_mtp:
             a, b = tensors[name], base[name]
             assert a.dtype == b.dtype and a.shape == b.shape, name
-            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), f"{lay.value}: {name} differs"
+            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), (
+                f"{lay.value}: {name} differs"
+            )
     # whole shard files too (everything but the MTP file, which keeps each source's layout)
     for lay in LAYOUTS:
         shards = sorted(p.name for p in checkpoints.quantized(lay).glob("model-0*.safetensors"))
-        assert shards == sorted(p.name for p in checkpoints.quantized(CheckpointLayout.QWEN3_5).glob("model-0*.safetensors"))
+        assert shards == sorted(
+            p.name for p in checkpoints.quantized(CheckpointLayout.QWEN3_5).glob("model-0*.safetensors")
+        )
         for shard in shards:
             a = (checkpoints.quantized(lay) / shard).read_bytes()
             assert a == (checkpoints.quantized(CheckpointLayout.QWEN3_5) / shard).read_bytes(), shard
@@ -68,9 +74,16 @@ def test_all_input_layouts_give_byte_identical_output(checkpoints):
 def test_per_expert_tensor_names_dtypes_and_shared_scales(checkpoints):
     reader = CheckpointReader(checkpoints.quantized())
     p = f"{PREFIX}2.mlp.experts.5."
-    assert reader.info(p + "gate_proj.weight").dtype == "U8" and reader.info(p + "gate_proj.weight").shape == (32, 32)
-    assert reader.info(p + "down_proj.weight_scale").dtype == "F8_E4M3" and reader.info(p + "down_proj.weight_scale").shape == (64, 2)
-    assert reader.info(p + "up_proj.weight_scale_2").shape == () and reader.info(p + "up_proj.input_scale").dtype == "F32"
+    assert reader.info(p + "gate_proj.weight").dtype == "U8" and reader.info(
+        p + "gate_proj.weight"
+    ).shape == (32, 32)
+    assert reader.info(p + "down_proj.weight_scale").dtype == "F8_E4M3" and reader.info(
+        p + "down_proj.weight_scale"
+    ).shape == (64, 2)
+    assert (
+        reader.info(p + "up_proj.weight_scale_2").shape == ()
+        and reader.info(p + "up_proj.input_scale").dtype == "F32"
+    )
     assert torch.equal(reader.get(p + "gate_proj.weight_scale_2"), reader.get(p + "up_proj.weight_scale_2"))
     assert torch.equal(reader.get(p + "gate_proj.input_scale"), reader.get(p + "up_proj.input_scale"))
     assert reader.info("mtp.fc.weight").file == "model-mtp.safetensors"
@@ -81,7 +94,9 @@ def _oracle_expert_input_amax(bf16_dir, tokens):
     """Run transformers' own model with the eager experts and record what each expert's F.linear got."""
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(bf16_dir), dtype=torch.float32, experts_implementation="eager")
+    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(
+        str(bf16_dir), dtype=torch.float32, experts_implementation="eager"
+    )
     layers = model.model.language_model.layers
     seen: dict[tuple[int, int, str], float] = {}
     counts: dict[tuple[int, int], int] = {}
@@ -112,7 +127,9 @@ def _oracle_expert_input_amax(bf16_dir, tokens):
 def test_every_input_scale_comes_from_tokens_the_expert_saw(checkpoints):
     src = checkpoints.bf16()
     out = checkpoints.quantized()
-    tokens, _ = calibration_token_ids(src, arch.ModelConfig.from_dir(src), QuantizeOptions(num_samples=8, seq_len=64))
+    tokens, _ = calibration_token_ids(
+        src, arch.ModelConfig.from_dir(src), QuantizeOptions(num_samples=8, seq_len=64)
+    )
     seen, counts = _oracle_expert_input_amax(src, tokens)
     reader = CheckpointReader(out)
     assert len(counts) == 32, "every expert of the fixture sees tokens with this calibration set"
@@ -145,13 +162,20 @@ def test_uncalibrated_experts_fall_back_and_are_reported(checkpoints, tmp_path):
 def test_calibrate_all_experts_sees_every_token(checkpoints, tmp_path):
     from fp4moe.quantize.pipeline import quantize
 
-    report = quantize(checkpoints.bf16(), tmp_path / "q",
-                      QuantizeOptions(num_samples=1, seq_len=2, calibrate_all_experts=True, progress=False))
+    report = quantize(
+        checkpoints.bf16(),
+        tmp_path / "q",
+        QuantizeOptions(num_samples=1, seq_len=2, calibrate_all_experts=True, progress=False),
+    )
     assert report.fallback_experts == [] and report.experts_calibrated == 32
     reader = CheckpointReader(tmp_path / "q")
     for layer in range(4):
-        scales = {float(reader.get(f"{PREFIX}{layer}.mlp.experts.{e}.gate_proj.input_scale")) for e in range(8)}
-        assert len(scales) == 1, "with every token routed to every expert for statistics, gate/up inputs are equal"
+        scales = {
+            float(reader.get(f"{PREFIX}{layer}.mlp.experts.{e}.gate_proj.input_scale")) for e in range(8)
+        }
+        assert len(scales) == 1, (
+            "with every token routed to every expert for statistics, gate/up inputs are equal"
+        )
 
 
 def test_dequantized_model_stays_close_to_bf16_in_transformers(checkpoints):
@@ -200,7 +224,9 @@ def test_compressed_tensors_package_decompresses_our_output(checkpoints):
     mo = CheckpointReader(checkpoints.quantized())
     base = f"{PREFIX}1.mlp.experts.3.up_proj."
     assert torch.equal(mo.get(base + "weight"), reader.get(base + "weight_packed"))
-    assert torch.equal(1.0 / mo.get(base + "input_scale"), reader.get(base + "input_global_scale").reshape(()))
+    assert torch.equal(
+        1.0 / mo.get(base + "input_scale"), reader.get(base + "input_global_scale").reshape(())
+    )
 
 
 def test_config_and_exclude_list(checkpoints):
@@ -211,12 +237,23 @@ def test_config_and_exclude_list(checkpoints):
     hf = json.loads((out / "hf_quant_config.json").read_text())
     assert set(hf["quantization"]) >= {"quant_algo", "group_size", "kv_cache_quant_algo", "exclude_modules"}
     entries = set(qc["ignore"])
-    for must in ("lm_head", "model.language_model.embed_tokens", "model.language_model.layers.0.linear_attn.in_proj_qkv",
-                 "model.language_model.layers.0.linear_attn.in_proj_z", "model.language_model.layers.0.linear_attn.in_proj_b",
-                 "model.language_model.layers.0.linear_attn.in_proj_a", "model.language_model.layers.0.linear_attn.out_proj",
-                 "model.language_model.layers.3.self_attn.q_proj", "model.language_model.layers.3.mlp.gate",
-                 "model.language_model.layers.3.mlp.shared_expert.up_proj", "model.language_model.layers.3.mlp.shared_expert_gate",
-                 "model.visual.blocks.0.attn.qkv", "model.visual.merger.linear_fc2", "mtp.fc", "mtp.layers.0.mlp.experts"):
+    for must in (
+        "lm_head",
+        "model.language_model.embed_tokens",
+        "model.language_model.layers.0.linear_attn.in_proj_qkv",
+        "model.language_model.layers.0.linear_attn.in_proj_z",
+        "model.language_model.layers.0.linear_attn.in_proj_b",
+        "model.language_model.layers.0.linear_attn.in_proj_a",
+        "model.language_model.layers.0.linear_attn.out_proj",
+        "model.language_model.layers.3.self_attn.q_proj",
+        "model.language_model.layers.3.mlp.gate",
+        "model.language_model.layers.3.mlp.shared_expert.up_proj",
+        "model.language_model.layers.3.mlp.shared_expert_gate",
+        "model.visual.blocks.0.attn.qkv",
+        "model.visual.merger.linear_fc2",
+        "mtp.fc",
+        "mtp.layers.0.mlp.experts",
+    ):
         assert must in entries, must
     assert not any(e.startswith("model.") and ".mlp.experts" in e for e in entries)
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):

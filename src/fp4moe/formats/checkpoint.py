@@ -21,8 +21,35 @@ SINGLE_NAME = "model.safetensors"
 
 # safetensors dtype strings -> bytes per element
 _DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
-    "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E8M0": 1, "F4": 1,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "F8_E8M0": 1,
+    "F4": 1,
+}
+
+
+TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "U8": torch.uint8,
+    "I64": torch.int64,
+    "I32": torch.int32,
 }
 
 
@@ -36,6 +63,10 @@ class TensorInfo:
     file: str
     dtype: str  # safetensors dtype string, e.g. "BF16"
     shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return TORCH_DTYPES.get(self.dtype)
 
     @property
     def num_bytes(self) -> int:
@@ -54,7 +85,9 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
         (header_len,) = struct.unpack("<Q", raw)
         if header_len > size - 8 or header_len > 100_000_000:
-            raise CheckpointError(f"{path}: truncated or corrupt safetensors header (claims {header_len} bytes)")
+            raise CheckpointError(
+                f"{path}: truncated or corrupt safetensors header (claims {header_len} bytes)"
+            )
         try:
             header = json.loads(f.read(header_len))
         except json.JSONDecodeError as e:
@@ -65,9 +98,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(
             f"{path}: truncated: tensors need {8 + header_len + data_end} bytes, file has {size}"
         )
-    return {
-        name: TensorInfo(name, path.name, v["dtype"], tuple(v["shape"])) for name, v in header.items()
-    }
+    return {name: TensorInfo(name, path.name, v["dtype"], tuple(v["shape"])) for name, v in header.items()}
 
 
 class CheckpointReader:
@@ -93,7 +124,9 @@ class CheckpointReader:
         infos = read_header(file)
         for name, info in infos.items():
             if name in self.infos:
-                raise CheckpointError(f"{self.path}: tensor {name} is in both {self.infos[name].file} and {file.name}")
+                raise CheckpointError(
+                    f"{self.path}: tensor {name} is in both {self.infos[name].file} and {file.name}"
+                )
             self.infos[name] = info
         return infos
 
@@ -105,12 +138,16 @@ class CheckpointReader:
         for file in sorted(set(weight_map.values())):
             if not (self.path / file).exists():
                 names = [n for n, f in weight_map.items() if f == file]
-                raise CheckpointError(f"{self.path}: shard {file} is missing (it should hold {len(names)} tensors, e.g. {names[0]})")
+                raise CheckpointError(
+                    f"{self.path}: shard {file} is missing (it should hold {len(names)} tensors, e.g. {names[0]})"
+                )
             self._add_file(self.path / file)
         for name, file in weight_map.items():
             info = self.infos.get(name)
             if info is None:
-                raise CheckpointError(f"{index}: names tensor {name} in {file}, but {file} has no such tensor")
+                raise CheckpointError(
+                    f"{index}: names tensor {name} in {file}, but {file} has no such tensor"
+                )
             if info.file != file:
                 raise CheckpointError(f"{index}: names {name} in {file}, but it is in {info.file}")
         # tensors present in shards but absent from the index are read too (index wins on conflicts)
@@ -236,6 +273,7 @@ def atomic_output_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterat
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} already exists; pass --overwrite to replace it")
     dst.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_dirs(dst)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -252,6 +290,24 @@ def atomic_output_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterat
     os.replace(tmp, dst)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_stale_temp_dirs(dst: Path) -> None:
+    """Temp dirs of earlier runs that were killed (their process is gone) are deleted."""
+    for p in dst.parent.glob(f".{dst.name}.tmp-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def copy_side_files(src: Path, dst: Path, skip: set[str]) -> list[str]:

@@ -28,7 +28,12 @@ class OutputFormat(enum.Enum):
 # suffixes of one quantized linear, by format; the first is the packed weight
 SUFFIXES = {
     OutputFormat.MODELOPT: ("weight", "weight_scale", "weight_scale_2", "input_scale"),
-    OutputFormat.COMPRESSED_TENSORS: ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"),
+    OutputFormat.COMPRESSED_TENSORS: (
+        "weight_packed",
+        "weight_scale",
+        "weight_global_scale",
+        "input_global_scale",
+    ),
 }
 
 
@@ -55,10 +60,14 @@ def quantized_linear_tensors(
     }
 
 
-def read_quantized_linear(fmt: OutputFormat, tensors: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
+def read_quantized_linear(
+    fmt: OutputFormat, tensors: dict[str, torch.Tensor], dtype=torch.float32
+) -> torch.Tensor:
     """Dequantize one stored linear (keyed by suffix) in the format's own decode order."""
     if fmt is OutputFormat.MODELOPT:
-        return nvfp4.dequantize_modelopt(tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"], dtype)
+        return nvfp4.dequantize_modelopt(
+            tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"], dtype
+        )
     return nvfp4.dequantize(
         tensors["weight_packed"], tensors["weight_scale"], tensors["weight_global_scale"].reshape(()), dtype
     )
@@ -77,7 +86,9 @@ def modelopt_quantization_config(exclude: list[str], kv_cache_quant_algo: str | 
         "quant_method": "modelopt",
         "quant_algo": "NVFP4",
         "group_size": GROUP_SIZE,
-        "config_groups": {"group_0": {"weights": dict(fp4), "input_activations": dict(fp4), "targets": ["Linear"]}},
+        "config_groups": {
+            "group_0": {"weights": dict(fp4), "input_activations": dict(fp4), "targets": ["Linear"]}
+        },
         "ignore": list(exclude),
         "exclude_modules": list(exclude),
         "kv_cache_quant_algo": kv_cache_quant_algo,
@@ -103,9 +114,18 @@ def hf_quant_config(exclude: list[str], kv_cache_quant_algo: str | None = None) 
 
 def _ct_args(dynamic, observer: str) -> dict:
     return {
-        "num_bits": 4, "type": "float", "symmetric": True, "group_size": GROUP_SIZE, "strategy": "tensor_group",
-        "block_structure": None, "dynamic": dynamic, "actorder": None, "observer": observer,
-        "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": None,
+        "num_bits": 4,
+        "type": "float",
+        "symmetric": True,
+        "group_size": GROUP_SIZE,
+        "strategy": "tensor_group",
+        "block_structure": None,
+        "dynamic": dynamic,
+        "actorder": None,
+        "observer": observer,
+        "observer_kwargs": {},
+        "scale_dtype": "torch.float8_e4m3fn",
+        "zp_dtype": None,
     }
 
 

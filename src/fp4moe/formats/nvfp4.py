@@ -174,9 +174,7 @@ def quantize_with_scales(
     return pack_fp4(e2m1_codes(scaled.flatten(-2)))
 
 
-def quantize(
-    w: torch.Tensor, global_scale: torch.Tensor | None = None, name: str = "tensor"
-) -> NVFP4Tensor:
+def quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None, name: str = "tensor") -> NVFP4Tensor:
     """Round-to-nearest NVFP4 of ``w`` [..., N, K]; one global scale per leading index.
 
     ``global_scale`` defaults to the one from the amax of each [N, K] matrix (pass a shared one to give

@@ -91,7 +91,9 @@ class ModelConfig:
         try:
             num_layers = int(text["num_hidden_layers"])
             layer_types = text.get("layer_types") or [
-                "full_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) == 0 else "linear_attention"
+                "full_attention"
+                if (i + 1) % int(text.get("full_attention_interval", 4)) == 0
+                else "linear_attention"
                 for i in range(num_layers)
             ]
             tc = TextConfig(
@@ -111,7 +113,9 @@ class ModelConfig:
 
 
 _LAYER_RE = re.compile(r"^(?P<prefix>.*?layers\.)(?P<idx>\d+)\.(?P<rest>.+)$")
-_PER_EXPERT_RE = re.compile(r"^mlp\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<suffix>.+)$")
+_PER_EXPERT_RE = re.compile(
+    r"^mlp\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<suffix>.+)$"
+)
 
 
 def text_prefix(reader: CheckpointReader) -> str:
@@ -122,7 +126,9 @@ def text_prefix(reader: CheckpointReader) -> str:
     for name in reader.names():
         if name.startswith("model.layers."):
             return "model."
-    raise CheckpointError(f"{reader.path}: no decoder layers found (expected model.language_model.layers.N.*)")
+    raise CheckpointError(
+        f"{reader.path}: no decoder layers found (expected model.language_model.layers.N.*)"
+    )
 
 
 def classify(name: str) -> Role:
@@ -188,14 +194,22 @@ class ExpertBlock:
             return [f"{self.prefix}gate_up_proj", f"{self.prefix}down_proj"]
         return [f"{self.prefix}{e}.{p}.weight" for e in range(self.num_experts) for p in PROJECTIONS]
 
-    def read(self, reader: CheckpointReader, experts: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, reader: CheckpointReader, experts: range | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [e, 2I, H], down [e, H, I]) for the given experts, in the checkpoint's dtype."""
         experts = experts if experts is not None else range(self.num_experts)
         if self.layout is ExpertLayout.FUSED:
             gate_up = reader.get(f"{self.prefix}gate_up_proj")
             down = reader.get(f"{self.prefix}down_proj")
-            _check_shape(f"{self.prefix}gate_up_proj", gate_up, (self.num_experts, 2 * self.intermediate_size, self.hidden_size))
-            _check_shape(f"{self.prefix}down_proj", down, (self.num_experts, self.hidden_size, self.intermediate_size))
+            _check_shape(
+                f"{self.prefix}gate_up_proj",
+                gate_up,
+                (self.num_experts, 2 * self.intermediate_size, self.hidden_size),
+            )
+            _check_shape(
+                f"{self.prefix}down_proj", down, (self.num_experts, self.hidden_size, self.intermediate_size)
+            )
             return gate_up[experts.start : experts.stop], down[experts.start : experts.stop]
         gate_up, down = [], []
         for e in experts:
@@ -216,11 +230,15 @@ def _check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
 def expert_block(reader: CheckpointReader, experts_prefix: str, cfg: TextConfig) -> ExpertBlock:
     layout = detect_expert_layout(reader, experts_prefix)
     if layout is None:
-        raise CheckpointError(f"{reader.path}: no routed experts under {experts_prefix}* (fused or per-expert)")
+        raise CheckpointError(
+            f"{reader.path}: no routed experts under {experts_prefix}* (fused or per-expert)"
+        )
     block = ExpertBlock(experts_prefix, layout, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     missing = [n for n in block.source_names() if n not in reader]
     if missing:
-        raise CheckpointError(f"{reader.path}: {len(missing)} expert tensors missing under {experts_prefix}, e.g. {missing[0]}")
+        raise CheckpointError(
+            f"{reader.path}: {len(missing)} expert tensors missing under {experts_prefix}, e.g. {missing[0]}"
+        )
     return block
 
 

@@ -19,8 +19,17 @@ from fp4moe.data import corpus_text
 from fp4moe.formats.checkpoint import ShardedWriter
 
 SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-    "<|image_pad|>", "<|video_pad|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
 ]
 
 CHAT_TEMPLATE = (
@@ -74,13 +83,18 @@ def train_tokenizer(vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     text = corpus_text("calib")
     tok.train_from_iterator((text[i : i + 4096] for i in range(0, len(text), 4096)), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
@@ -91,27 +105,52 @@ def tiny_config(spec: TinySpec, token_ids: dict[str, int]):
 
     head_dim = 32
     text = dict(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
         moe_intermediate_size=spec.moe_intermediate_size,
         shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
-        num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
         # partial rotary 0.25 of 32 dims = 8 dims = 4 frequencies = sum(mrope_section)
-        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
-                             mrope_section=[2, 1, 1], mrope_interleaved=True),
-        max_position_embeddings=8192, initializer_range=spec.init_std,
-        eos_token_id=token_ids["<|im_end|>"], pad_token_id=token_ids["<|endoftext|>"],
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=1e7,
+            partial_rotary_factor=0.25,
+            mrope_section=[2, 1, 1],
+            mrope_interleaved=True,
+        ),
+        max_position_embeddings=8192,
+        initializer_range=spec.init_std,
+        eos_token_id=token_ids["<|im_end|>"],
+        pad_token_id=token_ids["<|endoftext|>"],
     )
     vision = dict(
-        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=spec.hidden_size,
-        num_position_embeddings=64, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=spec.hidden_size,
+        num_position_embeddings=64,
+        patch_size=16,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
         initializer_range=spec.init_std,
     )
     return Qwen3_5MoeConfig(
-        text_config=text, vision_config=vision if spec.with_vision else None,
-        image_token_id=token_ids["<|image_pad|>"], video_token_id=token_ids["<|video_pad|>"],
-        vision_start_token_id=token_ids["<|vision_start|>"], vision_end_token_id=token_ids["<|vision_end|>"],
+        text_config=text,
+        vision_config=vision if spec.with_vision else None,
+        image_token_id=token_ids["<|image_pad|>"],
+        video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"],
+        vision_end_token_id=token_ids["<|vision_end|>"],
     )
 
 
@@ -151,7 +190,7 @@ def _mtp_state(state, text_config, gen, std) -> dict[str, torch.Tensor]:
     for name, t in state.items():
         if name.startswith(src):  # one full-attention decoder layer with its own MoE, fresh weights
             scale = 0.1 if t.ndim == 1 else std
-            out["mtp.layers.0." + name[len(src):]] = torch.randn(t.shape, generator=gen) * scale
+            out["mtp.layers.0." + name[len(src) :]] = torch.randn(t.shape, generator=gen) * scale
     return out
 
 
@@ -202,12 +241,15 @@ def write_tiny_checkpoint(
     raw["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
     raw["dtype"] = str(dtype).removeprefix("torch.")
     raw["text_config"].update(
-        mtp_num_hidden_layers=1 if spec.with_mtp else 0, mtp_use_dedicated_embeddings=False,
-        attn_output_gate=True, mamba_ssm_dtype="float32",
+        mtp_num_hidden_layers=1 if spec.with_mtp else 0,
+        mtp_use_dedicated_embeddings=False,
+        attn_output_gate=True,
+        mamba_ssm_dtype="float32",
     )
     (out / "config.json").write_text(json.dumps(raw, indent=2, default=str) + "\n")
     tokenizer.save_pretrained(out)
     (out / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "do_sample": False}, indent=2) + "\n"
+        json.dumps({"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "do_sample": False}, indent=2)
+        + "\n"
     )
     return out

@@ -48,7 +48,9 @@ def load_dataset_text(name: str) -> str:
     try:
         import datasets
     except ImportError:
-        raise CalibrationDataError("--calib-dataset needs the 'datasets' package (pip install fp4moe[datasets])") from None
+        raise CalibrationDataError(
+            "--calib-dataset needs the 'datasets' package (pip install fp4moe[datasets])"
+        ) from None
     path, config, split = DATASET_ALIASES.get(name, (name, None, "train"))
     try:
         ds = datasets.load_dataset(path, config, split=split)
@@ -57,7 +59,9 @@ def load_dataset_text(name: str) -> str:
     return "\n\n".join(t for t in ds["text"] if t.strip())
 
 
-def calibration_text(calib_file: str | Path | None = None, calib_dataset: str | None = None) -> tuple[str, str]:
+def calibration_text(
+    calib_file: str | Path | None = None, calib_dataset: str | None = None
+) -> tuple[str, str]:
     """(text, description of its source)."""
     if calib_file and calib_dataset:
         raise CalibrationDataError("give either --calib-file or --calib-dataset, not both")
@@ -74,7 +78,9 @@ def token_windows(token_ids: list[int], num_samples: int, seq_len: int, seed: in
         raise CalibrationDataError(f"num_samples and seq_len must be positive (got {num_samples}, {seq_len})")
     ids = torch.tensor(token_ids, dtype=torch.long)
     if ids.numel() < seq_len:
-        raise CalibrationDataError(f"calibration text has {ids.numel()} tokens, fewer than --seq-len {seq_len}")
+        raise CalibrationDataError(
+            f"calibration text has {ids.numel()} tokens, fewer than --seq-len {seq_len}"
+        )
     num_starts = ids.numel() - seq_len + 1
     gen = torch.Generator().manual_seed(seed)
     if num_samples * seq_len <= ids.numel():

@@ -42,14 +42,19 @@ def text_config_for(raw_config: dict):
     text = dict(raw_config.get("text_config", raw_config))
     for key in ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype"):
         text.pop(key, None)
-    known = set(Qwen3_5MoeTextConfig.__dataclass_fields__) | {"full_attention_interval", "partial_rotary_factor"}
+    known = set(Qwen3_5MoeTextConfig.__dataclass_fields__) | {
+        "full_attention_interval",
+        "partial_rotary_factor",
+    }
     cfg = Qwen3_5MoeTextConfig(**{k: v for k, v in text.items() if k in known})
     cfg._attn_implementation = "sdpa"  # causal without an explicit mask
     cfg._experts_implementation = "grouped_mm"  # transformers' default; expert stats do not depend on it
     return cfg
 
 
-def build_layer(text_config, idx: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+def build_layer(
+    text_config, idx: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+):
     """transformers' decoder layer ``idx`` holding ``tensors`` (names relative to the layer; fused experts)."""
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
 
@@ -97,15 +102,18 @@ class RouterTap:
 
 
 def accumulate_expert_stats(
-    stats: ExpertStats, x: torch.Tensor, topk: torch.Tensor, experts, all_experts: bool, token_chunk: int = 8192
+    stats: ExpertStats,
+    x: torch.Tensor,
+    topk: torch.Tensor,
+    experts,
+    all_experts: bool,
+    token_chunk: int = 8192,
 ) -> None:
     """Fold one batch of routed tokens into ``stats``; ``experts`` is the layer's Qwen3_5MoeExperts."""
     num_experts = experts.gate_up_proj.shape[0]
     stats.input_amax = torch.maximum(stats.input_amax, x.abs().amax().float().cpu())
     act = experts.act_fn
-    if all_experts:
-        rows_by_expert = None
-    else:
+    if not all_experts:
         # sort the (token, slot) pairs by expert once, then slice per expert
         flat = topk.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -152,7 +160,9 @@ def calibrate_layer(
             h = hidden[start : start + batch_size]
             pos = torch.arange(seq_len, device=h.device).view(1, 1, -1).expand(3, h.shape[0], -1)
             cos_sin = rotary(h, pos)
-            out[start : start + batch_size] = layer(h, position_embeddings=cos_sin, attention_mask=None, position_ids=pos[0])
+            out[start : start + batch_size] = layer(
+                h, position_embeddings=cos_sin, attention_mask=None, position_ids=pos[0]
+            )
             x, topk = tap.pop()
             accumulate_expert_stats(stats, x, topk, layer.mlp.experts, all_experts)
     finally:

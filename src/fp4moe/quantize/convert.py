@@ -72,7 +72,9 @@ def _per_expert_pair(t: torch.Tensor, num_experts: int, name: str) -> torch.Tens
 def fused_blocks(reader: CheckpointReader) -> list[str]:
     """Prefixes (``...mlp.experts.``) of every fused NVFP4 expert block."""
     return sorted(
-        n[: -len("gate_up_proj_weight_scale")] for n in reader.names() if n.endswith("mlp.experts.gate_up_proj_weight_scale")
+        n[: -len("gate_up_proj_weight_scale")]
+        for n in reader.names()
+        if n.endswith("mlp.experts.gate_up_proj_weight_scale")
     )
 
 
@@ -82,21 +84,37 @@ def _requantize(packed, block_scales, s2_old, s2_new) -> tuple[torch.Tensor, tor
     return q.packed, q.block_scales
 
 
-def convert_block(reader: CheckpointReader, writer: ShardedWriter, prefix: str, report: ConvertReport) -> None:
-    names = {f"{p}{s}": f"{prefix}{p}{s}" for p in ("gate_up_proj", "down_proj") for s in layouts.FUSED_NVFP4_SUFFIXES}
+def convert_block(
+    reader: CheckpointReader, writer: ShardedWriter, prefix: str, report: ConvertReport
+) -> None:
+    names = {
+        f"{p}{s}": f"{prefix}{p}{s}"
+        for p in ("gate_up_proj", "down_proj")
+        for s in layouts.FUSED_NVFP4_SUFFIXES
+    }
     missing = [n for n in names.values() if n not in reader]
     if missing:
         raise CheckpointError(f"fused NVFP4 block {prefix}*: missing {', '.join(missing)}")
     gu, gu_bs = reader.get(names["gate_up_proj"]), reader.get(names["gate_up_proj_weight_scale"])
     dn, dn_bs = reader.get(names["down_proj"]), reader.get(names["down_proj_weight_scale"])
     if gu.dtype != torch.uint8 or dn.dtype != torch.uint8:
-        raise CheckpointError(f"{prefix}*: fused expert weights must be packed uint8, got {gu.dtype}/{dn.dtype}")
+        raise CheckpointError(
+            f"{prefix}*: fused expert weights must be packed uint8, got {gu.dtype}/{dn.dtype}"
+        )
     num_e, two_i = gu.shape[0], gu.shape[1]
     inter = two_i // 2
-    gu_s2 = _per_expert_pair(reader.get(names["gate_up_proj_weight_scale_2"]), num_e, names["gate_up_proj_weight_scale_2"])
-    gu_in = _per_expert_pair(reader.get(names["gate_up_proj_input_scale"]), num_e, names["gate_up_proj_input_scale"])
-    dn_s2 = _per_expert_pair(reader.get(names["down_proj_weight_scale_2"]), num_e, names["down_proj_weight_scale_2"])
-    dn_in = _per_expert_pair(reader.get(names["down_proj_input_scale"]), num_e, names["down_proj_input_scale"])
+    gu_s2 = _per_expert_pair(
+        reader.get(names["gate_up_proj_weight_scale_2"]), num_e, names["gate_up_proj_weight_scale_2"]
+    )
+    gu_in = _per_expert_pair(
+        reader.get(names["gate_up_proj_input_scale"]), num_e, names["gate_up_proj_input_scale"]
+    )
+    dn_s2 = _per_expert_pair(
+        reader.get(names["down_proj_weight_scale_2"]), num_e, names["down_proj_weight_scale_2"]
+    )
+    dn_in = _per_expert_pair(
+        reader.get(names["down_proj_input_scale"]), num_e, names["down_proj_input_scale"]
+    )
     for e in range(num_e):
         g = (gu[e, :inter], gu_bs[e, :inter], gu_s2[e, 0])
         u = (gu[e, inter:], gu_bs[e, inter:], gu_s2[e, -1])
@@ -109,7 +127,9 @@ def convert_block(reader: CheckpointReader, writer: ShardedWriter, prefix: str, 
             report.experts_requantized.append(f"{prefix}{e}.{proj}")
         in_scale = gu_in[e].max()
         for proj, (p, bs, _), s2, inp in (
-            ("gate_proj", g, shared, in_scale), ("up_proj", u, shared, in_scale), ("down_proj", (dn[e], dn_bs[e], None), dn_s2[e, 0], dn_in[e, 0]),
+            ("gate_proj", g, shared, in_scale),
+            ("up_proj", u, shared, in_scale),
+            ("down_proj", (dn[e], dn_bs[e], None), dn_s2[e, 0], dn_in[e, 0]),
         ):
             base = f"{prefix}{e}.{proj}."
             writer.add(base + "weight", p.clone())
@@ -120,8 +140,13 @@ def convert_block(reader: CheckpointReader, writer: ShardedWriter, prefix: str, 
     report.experts_converted += num_e
 
 
-def convert(src: str | Path, dst: str | Path, overwrite: bool = False, max_shard_size: str | int = "2GB",
-            progress: bool = True) -> ConvertReport:
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    overwrite: bool = False,
+    max_shard_size: str | int = "2GB",
+    progress: bool = True,
+) -> ConvertReport:
     from fp4moe.quantize.inspect import inspect_checkpoint
 
     t0 = time.perf_counter()
@@ -131,17 +156,28 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, max_shard
     cfg = arch.ModelConfig.from_dir(src)
     qc = cfg.raw.get("quantization_config") or {}
     if qc.get("quant_method") != "modelopt":
-        raise CheckpointError(f"{src}: convert reads ModelOpt NVFP4 checkpoints (quant_method {qc.get('quant_method')!r})")
+        raise CheckpointError(
+            f"{src}: convert reads ModelOpt NVFP4 checkpoints (quant_method {qc.get('quant_method')!r})"
+        )
     reader = CheckpointReader(src)
     blocks = fused_blocks(reader)
     if not blocks:
-        raise CheckpointError(f"{src}: no fused NVFP4 expert blocks (…mlp.experts.gate_up_proj_weight_scale) to convert")
+        raise CheckpointError(
+            f"{src}: no fused NVFP4 expert blocks (…mlp.experts.gate_up_proj_weight_scale) to convert"
+        )
     report = ConvertReport(str(src), str(dst))
-    fused_names = {f"{b}{p}{s}" for b in blocks for p in ("gate_up_proj", "down_proj") for s in layouts.FUSED_NVFP4_SUFFIXES}
+    fused_names = {
+        f"{b}{p}{s}"
+        for b in blocks
+        for p in ("gate_up_proj", "down_proj")
+        for s in layouts.FUSED_NVFP4_SUFFIXES
+    }
     with atomic_output_dir(dst, overwrite=overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size(max_shard_size))
         if any(b.startswith("mtp.") for b in blocks):
-            raise CheckpointError(f"{src}: fused NVFP4 MTP experts are not supported yet (MTP is expected in bf16)")
+            raise CheckpointError(
+                f"{src}: fused NVFP4 MTP experts are not supported yet (MTP is expected in bf16)"
+            )
         for prefix in tqdm(blocks, desc="fused MoE blocks", unit="block", disable=not progress):
             convert_block(reader, writer, prefix, report)
         rest = [n for n in reader.names() if n not in fused_names and not n.startswith("mtp.")]
@@ -152,15 +188,27 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, max_shard
             writer.write_file(MTP_FILE, {n: reader.get(n) for n in mtp})
         writer.close()
         shapes = {n: i.shape for n, i in reader.infos.items() if n not in fused_names}
-        entries = list(dict.fromkeys([*(qc.get("ignore") or qc.get("exclude_modules") or []),
-                                      *layouts.excluded_modules(shapes, OutputFormat.MODELOPT)]))
+        entries = list(
+            dict.fromkeys(
+                [
+                    *(qc.get("ignore") or qc.get("exclude_modules") or []),
+                    *layouts.excluded_modules(shapes, OutputFormat.MODELOPT),
+                ]
+            )
+        )
         raw = dict(cfg.raw)
-        raw["quantization_config"] = layouts.modelopt_quantization_config(entries, qc.get("kv_cache_quant_algo"))
+        raw["quantization_config"] = layouts.modelopt_quantization_config(
+            entries, qc.get("kv_cache_quant_algo")
+        )
         write_json(tmp / "config.json", raw)
-        write_json(tmp / "hf_quant_config.json", layouts.hf_quant_config(entries, qc.get("kv_cache_quant_algo")))
+        write_json(
+            tmp / "hf_quant_config.json", layouts.hf_quant_config(entries, qc.get("kv_cache_quant_algo"))
+        )
         copy_side_files(src, tmp, skip={"config.json", INDEX_NAME, "hf_quant_config.json"})
         check = inspect_checkpoint(tmp)
         if not check.ok:
-            raise CheckpointError("the converted checkpoint failed inspection:\n  " + "\n  ".join(check.problems))
+            raise CheckpointError(
+                "the converted checkpoint failed inspection:\n  " + "\n  ".join(check.problems)
+            )
     report.seconds = time.perf_counter() - t0
     return report

@@ -15,7 +15,7 @@ import torch
 
 from fp4moe.formats import layouts
 from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
-from fp4moe.formats.layouts import FUSED_NVFP4_SUFFIXES, SUFFIXES, OutputFormat
+from fp4moe.formats.layouts import SUFFIXES, OutputFormat
 from fp4moe.formats.nvfp4 import BLOCK_SIZE
 from fp4moe.models import qwen3_5_moe as arch
 
@@ -60,7 +60,10 @@ class InspectReport:
             ("exclude-list entries", str(self.exclude_entries)),
             ("MTP tensors", str(self.mtp_tensors)),
             ("vision tensors", str(self.vision_tensors)),
-            ("size", f"{self.bytes_on_disk / gb:.3f} GB ({ratio:.1%} of {self.bytes_bf16_equivalent / gb:.3f} GB bf16)"),
+            (
+                "size",
+                f"{self.bytes_on_disk / gb:.3f} GB ({ratio:.1%} of {self.bytes_bf16_equivalent / gb:.3f} GB bf16)",
+            ),
             ("result", "OK" if self.ok else f"{len(self.problems)} problem(s)"),
         ]
         width = max(len(k) for k, _ in rows)
@@ -117,9 +120,13 @@ def _check_hf_quant_config(path: Path, report: InspectReport) -> None:
     except (json.JSONDecodeError, AttributeError) as e:
         report.problems.append(f"hf_quant_config.json is not valid JSON ({e})")
         return
-    missing = [k for k in ("quant_algo", "group_size", "kv_cache_quant_algo", "exclude_modules") if k not in q]
+    missing = [
+        k for k in ("quant_algo", "group_size", "kv_cache_quant_algo", "exclude_modules") if k not in q
+    ]
     if missing:
-        report.problems.append(f"hf_quant_config.json 'quantization' lacks keys vLLM requires: {', '.join(missing)}")
+        report.problems.append(
+            f"hf_quant_config.json 'quantization' lacks keys vLLM requires: {', '.join(missing)}"
+        )
     if q.get("group_size") not in (None, BLOCK_SIZE):
         report.problems.append(f"hf_quant_config.json group_size {q.get('group_size')} is not {BLOCK_SIZE}")
 
@@ -129,7 +136,13 @@ def _scalar_ok(t: torch.Tensor) -> bool:
 
 
 def _check_expert(
-    reader: CheckpointReader, fmt: OutputFormat, prefix: str, e: int, hidden: int, inter: int, problems: _Problems
+    reader: CheckpointReader,
+    fmt: OutputFormat,
+    prefix: str,
+    e: int,
+    hidden: int,
+    inter: int,
+    problems: _Problems,
 ) -> dict[str, torch.Tensor] | None:
     """Check one per-expert NVFP4 expert; returns its global scales by projection (None if broken)."""
     packed_sfx, block_sfx, global_sfx, input_sfx = SUFFIXES[fmt]
@@ -189,12 +202,18 @@ def _check_layer_experts(reader, fmt, cfg, prefix: str, report: InspectReport, p
         return
     if f"{prefix}gate_up_proj" in reader:
         report.experts_bf16 += num_e
-        problems.add("bf16-expert", f"{prefix}gate_up_proj is {reader.info(prefix + 'gate_up_proj').dtype}: routed experts left unquantized")
+        problems.add(
+            "bf16-expert",
+            f"{prefix}gate_up_proj is {reader.info(prefix + 'gate_up_proj').dtype}: routed experts left unquantized",
+        )
         return
     for e in range(num_e):
         scales = _check_expert(reader, fmt, prefix, e, h, i_size, problems)
         if scales is None:
-            if f"{prefix}{e}.gate_proj.weight" in reader and reader.info(f"{prefix}{e}.gate_proj.weight").dtype != "U8":
+            if (
+                f"{prefix}{e}.gate_proj.weight" in reader
+                and reader.info(f"{prefix}{e}.gate_proj.weight").dtype != "U8"
+            ):
                 report.experts_bf16 += 1
             continue
         report.experts_quantized += 1
@@ -224,15 +243,22 @@ def _check_exclude_list(reader, fmt, entries: list[str], cfg, prefix: str, probl
                 covered = any(layouts.exclude_entry_matches(e, module, fmt) for e in entries)
             else:  # MTP experts are excluded as their MoE module (or by expert-0 names for compressed-tensors)
                 moe = name[: name.index(".mlp.experts.") + len(".mlp.experts")]
-                covered = any(layouts.exclude_entry_matches(e, m, fmt) for e in entries for m in (moe, module))
+                covered = any(
+                    layouts.exclude_entry_matches(e, m, fmt) for e in entries for m in (moe, module)
+                )
             if not covered:
-                problems.add("not-excluded", f"{module} is {info.dtype} but not in the exclude list: vLLM would expect it quantized")
+                problems.add(
+                    "not-excluded",
+                    f"{module} is {info.dtype} but not in the exclude list: vLLM would expect it quantized",
+                )
     for i in range(cfg.num_layers):
         moe = f"{prefix}layers.{i}.mlp.experts"
         for m in (moe, f"{moe}.0.gate_proj", f"{moe}.0.down_proj"):
             hits = [e for e in entries if layouts.exclude_entry_matches(e, m, fmt)]
             if hits:
-                problems.add("excludes-experts", f"exclude entry {hits[0]!r} covers the quantized routed experts {m}")
+                problems.add(
+                    "excludes-experts", f"exclude entry {hits[0]!r} covers the quantized routed experts {m}"
+                )
                 break
 
 
@@ -242,13 +268,17 @@ def _sizes(reader: CheckpointReader, report: InspectReport) -> None:
         if arch.classify(name) is not arch.Role.ROUTED_EXPERT:
             report.bytes_bf16_equivalent += info.num_bytes
         elif info.dtype == "U8":
-            report.bytes_bf16_equivalent += info.num_bytes * 4  # two FP4 values per byte, 2 bytes each in bf16
+            report.bytes_bf16_equivalent += (
+                info.num_bytes * 4
+            )  # two FP4 values per byte, 2 bytes each in bf16
         elif info.dtype in ("BF16", "F16"):
             report.bytes_bf16_equivalent += info.num_bytes
         # FP8 block scales and FP32 scalars have no bf16 counterpart
 
 
-def _compare_with_reference(reader: CheckpointReader, reference: CheckpointReader, problems: _Problems) -> None:
+def _compare_with_reference(
+    reader: CheckpointReader, reference: CheckpointReader, problems: _Problems
+) -> None:
     """Everything but the routed experts must be carried over unchanged in name, shape and dtype."""
     for name in reference.names():
         if arch.classify(name) is arch.Role.ROUTED_EXPERT and not name.startswith("mtp."):
@@ -258,7 +288,9 @@ def _compare_with_reference(reader: CheckpointReader, reference: CheckpointReade
             continue
         a, b = reference.info(name), reader.info(name)
         if (a.dtype, a.shape) != (b.dtype, b.shape):
-            problems.add("changed", f"{name}: {a.dtype}{list(a.shape)} in the source, {b.dtype}{list(b.shape)} here")
+            problems.add(
+                "changed", f"{name}: {a.dtype}{list(a.shape)} in the source, {b.dtype}{list(b.shape)} here"
+            )
 
 
 def inspect_checkpoint(path: str | Path, reference: CheckpointReader | None = None) -> InspectReport:
@@ -291,7 +323,10 @@ def inspect_checkpoint(path: str | Path, reference: CheckpointReader | None = No
     report.mtp_tensors = sum(n.startswith("mtp.") for n in reader.names())
     report.vision_tensors = sum(arch.classify(n) is arch.Role.VISION for n in reader.names())
     if cfg.text.mtp_num_hidden_layers and not report.mtp_tensors:
-        problems.add("mtp", f"config declares mtp_num_hidden_layers={cfg.text.mtp_num_hidden_layers} but no mtp.* tensors exist")
+        problems.add(
+            "mtp",
+            f"config declares mtp_num_hidden_layers={cfg.text.mtp_num_hidden_layers} but no mtp.* tensors exist",
+        )
     if report.mtp_tensors and not cfg.text.mtp_num_hidden_layers:
         report.warnings.append("mtp.* tensors present but the config declares no MTP layer")
     if cfg.has_vision and not report.vision_tensors:

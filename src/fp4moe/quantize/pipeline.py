@@ -65,7 +65,9 @@ class QuantizeOptions:
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.calib_dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"calib_dtype must be auto, bfloat16, float16 or float32, got {self.calib_dtype!r}")
+            raise ValueError(
+                f"calib_dtype must be auto, bfloat16, float16 or float32, got {self.calib_dtype!r}"
+            )
         if self.kv_cache_quant_algo not in (None, "FP8"):
             raise ValueError(f"kv_cache_quant_algo must be None or 'FP8', got {self.kv_cache_quant_algo!r}")
         self.max_shard_bytes = parse_size(self.max_shard_size)
@@ -75,10 +77,10 @@ class QuantizeOptions:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+    def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """``auto``: run the layers in the checkpoint's own dtype (bf16 for the real model), as it is served."""
         if self.calib_dtype == "auto":
-            # the model is served in bf16; CPUs without bf16 matmul units run it slowly, so fp32 there
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
+            return checkpoint_dtype if checkpoint_dtype.is_floating_point else torch.float32
         return getattr(torch, self.calib_dtype)
 
 
@@ -141,7 +143,9 @@ def _load_tokenizer(src: Path):
         raise QuantizeError(f"{src}: cannot load a tokenizer for calibration ({e})") from None
 
 
-def calibration_token_ids(src: Path, cfg: arch.ModelConfig, options: QuantizeOptions) -> tuple[torch.Tensor, str]:
+def calibration_token_ids(
+    src: Path, cfg: arch.ModelConfig, options: QuantizeOptions
+) -> tuple[torch.Tensor, str]:
     text, source = calib_data.calibration_text(options.calib_file, options.calib_dataset)
     tokenizer = _load_tokenizer(src)
     ids = calib_data.tokenize(tokenizer, text)
@@ -157,16 +161,22 @@ def _validate_dims(cfg: arch.TextConfig) -> None:
             raise NVFP4Error(f"{what} {dim} is not divisible by the NVFP4 group size {BLOCK_SIZE}")
 
 
-def write_experts(
-    writer: ShardedWriter, fmt: OutputFormat, experts_prefix: str, q: QuantizedExperts
-) -> None:
+def write_experts(writer: ShardedWriter, fmt: OutputFormat, experts_prefix: str, q: QuantizedExperts) -> None:
     """Per-expert NVFP4 tensors: gate/up share the global scale and input scale of the gate_up block."""
     inter = q.intermediate_size
     for e in range(q.gate_up.packed.shape[0]):
         gu = q.gate_up[e]
         parts = {
-            "gate_proj": (type(gu)(gu.packed[:inter], gu.block_scales[:inter], gu.global_scale), q.gate_up_amax[e], q.gate_up_input_amax[e]),
-            "up_proj": (type(gu)(gu.packed[inter:], gu.block_scales[inter:], gu.global_scale), q.gate_up_amax[e], q.gate_up_input_amax[e]),
+            "gate_proj": (
+                type(gu)(gu.packed[:inter], gu.block_scales[:inter], gu.global_scale),
+                q.gate_up_amax[e],
+                q.gate_up_input_amax[e],
+            ),
+            "up_proj": (
+                type(gu)(gu.packed[inter:], gu.block_scales[inter:], gu.global_scale),
+                q.gate_up_amax[e],
+                q.gate_up_input_amax[e],
+            ),
             "down_proj": (q.down[e], q.down_amax[e], q.down_input_amax[e]),
         }
         for proj, (qt, w_amax, in_amax) in parts.items():
@@ -195,17 +205,22 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
     reader = CheckpointReader(src)
     _validate_dims(cfg.text)
     prefix = arch.text_prefix(reader)
-    blocks = [arch.expert_block(reader, f"{prefix}layers.{i}.mlp.experts.", cfg.text) for i in range(cfg.text.num_layers)]
+    blocks = [
+        arch.expert_block(reader, f"{prefix}layers.{i}.mlp.experts.", cfg.text)
+        for i in range(cfg.text.num_layers)
+    ]
     mtp_names = [n for n in reader.names() if n.startswith("mtp.")]
     layouts_seen = {"main": blocks[0].layout.value}
     mtp_layout = arch.detect_expert_layout(reader, "mtp.layers.0.mlp.experts.")
     if mtp_layout is not None:
         layouts_seen["mtp"] = mtp_layout.value
     if cfg.text.mtp_num_hidden_layers and not mtp_names:
-        raise CheckpointError(f"{src}: config declares {cfg.text.mtp_num_hidden_layers} MTP layer(s) but no mtp.* tensors exist")
+        raise CheckpointError(
+            f"{src}: config declares {cfg.text.mtp_num_hidden_layers} MTP layer(s) but no mtp.* tensors exist"
+        )
 
     device = options.resolve_device()
-    dtype = options.resolve_dtype(device)
+    dtype = options.resolve_dtype(reader.info(f"{prefix}embed_tokens.weight").torch_dtype or torch.float32)
     tokens, source = calibration_token_ids(src, cfg, options)
     text_config = calibrate.text_config_for(cfg.raw)
     rotary = calibrate.rotary_for(text_config, device)
@@ -236,11 +251,17 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             layer_tensors["mlp.experts.down_proj"] = down
             layer = calibrate.build_layer(text_config, i, layer_tensors, dtype, device)
             hidden, stats = calibrate.calibrate_layer(
-                layer, hidden, rotary, all_experts=options.calibrate_all_experts, batch_size=options.batch_size
+                layer,
+                hidden,
+                rotary,
+                all_experts=options.calibrate_all_experts,
+                batch_size=options.batch_size,
             )
             del layer, layer_tensors
             # quantize the checkpoint's own values (not the calibration-dtype copy), on the device
-            q = quantize_experts(gate_up.to(device), down.to(device), stats, options.scale_method, name=block.prefix)
+            q = quantize_experts(
+                gate_up.to(device), down.to(device), stats, options.scale_method, name=block.prefix
+            )
             for name, t in dense.items():
                 writer.add(name, t)
             write_experts(writer, options.format, block.prefix, q)
@@ -252,14 +273,20 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             done.update(names)
             del dense, gate_up, down, q
 
-        for name in tqdm([n for n in reader.names() if n not in done and not n.startswith("mtp.")],
-                         desc="other tensors", unit="tensor", disable=not show):
+        for name in tqdm(
+            [n for n in reader.names() if n not in done and not n.startswith("mtp.")],
+            desc="other tensors",
+            unit="tensor",
+            disable=not show,
+        ):
             writer.add(name, _finite(name, reader.get(name)))
         if mtp_names:
             writer.write_file(MTP_FILE, {n: _finite(n, reader.get(n)) for n in mtp_names})
         writer.close()
 
-        shapes = {n: reader.info(n).shape for n in reader.names() if arch.classify(n) is not arch.Role.ROUTED_EXPERT}
+        shapes = {
+            n: reader.info(n).shape for n in reader.names() if arch.classify(n) is not arch.Role.ROUTED_EXPERT
+        }
         exclude = layouts.excluded_modules(shapes, options.format)
         qcfg, hf_qcfg = _quantization_configs(options.format, exclude, options.kv_cache_quant_algo)
         raw = dict(cfg.raw)
@@ -276,10 +303,22 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
 
     num_quantized = cfg.text.num_layers * cfg.text.num_experts
     return QuantizeReport(
-        src=str(src), dst=str(dst), format=options.format.value, num_layers=cfg.text.num_layers,
-        num_experts=cfg.text.num_experts, expert_layouts=layouts_seen, calibration=source,
-        calibration_tokens=int(tokens.numel()), device=str(device), calib_dtype=str(dtype).removeprefix("torch."),
-        bytes_in=reader.total_bytes(), bytes_out=bytes_out, experts_quantized=num_quantized,
-        experts_calibrated=num_calibrated, fallback_experts=fallbacks, min_tokens_per_expert=min_tokens or 0,
-        seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(),
+        src=str(src),
+        dst=str(dst),
+        format=options.format.value,
+        num_layers=cfg.text.num_layers,
+        num_experts=cfg.text.num_experts,
+        expert_layouts=layouts_seen,
+        calibration=source,
+        calibration_tokens=int(tokens.numel()),
+        device=str(device),
+        calib_dtype=str(dtype).removeprefix("torch."),
+        bytes_in=reader.total_bytes(),
+        bytes_out=bytes_out,
+        experts_quantized=num_quantized,
+        experts_calibrated=num_calibrated,
+        fallback_experts=fallbacks,
+        min_tokens_per_expert=min_tokens or 0,
+        seconds=time.perf_counter() - t0,
+        peak_rss_bytes=peak_rss_bytes(),
     )

@@ -50,7 +50,9 @@ def input_amax_with_fallback(stats: ExpertStats) -> tuple[torch.Tensor, torch.Te
     if fallback.all():
         raise ValueError("no routed expert of this layer received a calibration token")
     gate_up = torch.where(fallback, stats.input_amax.expand_as(stats.gate_up_amax), stats.gate_up_amax)
-    down = torch.where(fallback, stats.down_amax[stats.calibrated].max().expand_as(stats.down_amax), stats.down_amax)
+    down = torch.where(
+        fallback, stats.down_amax[stats.calibrated].max().expand_as(stats.down_amax), stats.down_amax
+    )
     return gate_up, down, fallback
 
 
@@ -61,7 +63,7 @@ def quantize_experts(
     stats: ExpertStats,
     method: ScaleMethod = ScaleMethod.RTN,
     name: str = "experts",
-    expert_chunk: int = 16,
+    expert_chunk: int = 4,
 ) -> QuantizedExperts:
     """NVFP4 of ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] (any float dtype/device), ``expert_chunk``
     experts at a time so float32 temporaries stay small; results on the CPU."""

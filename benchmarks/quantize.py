@@ -1,0 +1,212 @@
+"""Quantize throughput and peak host memory on synthetic checkpoints with full-size per-layer shapes.
+
+Each checkpoint has N decoder layers of Qwen3.5-35B-A3B's real shapes (hidden 2048, 256 experts top-8 with
+I = 512 stored fused, shared expert 512, Gated DeltaNet 16/32 heads of 128, gated attention 16/2 heads of 256,
+the real 3:1 layer pattern) with random bf16 weights, a small vocabulary (1024; embedding and lm_head are not
+what is measured) and no vision tower. Each N runs `fp4moe quantize` in a fresh process, so the peak RSS it
+reports (ru_maxrss, from the OS) is that run's alone.
+
+    python benchmarks/quantize.py --layers 2 4 8 --workdir /tmp/fp4moe-bench [--device cuda] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fp4moe.formats.checkpoint import ShardedWriter
+from fp4moe.models.tiny import train_tokenizer
+
+H, E, K, I, SHARED, VOCAB = 2048, 256, 8, 512, 512, 1024
+GDN_KEY_HEADS, GDN_VALUE_HEADS, GDN_DIM = 16, 32, 128
+HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256
+
+
+def layer_types(n: int) -> list[str]:
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+    if "full_attention" not in types:
+        types[-1] = "full_attention"
+    return types
+
+
+def text_config(n: int) -> dict:
+    return dict(
+        model_type="qwen3_5_moe_text",
+        vocab_size=VOCAB,
+        hidden_size=H,
+        num_hidden_layers=n,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        linear_key_head_dim=GDN_DIM,
+        linear_value_head_dim=GDN_DIM,
+        linear_num_key_heads=GDN_KEY_HEADS,
+        linear_num_value_heads=GDN_VALUE_HEADS,
+        linear_conv_kernel_dim=4,
+        moe_intermediate_size=I,
+        shared_expert_intermediate_size=SHARED,
+        num_experts=E,
+        num_experts_per_tok=K,
+        rms_norm_eps=1e-6,
+        layer_types=layer_types(n),
+        max_position_embeddings=262144,
+        tie_word_embeddings=False,
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=1e7,
+            partial_rotary_factor=0.25,
+            mrope_section=[11, 11, 10],
+            mrope_interleaved=True,
+        ),
+        mtp_num_hidden_layers=0,
+        eos_token_id=2,
+    )
+
+
+def layer_tensors(kind: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    def w(*shape, std=0.02):
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+
+    t = {"input_layernorm.weight": w(H, std=0.1), "post_attention_layernorm.weight": w(H, std=0.1)}
+    if kind == "linear_attention":
+        qkv = 2 * GDN_KEY_HEADS * GDN_DIM + GDN_VALUE_HEADS * GDN_DIM
+        t |= {
+            "linear_attn.in_proj_qkv.weight": w(qkv, H),
+            "linear_attn.in_proj_z.weight": w(GDN_VALUE_HEADS * GDN_DIM, H),
+            "linear_attn.in_proj_b.weight": w(GDN_VALUE_HEADS, H),
+            "linear_attn.in_proj_a.weight": w(GDN_VALUE_HEADS, H),
+            "linear_attn.conv1d.weight": w(qkv, 1, 4, std=0.3),
+            "linear_attn.A_log": w(GDN_VALUE_HEADS, std=1.0),
+            "linear_attn.dt_bias": w(GDN_VALUE_HEADS, std=1.0),
+            "linear_attn.norm.weight": w(GDN_DIM, std=0.1) + 1,
+            "linear_attn.out_proj.weight": w(H, GDN_VALUE_HEADS * GDN_DIM),
+        }
+    else:
+        t |= {
+            "self_attn.q_proj.weight": w(2 * HEADS * HEAD_DIM, H),
+            "self_attn.k_proj.weight": w(KV_HEADS * HEAD_DIM, H),
+            "self_attn.v_proj.weight": w(KV_HEADS * HEAD_DIM, H),
+            "self_attn.o_proj.weight": w(H, HEADS * HEAD_DIM),
+            "self_attn.q_norm.weight": w(HEAD_DIM, std=0.1),
+            "self_attn.k_norm.weight": w(HEAD_DIM, std=0.1),
+        }
+    t |= {
+        "mlp.gate.weight": w(E, H),
+        "mlp.experts.gate_up_proj": w(E, 2 * I, H),
+        "mlp.experts.down_proj": w(E, H, I),
+        "mlp.shared_expert.gate_proj.weight": w(SHARED, H),
+        "mlp.shared_expert.up_proj.weight": w(SHARED, H),
+        "mlp.shared_expert.down_proj.weight": w(H, SHARED),
+        "mlp.shared_expert_gate.weight": w(1, H),
+    }
+    return t
+
+
+def write_synthetic(path: Path, n: int, seed: int = 0) -> int:
+    """Write the checkpoint one layer at a time (bounded memory); returns its size in bytes."""
+    path.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    writer = ShardedWriter(path, max_shard_bytes=4 << 30)
+    writer.add(
+        "model.language_model.embed_tokens.weight", (torch.randn(VOCAB, H, generator=gen) * 0.02).bfloat16()
+    )
+    for i, kind in enumerate(layer_types(n)):
+        for name, t in layer_tensors(kind, gen).items():
+            writer.add(f"model.language_model.layers.{i}.{name}", t)
+    writer.add("model.language_model.norm.weight", torch.zeros(H, dtype=torch.bfloat16))
+    writer.add("lm_head.weight", (torch.randn(VOCAB, H, generator=gen) * 0.02).bfloat16())
+    writer.close()
+    config = {
+        "model_type": "qwen3_5_moe",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "text_config": text_config(n),
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    train_tokenizer(1000).save_pretrained(path)
+    return writer.total_bytes
+
+
+def run(n: int, workdir: Path, args) -> dict:
+    src, dst = workdir / f"synthetic-{n}L", workdir / f"synthetic-{n}L-nvfp4"
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.rmtree(dst, ignore_errors=True)
+    t = time.perf_counter()
+    size = write_synthetic(src, n)
+    gen_s = time.perf_counter() - t
+    report_path = workdir / f"report-{n}L.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "fp4moe.cli",
+        "quantize",
+        str(src),
+        str(dst),
+        "--no-progress",
+        "--report",
+        str(report_path),
+        "--num-samples",
+        str(args.num_samples),
+        "--seq-len",
+        str(args.seq_len),
+        "--device",
+        args.device,
+        "--calib-dtype",
+        args.calib_dtype,
+        "--batch-size",
+        str(args.batch_size),
+    ]
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    wall = time.perf_counter() - t
+    report = json.loads(report_path.read_text())
+    result = {
+        "layers": n,
+        "bytes_in": report["bytes_in"],
+        "bytes_out": report["bytes_out"],
+        "generate_s": round(gen_s, 1),
+        "wall_s": round(wall, 1),
+        "quantize_s": round(report["seconds"], 1),
+        "gb_per_s": round(report["bytes_in"] / 1e9 / report["seconds"], 3),
+        "peak_rss_gb": round(report["peak_rss_bytes"] / 1e9, 2),
+        "device": report["device"],
+        "calib_dtype": report["calib_dtype"],
+        "calib_tokens": report["calibration_tokens"],
+        "experts_calibrated": report["experts_calibrated"],
+        "experts": report["experts_quantized"],
+    }
+    print(json.dumps(result), flush=True)
+    assert size == report["bytes_in"]
+    if not args.keep:
+        shutil.rmtree(src)
+        shutil.rmtree(dst)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--workdir", default="/tmp/fp4moe-bench")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--calib-dtype", default="auto")
+    p.add_argument("--num-samples", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    p.add_argument("--out", help="write all results as JSON here")
+    args = p.parse_args()
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = [run(n, workdir, args) for n in args.layers]
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

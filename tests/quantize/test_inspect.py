@@ -1,0 +1,171 @@
+"""fp4moe inspect: a good checkpoint passes; each planted defect is caught, one test per defect."""
+
+import json
+
+import pytest
+import torch
+
+from fixtures import load_all, rewrite_tensors
+from fp4moe.cli import main
+from fp4moe.formats.checkpoint import CheckpointReader
+from fp4moe.quantize.inspect import inspect_checkpoint
+
+E = "model.language_model.layers.1.mlp.experts.3."
+
+
+@pytest.fixture
+def good(checkpoints):
+    return checkpoints.copy(checkpoints.quantized(), "inspect")
+
+
+def _plant(path, edit):
+    tensors = load_all(path)
+    edit(tensors)
+    rewrite_tensors(path, tensors)
+    return inspect_checkpoint(path)
+
+
+def _config(path, edit):
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return inspect_checkpoint(path)
+
+
+def _assert_problem(report, fragment):
+    assert not report.ok
+    assert any(fragment in p for p in report.problems), report.problems
+
+
+def test_good_checkpoint_passes_with_numbers(checkpoints, good):
+    report = inspect_checkpoint(good, reference=CheckpointReader(checkpoints.bf16()))
+    assert report.ok, report.problems
+    assert report.experts_quantized == 32 and report.experts_bf16 == 0 and report.mtp_tensors > 0
+    assert 0 < report.bytes_on_disk < report.bytes_bf16_equivalent
+    assert json.loads(report.to_json())["ok"] is True
+
+
+def test_compressed_tensors_checkpoint_passes(checkpoints):
+    assert inspect_checkpoint(checkpoints.quantized(fmt="compressed-tensors")).ok
+
+
+def test_missing_scale(good):
+    _assert_problem(
+        _plant(good, lambda t: t.pop(E + "up_proj.input_scale")), f"{E}up_proj.input_scale is missing"
+    )
+
+
+def test_nan_global_scale(good):
+    def edit(t):
+        t[E + "down_proj.weight_scale_2"] = torch.tensor(float("nan"))
+
+    _assert_problem(_plant(good, edit), "not finite and positive")
+
+
+def test_zero_block_scale(good):
+    def edit(t):
+        s = t[E + "gate_proj.weight_scale"].float()
+        s[0, 0] = 0
+        t[E + "gate_proj.weight_scale"] = s.to(torch.float8_e4m3fn)
+
+    _assert_problem(_plant(good, edit), "1 block scales are not finite and positive")
+
+
+def test_gate_up_scales_differ(good):
+    def edit(t):
+        t[E + "up_proj.weight_scale_2"] = t[E + "up_proj.weight_scale_2"] * 2
+
+    _assert_problem(_plant(good, edit), "gate and up global scales differ")
+
+
+def test_wrong_dtype(good):
+    def edit(t):
+        t[E + "gate_proj.weight_scale"] = t[E + "gate_proj.weight_scale"].float()
+
+    _assert_problem(_plant(good, edit), "expected F8_E4M3")
+
+
+def test_wrong_shape(good):
+    def edit(t):
+        t[E + "down_proj.weight"] = t[E + "down_proj.weight"][:, :-1].contiguous()
+
+    _assert_problem(_plant(good, edit), "expected (64, 16)")
+
+
+def test_expert_left_in_bf16(good):
+    def edit(t):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            for sfx in ("weight_scale", "weight_scale_2", "input_scale"):
+                t.pop(f"{E}{proj}.{sfx}")
+            n, k2 = t[f"{E}{proj}.weight"].shape
+            t[f"{E}{proj}.weight"] = torch.zeros(n, k2 * 2, dtype=torch.bfloat16)
+
+    report = _plant(good, edit)
+    _assert_problem(report, "routed expert left unquantized")
+    assert report.experts_bf16 == 1
+
+
+def test_exclude_entry_matching_nothing(good):
+    _assert_problem(
+        _config(
+            good,
+            lambda c: c["quantization_config"]["ignore"].append("model.language_model.layers.9.mlp.gate"),
+        ),
+        "matches no tensor",
+    )
+
+
+def test_bf16_linear_not_excluded(good):
+    name = "model.language_model.layers.0.linear_attn.in_proj_z"
+    _assert_problem(
+        _config(good, lambda c: c["quantization_config"]["ignore"].remove(name)),
+        f"{name} is BF16 but not in the exclude list",
+    )
+
+
+def test_exclude_entry_covering_experts(good):
+    _assert_problem(
+        _config(good, lambda c: c["quantization_config"]["ignore"].append("*mlp*")),
+        "covers the quantized routed experts",
+    )
+
+
+def test_mtp_declared_but_absent(good):
+    _assert_problem(
+        _plant(good, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("mtp.")]]), "no mtp.* tensors"
+    )
+
+
+def test_vision_declared_but_absent(good):
+    _assert_problem(
+        _plant(good, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("model.visual.")]]),
+        "no model.visual.*",
+    )
+
+
+def test_hf_quant_config_missing_keys(good):
+    q = json.loads((good / "hf_quant_config.json").read_text())
+    del q["quantization"]["kv_cache_quant_algo"]
+    (good / "hf_quant_config.json").write_text(json.dumps(q))
+    _assert_problem(inspect_checkpoint(good), "lacks keys vLLM requires: kv_cache_quant_algo")
+
+
+def test_not_quantized_at_all(checkpoints):
+    report = inspect_checkpoint(checkpoints.bf16())
+    _assert_problem(report, "no quantization_config")
+    _assert_problem(report, "routed experts left unquantized")
+
+
+def test_lost_tensor_against_reference(checkpoints, good):
+    report = _plant(good, lambda t: t.pop("model.language_model.layers.2.linear_attn.A_log"))
+    assert report.ok  # nothing in the config says A_log must exist ...
+    report = inspect_checkpoint(good, reference=CheckpointReader(checkpoints.bf16()))
+    _assert_problem(report, "linear_attn.A_log from the source checkpoint is missing")  # ... the source does
+
+
+def test_cli_exit_codes_and_json(good, capsys):
+    assert main(["inspect", str(good), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    _plant(good, lambda t: t.pop(E + "up_proj.input_scale"))
+    assert main(["inspect", str(good)]) == 1
+    assert "PROBLEM" in capsys.readouterr().out
