@@ -72,7 +72,7 @@ def text_config(n: int) -> dict:
 
 def layer_tensors(kind: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
     def w(*shape, std=0.02):
-        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=gen, device=gen.device) * std).to(torch.bfloat16).cpu()
 
     t = {"input_layernorm.weight": w(H, std=0.1), "post_attention_layernorm.weight": w(H, std=0.1)}
     if kind == "linear_attention":
@@ -109,10 +109,15 @@ def layer_tensors(kind: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
     return t
 
 
+def layer_tensors_embed(gen: torch.Generator) -> torch.Tensor:
+    return (torch.randn(VOCAB, H, generator=gen, device=gen.device) * 0.02).bfloat16().cpu()
+
+
 def write_synthetic(path: Path, n: int, seed: int = 0) -> int:
-    """Write the checkpoint one layer at a time (bounded memory); returns its size in bytes."""
+    """Write the checkpoint one layer at a time (bounded memory); returns its size in bytes.
+    Random numbers come from the GPU when there is one (only to write faster)."""
     path.mkdir(parents=True)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(seed)
     writer = ShardedWriter(path, max_shard_bytes=4 << 30)
     writer.add(
         "model.language_model.embed_tokens.weight", (torch.randn(VOCAB, H, generator=gen) * 0.02).bfloat16()
@@ -121,7 +126,7 @@ def write_synthetic(path: Path, n: int, seed: int = 0) -> int:
         for name, t in layer_tensors(kind, gen).items():
             writer.add(f"model.language_model.layers.{i}.{name}", t)
     writer.add("model.language_model.norm.weight", torch.zeros(H, dtype=torch.bfloat16))
-    writer.add("lm_head.weight", (torch.randn(VOCAB, H, generator=gen) * 0.02).bfloat16())
+    writer.add("lm_head.weight", layer_tensors_embed(gen))
     writer.close()
     config = {
         "model_type": "qwen3_5_moe",
@@ -182,6 +187,9 @@ def run(n: int, workdir: Path, args) -> dict:
         "experts": report["experts_quantized"],
     }
     print(json.dumps(result), flush=True)
+    if args.out:  # append as we go, so a run cut short keeps what it measured
+        with open(args.out + ".jsonl", "a") as f:
+            f.write(json.dumps(result) + "\n")
     assert size == report["bytes_in"]
     if not args.keep:
         shutil.rmtree(src)

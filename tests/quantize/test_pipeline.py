@@ -204,6 +204,7 @@ def test_kl_negative_control_detects_a_broken_scale(checkpoints):
 
 
 def test_compressed_tensors_package_decompresses_our_output(checkpoints):
+    pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.quantization import preset_name_to_scheme
 
@@ -258,3 +259,23 @@ def test_config_and_exclude_list(checkpoints):
     assert not any(e.startswith("model.") and ".mlp.experts" in e for e in entries)
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
         assert (out / f).exists(), f
+
+
+@pytest.mark.gpu
+def test_gpu_quantize_matches_cpu(checkpoints, tmp_path):
+    """GPU-side calibration and packing: identical weights and block scales, input scales within fp32 noise."""
+    from fp4moe.quantize.pipeline import quantize
+
+    quantize(
+        checkpoints.bf16(),
+        tmp_path / "gpu",
+        QuantizeOptions(device="cuda", calib_dtype="float32", num_samples=8, seq_len=64, progress=False),
+    )
+    cpu, gpu = load_all(checkpoints.quantized()), load_all(tmp_path / "gpu")
+    assert set(cpu) == set(gpu)
+    for name, t in cpu.items():
+        if name.endswith("input_scale"):
+            # different matmul kernels (fp32, no TF32) change the last bits of activations
+            torch.testing.assert_close(gpu[name], t, rtol=1e-4, atol=0, msg=name)
+        else:
+            assert torch.equal(gpu[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
