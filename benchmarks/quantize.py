@@ -119,9 +119,7 @@ def write_synthetic(path: Path, n: int, seed: int = 0) -> int:
     path.mkdir(parents=True)
     gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(seed)
     writer = ShardedWriter(path, max_shard_bytes=4 << 30)
-    writer.add(
-        "model.language_model.embed_tokens.weight", (torch.randn(VOCAB, H, generator=gen) * 0.02).bfloat16()
-    )
+    writer.add("model.language_model.embed_tokens.weight", layer_tensors_embed(gen))
     for i, kind in enumerate(layer_types(n)):
         for name, t in layer_tensors(kind, gen).items():
             writer.add(f"model.language_model.layers.{i}.{name}", t)

@@ -91,12 +91,18 @@ def weight_scale_2_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """
     amax = amax.float().abs()
     overflowed = ~torch.isfinite((FP8_MAX * FP4_MAX) / torch.clamp(amax, min=torch.finfo(torch.float32).tiny))
-    return torch.where(overflowed, torch.ones_like(amax), amax / (FP8_MAX * FP4_MAX))
+    return torch.where(overflowed, torch.ones_like(amax), _div(amax, FP8_MAX * FP4_MAX))
 
 
 def input_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """ModelOpt activation scale amax/(6*448) (compressed-tensors stores its reciprocal)."""
-    return amax.float() / (FP8_MAX * FP4_MAX)
+    return _div(amax.float(), FP8_MAX * FP4_MAX)
+
+
+def _div(x: torch.Tensor, c: float) -> torch.Tensor:
+    """x / c, correctly rounded on every device: CUDA turns division by a Python scalar into a multiply by
+    its reciprocal (a different last bit, which can flip an e4m3 rounding); a device tensor divisor does not."""
+    return x / torch.tensor(c, dtype=x.dtype, device=x.device)
 
 
 def _blocks(w: torch.Tensor) -> torch.Tensor:
@@ -112,7 +118,7 @@ def block_scales_from_amax(block_max: torch.Tensor, global_scale: torch.Tensor) 
     """E4M3 block scales from block amax [..., N, K/16] and global scale [...]."""
     gs = global_scale.float().reshape(*global_scale.shape, 1, 1)
     # 1. map the block max to the FP4 max, in units of the global scale
-    scales = gs * (block_max / FP4_MAX)
+    scales = gs * _div(block_max, FP4_MAX)
     # 2. round to e4m3 (saturating: torch's cast overflows to NaN otherwise)
     scales = torch.clamp(scales, -FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
     # 3. an all-zero block gets the smallest useful scale so decoding never divides by zero
