@@ -63,6 +63,8 @@ class TensorInfo:
     file: str
     dtype: str  # safetensors dtype string, e.g. "BF16"
     shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the file
+    length: int
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
@@ -98,7 +100,18 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(
             f"{path}: truncated: tensors need {8 + header_len + data_end} bytes, file has {size}"
         )
-    return {name: TensorInfo(name, path.name, v["dtype"], tuple(v["shape"])) for name, v in header.items()}
+    base = 8 + header_len
+    return {
+        name: TensorInfo(
+            name,
+            path.name,
+            v["dtype"],
+            tuple(v["shape"]),
+            offset=base + v["data_offsets"][0],
+            length=v["data_offsets"][1] - v["data_offsets"][0],
+        )
+        for name, v in header.items()
+    }
 
 
 class CheckpointReader:
@@ -118,7 +131,6 @@ class CheckpointReader:
                 raise CheckpointError(f"{self.path}: no *.safetensors files and no {INDEX_NAME}")
             for file in files:
                 self._add_file(file)
-        self._handles: dict[str, object] = {}
 
     def _add_file(self, file: Path) -> dict[str, TensorInfo]:
         infos = read_header(file)
@@ -168,18 +180,24 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: no tensor named {name}") from None
 
     def get(self, name: str) -> torch.Tensor:
+        """Read one tensor into fresh memory (a plain read, no memory map: pages of tensors already
+        processed do not stay resident, so host RSS tracks what the caller holds)."""
         info = self.info(name)
-        handle = self._handles.get(info.file)
-        if handle is None:
-            handle = safe_open(str(self.path / info.file), framework="pt")
-            self._handles[info.file] = handle
-        return handle.get_tensor(name)
+        dtype = TORCH_DTYPES.get(info.dtype)
+        if dtype is None:  # rare dtypes: let safetensors decode them
+            with safe_open(str(self.path / info.file), framework="pt") as f:
+                return f.get_tensor(name)
+        buf = bytearray(info.length)
+        with open(self.path / info.file, "rb") as f:
+            f.seek(info.offset)
+            if f.readinto(buf) != info.length:
+                raise CheckpointError(f"{self.path / info.file}: truncated while reading {name}")
+        if info.length == 0:
+            return torch.empty(info.shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
 
     def total_bytes(self) -> int:
         return sum(i.num_bytes for i in self.infos.values())
-
-    def close(self) -> None:
-        self._handles.clear()
 
 
 def parse_size(text: str | int) -> int:
