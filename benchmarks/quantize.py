@@ -164,6 +164,8 @@ def run(n: int, workdir: Path, args) -> dict:
         args.calib_dtype,
         "--batch-size",
         str(args.batch_size),
+        "--max-shard-size",
+        args.max_shard_size,
     ]
     t = time.perf_counter()
     subprocess.run(cmd, check=True)
@@ -178,6 +180,7 @@ def run(n: int, workdir: Path, args) -> dict:
         "quantize_s": round(report["seconds"], 1),
         "gb_per_s": round(report["bytes_in"] / 1e9 / report["seconds"], 3),
         "peak_rss_gb": round(report["peak_rss_bytes"] / 1e9, 2),
+        "stage_s": report["stage_seconds"],
         "device": report["device"],
         "calib_dtype": report["calib_dtype"],
         "calib_tokens": report["calibration_tokens"],
@@ -204,6 +207,7 @@ def main() -> None:
     p.add_argument("--num-samples", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-shard-size", default="1GB", help="1GB: every N fills the one shard buffer")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--out", help="write all results as JSON here")
     args = p.parse_args()

@@ -6,6 +6,8 @@ calibration activations plus at most one output shard -- independent of the numb
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import resource
 import time
@@ -103,6 +105,7 @@ class QuantizeReport:
     fallback_experts: list[list[int]] = field(default_factory=list)  # [layer, expert]
     min_tokens_per_expert: int = 0
     seconds: float = 0.0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
     peak_rss_bytes: int = 0
 
     def to_json(self) -> str:
@@ -119,9 +122,31 @@ class QuantizeReport:
             f"fallbacks: {len(self.fallback_experts)}; fewest tokens for a calibrated expert: {self.min_tokens_per_expert}",
             f"  size: {self.bytes_in / gb:.3f} GB -> {self.bytes_out / gb:.3f} GB "
             f"({self.bytes_out / max(self.bytes_in, 1):.1%})",
-            f"  time {self.seconds:.1f} s, peak RSS {self.peak_rss_bytes / gb:.2f} GB",
+            f"  time {self.seconds:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in self.stage_seconds.items())}), "
+            f"peak RSS {self.peak_rss_bytes / gb:.2f} GB",
         ]
         return "\n".join(lines)
+
+
+def _release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise, and RSS creeps up layer by layer)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class StageTimer:
+    """Wall seconds spent per pipeline stage (read, calibrate, quantize, write)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t
 
 
 def peak_rss_bytes() -> int:
@@ -221,7 +246,9 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
 
     device = options.resolve_device()
     dtype = options.resolve_dtype(reader.info(f"{prefix}embed_tokens.weight").torch_dtype or torch.float32)
-    tokens, source = calibration_token_ids(src, cfg, options)
+    timer = StageTimer()
+    with timer("tokenize"):
+        tokens, source = calibration_token_ids(src, cfg, options)
     text_config = calibrate.text_config_for(cfg.raw)
     rotary = calibrate.rotary_for(text_config, device)
     done: set[str] = set()
@@ -242,29 +269,33 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
         for i, block in enumerate(tqdm(blocks, desc="layers", unit="layer", disable=not show)):
             names = arch.layer_names(reader, prefix, i)
             expert_names = set(block.source_names())
-            dense = {n: _finite(n, reader.get(n)) for n in names if n not in expert_names}
-            gate_up, down = block.read(reader)
-            _finite(f"{block.prefix}gate_up_proj", gate_up)
-            _finite(f"{block.prefix}down_proj", down)
-            layer_tensors = {arch.strip_layer_prefix(n): t for n, t in dense.items()}
-            layer_tensors["mlp.experts.gate_up_proj"] = gate_up
-            layer_tensors["mlp.experts.down_proj"] = down
-            layer = calibrate.build_layer(text_config, i, layer_tensors, dtype, device)
-            hidden, stats = calibrate.calibrate_layer(
-                layer,
-                hidden,
-                rotary,
-                all_experts=options.calibrate_all_experts,
-                batch_size=options.batch_size,
-            )
-            del layer, layer_tensors
-            # quantize the checkpoint's own values (not the calibration-dtype copy), on the device
-            q = quantize_experts(
-                gate_up.to(device), down.to(device), stats, options.scale_method, name=block.prefix
-            )
-            for name, t in dense.items():
-                writer.add(name, t)
-            write_experts(writer, options.format, block.prefix, q)
+            with timer("read"):
+                dense = {n: _finite(n, reader.get(n)) for n in names if n not in expert_names}
+                gate_up, down = block.read(reader)
+                _finite(f"{block.prefix}gate_up_proj", gate_up)
+                _finite(f"{block.prefix}down_proj", down)
+            with timer("calibrate"):
+                layer_tensors = {arch.strip_layer_prefix(n): t for n, t in dense.items()}
+                layer_tensors["mlp.experts.gate_up_proj"] = gate_up
+                layer_tensors["mlp.experts.down_proj"] = down
+                layer = calibrate.build_layer(text_config, i, layer_tensors, dtype, device)
+                hidden, stats = calibrate.calibrate_layer(
+                    layer,
+                    hidden,
+                    rotary,
+                    all_experts=options.calibrate_all_experts,
+                    batch_size=options.batch_size,
+                )
+                del layer, layer_tensors
+            with timer("quantize"):
+                # the checkpoint's own values (not the calibration-dtype copy), on the device
+                q = quantize_experts(
+                    gate_up.to(device), down.to(device), stats, options.scale_method, name=block.prefix
+                )
+            with timer("write"):
+                for name, t in dense.items():
+                    writer.add(name, t)
+                write_experts(writer, options.format, block.prefix, q)
             fallbacks += [[i, int(e)] for e in q.fallback.nonzero().flatten()]
             num_calibrated += int(stats.calibrated.sum())
             seen = stats.num_tokens[stats.calibrated]
@@ -272,17 +303,19 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
                 min_tokens = int(seen.min()) if min_tokens is None else min(min_tokens, int(seen.min()))
             done.update(names)
             del dense, gate_up, down, q
+            _release_freed_memory()
 
-        for name in tqdm(
-            [n for n in reader.names() if n not in done and not n.startswith("mtp.")],
-            desc="other tensors",
-            unit="tensor",
-            disable=not show,
-        ):
-            writer.add(name, _finite(name, reader.get(name)))
-        if mtp_names:
-            writer.write_file(MTP_FILE, {n: _finite(n, reader.get(n)) for n in mtp_names})
-        writer.close()
+        with timer("write"):
+            for name in tqdm(
+                [n for n in reader.names() if n not in done and not n.startswith("mtp.")],
+                desc="other tensors",
+                unit="tensor",
+                disable=not show,
+            ):
+                writer.add(name, _finite(name, reader.get(name)))
+            if mtp_names:
+                writer.write_file(MTP_FILE, {n: _finite(n, reader.get(n)) for n in mtp_names})
+            writer.close()
 
         shapes = {
             n: reader.info(n).shape for n in reader.names() if arch.classify(n) is not arch.Role.ROUTED_EXPERT
@@ -296,7 +329,8 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             write_json(tmp / "hf_quant_config.json", hf_qcfg)
         copy_side_files(src, tmp, skip={"config.json", INDEX_NAME, "hf_quant_config.json"})
 
-        check = inspect_checkpoint(tmp, reference=reader)
+        with timer("inspect"):
+            check = inspect_checkpoint(tmp, reference=reader)
         if not check.ok:
             raise QuantizeError("the written checkpoint failed inspection:\n  " + "\n  ".join(check.problems))
         bytes_out = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
@@ -320,5 +354,6 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
         fallback_experts=fallbacks,
         min_tokens_per_expert=min_tokens or 0,
         seconds=time.perf_counter() - t0,
+        stage_seconds={k: round(v, 2) for k, v in timer.seconds.items()},
         peak_rss_bytes=peak_rss_bytes(),
     )
