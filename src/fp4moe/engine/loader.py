@@ -1,0 +1,132 @@
+"""Checkpoint -> engine model: built on the meta device, tensors assigned once (no double allocation).
+
+Reads bf16 checkpoints in every expert layout (fused 3-D, per-expert 2-D) and per-expert NVFP4 checkpoints
+in ModelOpt (``weight``/``weight_scale``/``weight_scale_2``) and compressed-tensors (``weight_packed``/
+``weight_scale``/``weight_global_scale``) form -- ours, ModelOpt's and llm-compressor's. NVFP4 experts
+stay packed; their decode scale is ModelOpt's weight_scale_2 (= 1 / compressed-tensors' global scale).
+Vision and MTP tensors are not part of the text model and are skipped here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
+from fp4moe.formats.layouts import SUFFIXES, OutputFormat
+from fp4moe.models import qwen3_5_moe as arch
+from fp4moe.models.qwen3_5_moe_model import ModelArgs, Qwen3_5MoeModel
+from fp4moe.quantize.inspect import detect_format
+
+# checkpoint name (relative to the layer) -> engine parameter (relative to the layer)
+_RENAMES = {
+    "linear_attn.conv1d.weight": "linear_attn.conv1d_weight",
+    "linear_attn.norm.weight": "linear_attn.norm_weight",
+    "mlp.shared_expert.gate_proj.weight": "mlp.shared_gate_proj.weight",
+    "mlp.shared_expert.up_proj.weight": "mlp.shared_up_proj.weight",
+    "mlp.shared_expert.down_proj.weight": "mlp.shared_down_proj.weight",
+}
+
+
+def merge_overrides(config: dict, overrides: dict | None) -> dict:
+    """Apply ``--hf-overrides`` (a dict merged recursively into config.json, text_config included)."""
+    if not overrides:
+        return config
+    out = dict(config)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_overrides(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def text_config_of(config: dict) -> dict:
+    return config.get("text_config", config) if config.get("model_type") == "qwen3_5_moe" else config
+
+
+def load_config(path: str | Path, hf_overrides: dict | None = None) -> dict:
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{path}: no config.json")
+    config = json.loads(cfg_path.read_text())
+    arch.ModelConfig.from_dict(config)  # validates model_type
+    return merge_overrides(config, hf_overrides)
+
+
+def _experts_state(reader, fmt: OutputFormat | None, prefix: str, args: ModelArgs, dtype) -> dict[str, torch.Tensor]:
+    """Engine tensors of one layer's routed experts (``mlp.experts.*``)."""
+    e_count, h, i = args.num_experts, args.hidden_size, args.moe_intermediate_size
+    if fmt is None:  # bf16
+        cfg = arch.TextConfig(args.num_layers, h, e_count, args.top_k, i, args.vocab_size, list(args.layer_types))
+        gate_up, down = arch.expert_block(reader, prefix, cfg).read(reader)
+        return {"mlp.experts.gate_up_proj": gate_up.to(dtype), "mlp.experts.down_proj": down.to(dtype)}
+    packed_sfx, scale_sfx, global_sfx, _ = SUFFIXES[fmt]
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("gu_p", "gu_s", "gu_d", "d_p", "d_s", "d_d")}
+    for e in range(e_count):
+        t = {(p, s): reader.get(f"{prefix}{e}.{p}.{s}") for p in arch.PROJECTIONS for s in (packed_sfx, scale_sfx, global_sfx)}
+
+        def decode(p):
+            s = t[(p, global_sfx)].float().reshape(())
+            return s if fmt is OutputFormat.MODELOPT else 1.0 / s
+
+        if not torch.equal(decode("gate_proj"), decode("up_proj")):
+            raise CheckpointError(f"{prefix}{e}: gate and up NVFP4 global scales differ; run `fp4moe inspect`")
+        parts["gu_p"].append(torch.cat([t[("gate_proj", packed_sfx)], t[("up_proj", packed_sfx)]]))
+        parts["gu_s"].append(torch.cat([t[("gate_proj", scale_sfx)], t[("up_proj", scale_sfx)]]))
+        parts["gu_d"].append(decode("gate_proj"))
+        parts["d_p"].append(t[("down_proj", packed_sfx)])
+        parts["d_s"].append(t[("down_proj", scale_sfx)])
+        parts["d_d"].append(decode("down_proj"))
+    names = {"gu_p": "gate_up_packed", "gu_s": "gate_up_scales", "gu_d": "gate_up_decode",
+             "d_p": "down_packed", "d_s": "down_scales", "d_d": "down_decode"}
+    return {f"mlp.experts.{names[k]}": torch.stack(v) for k, v in parts.items()}
+
+
+def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+               hf_overrides: dict | None = None) -> tuple[Qwen3_5MoeModel, dict]:
+    """Build the engine model from a checkpoint directory; returns (model, merged config)."""
+    config = load_config(path, hf_overrides)
+    text = text_config_of(config)
+    args = ModelArgs.from_text_config(text)
+    reader = CheckpointReader(path)
+    prefix = arch.text_prefix(reader)
+    fmt, _, problem = detect_format(config)
+    if "quantization_config" in config and problem:
+        raise CheckpointError(f"{path}: {problem}")
+    if dtype in (None, "auto"):
+        info = reader.info(f"{prefix}embed_tokens.weight")
+        dtype = info.torch_dtype if info.torch_dtype and info.torch_dtype.is_floating_point else torch.float32
+    elif isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with torch.device("meta"):
+        model = Qwen3_5MoeModel(args)
+    if fmt is not None:
+        for layer in model.layers:
+            layer.mlp.experts.use_nvfp4()
+
+    state: dict[str, torch.Tensor] = {}
+    for name in reader.names():
+        role = arch.classify(name)
+        if role in (arch.Role.VISION, arch.Role.MTP, arch.Role.ROUTED_EXPERT):
+            continue
+        if name == f"{prefix}embed_tokens.weight":
+            state["embed_tokens"] = reader.get(name).to(dtype)
+        elif name == f"{prefix}norm.weight":
+            state["norm.weight"] = reader.get(name).to(dtype)
+        elif name == "lm_head.weight":
+            state["lm_head.weight"] = reader.get(name).to(dtype)
+        elif (idx := arch.layer_of(name)) is not None:
+            rest = arch.strip_layer_prefix(name)
+            state[f"layers.{idx}.{_RENAMES.get(rest, rest)}"] = reader.get(name).to(dtype)
+    if "lm_head.weight" not in state and text.get("tie_word_embeddings"):
+        state["lm_head.weight"] = state["embed_tokens"]
+    for idx in range(args.num_layers):
+        for k, v in _experts_state(reader, fmt, f"{prefix}layers.{idx}.mlp.experts.", args, dtype).items():
+            state[f"layers.{idx}.{k}"] = v
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: tensors missing {missing[:5]} / unexpected {unexpected[:5]}")
+    return model.to(device).eval(), config

@@ -1,0 +1,53 @@
+"""Gated attention (full-attention layers): q_proj holds query and gate per head, q/k RMSNorm, partial
+mRoPE, GQA, output * sigmoid(gate), o_proj. Attention runs per sequence over its cached keys/values."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp4moe.layers.linear import Linear
+from fp4moe.layers.norm import RMSNorm
+from fp4moe.layers.rope import Rotary
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, layer_id: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_id = layer_id
+        self.q_proj = Linear(hidden, num_heads * head_dim * 2)
+        self.k_proj = Linear(hidden, num_kv_heads * head_dim)
+        self.v_proj = Linear(hidden, num_kv_heads * head_dim)
+        self.o_proj = Linear(num_heads * head_dim, hidden)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        """x [T, hidden] (flat batch), cos/sin [T, rotary_dim] -> [T, hidden]."""
+        t = x.shape[0]
+        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D] each
+        q = Rotary.apply(self.q_norm(q), cos, sin)
+        k = Rotary.apply(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        out = torch.empty_like(q)
+        for seq, (start, end) in enumerate(ctx.spans()):
+            k_all, v_all = ctx.kv.append(self.layer_id, ctx.slots[seq], k[start:end], v[start:end])  # [L, Hkv, D]
+            out[start:end] = attend(q[start:end], k_all, v_all, ctx.cached_lens[seq])
+        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(out)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -> torch.Tensor:
+    """Causal GQA for one sequence: q [n, H, D] at positions num_cached.., k/v [num_cached + n, Hkv, D]."""
+    n, heads, dim = q.shape
+    rep = heads // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    query_pos = torch.arange(num_cached, num_cached + n, device=q.device).unsqueeze(1)
+    visible = torch.arange(k.shape[0], device=q.device).unsqueeze(0) <= query_pos  # [n, L]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=visible, scale=dim**-0.5
+    )
+    return out.transpose(0, 1)

@@ -1,0 +1,110 @@
+"""Gated DeltaNet (linear-attention layers): projections, causal depthwise conv + SiLU with a per-sequence
+conv state, the gated delta rule with a per-sequence fp32 recurrent state, gated RMSNorm, out_proj.
+
+Per value head, with state S [Dk, Dv]:  S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;
+o_t = S^T q_t. Prefill uses the chunked form (chunk 64), decode the token-wise recurrent form.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp4moe.layers.linear import Linear
+from fp4moe.layers.norm import gated_rms_norm
+
+CHUNK = 64
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def delta_rule_recurrent(q, k, v, g, beta, state):
+    """Token by token. q/k [T, H, Dk], v [T, H, Dv], g/beta [T, H], state [H, Dk, Dv] (all fp32)."""
+    out = torch.empty_like(v)
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        predicted = torch.einsum("hkv,hk->hv", state, k[t])
+        state = state + k[t].unsqueeze(-1) * ((v[t] - predicted) * beta[t].unsqueeze(-1)).unsqueeze(-2)
+        out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+    return out, state
+
+
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """The same recurrence, ``chunk`` tokens at a time. Within a chunk with cumulative log-decay c_t and
+    start state S0, the corrections u_s = beta_s (v_s - predicted_s) solve the unit lower-triangular system
+    (I + A) U = beta (V - exp(c) K S0), A[s, r] = beta_s exp(c_s - c_r) k_s.k_r for r < s; then
+    O = exp(c) Q S0 + (M o Q K^T) U with M[t, s] = exp(c_t - c_s) for s <= t, and
+    S_end = exp(c_end) S0 + (K o exp(c_end - c))^T U."""
+    total = q.shape[0]
+    out = torch.empty_like(v)
+    q, k, v, g, beta = (x.transpose(0, 1) for x in (q, k, v, g, beta))  # heads first: [H, T, ...]
+    for start in range(0, total, chunk):
+        end = min(start + chunk, total)
+        qc, kc, vc, bc = q[:, start:end], k[:, start:end], v[:, start:end], beta[:, start:end]
+        c = g[:, start:end].cumsum(-1)  # [H, n]
+        n = end - start
+        diff = c.unsqueeze(-1) - c.unsqueeze(-2)  # [H, n, n]: c_t - c_s
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()  # M, incl. diagonal
+        a = (kc @ kc.transpose(-1, -2)) * decay * bc.unsqueeze(-1)
+        a = a.tril(-1)
+        system = a + torch.eye(n, dtype=q.dtype, device=q.device)
+        rhs = bc.unsqueeze(-1) * (vc - (c.exp().unsqueeze(-1) * kc) @ state)  # [H, n, Dv]
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        out[start:end] = ((c.exp().unsqueeze(-1) * qc) @ state + ((qc @ kc.transpose(-1, -2)) * decay) @ u).transpose(0, 1)
+        state = c[:, -1].exp()[:, None, None] * state + (kc * (c[:, -1:] - c).exp().unsqueeze(-1)).transpose(-1, -2) @ u
+    return out, state
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, conv_kernel: int,
+                 eps: float, layer_id: int):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim = num_k_heads, num_v_heads, k_dim, v_dim
+        self.layer_id, self.eps, self.conv_kernel = layer_id, eps, conv_kernel
+        self.key_size, self.value_size = num_k_heads * k_dim, num_v_heads * v_dim
+        self.conv_dim = 2 * self.key_size + self.value_size
+        self.in_proj_qkv = Linear(hidden, self.conv_dim)
+        self.in_proj_z = Linear(hidden, self.value_size)
+        self.in_proj_b = Linear(hidden, num_v_heads)
+        self.in_proj_a = Linear(hidden, num_v_heads)
+        self.conv1d_weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(num_v_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(num_v_heads), requires_grad=False)
+        self.norm_weight = nn.Parameter(torch.empty(v_dim), requires_grad=False)
+        self.out_proj = Linear(self.value_size, hidden)
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """x [T, hidden] (flat batch) -> [T, hidden]; reads and updates each sequence's state slot."""
+        t = x.shape[0]
+        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
+        z = self.in_proj_z(x).view(t, self.num_v_heads, self.v_dim)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        core = torch.empty(t, self.num_v_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        for seq, (start, end) in enumerate(ctx.spans()):
+            slot = ctx.slots[seq]
+            conv_state, rec_state = ctx.deltanet.get(self.layer_id, slot)
+            qkv, new_conv = self._conv(mixed[start:end], conv_state)
+            q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
+            n = end - start
+            rep = self.num_v_heads // self.num_k_heads
+            q = l2_normalize(q.float().view(n, self.num_k_heads, self.k_dim)).repeat_interleave(rep, dim=1)
+            k = l2_normalize(k.float().view(n, self.num_k_heads, self.k_dim)).repeat_interleave(rep, dim=1)
+            q = q * self.k_dim**-0.5
+            v = v.float().view(n, self.num_v_heads, self.v_dim)
+            rule = delta_rule_recurrent if n == 1 else delta_rule_chunked
+            o, new_rec = rule(q, k, v, g[start:end], beta[start:end].float(), rec_state)
+            ctx.deltanet.set(self.layer_id, slot, new_conv, new_rec)
+            core[start:end] = o.to(x.dtype)
+        out = gated_rms_norm(core, z, self.norm_weight, self.eps).reshape(t, -1)
+        return self.out_proj(out)
+
+    def _conv(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal depthwise conv + SiLU over x [n, C] continuing from state [C, K-1] (the last inputs)."""
+        full = torch.cat([state.to(x.dtype), x.transpose(0, 1)], dim=-1)  # [C, K-1+n]
+        out = F.conv1d(full.unsqueeze(0), self.conv1d_weight, groups=self.conv_dim).squeeze(0)  # [C, n]
+        return F.silu(out).transpose(0, 1), full[:, -(self.conv_kernel - 1):]

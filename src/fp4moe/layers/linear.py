@@ -1,0 +1,50 @@
+"""Linear layers whose weight is either dense (bf16/fp32) or NVFP4 (packed codes + scales, kept packed).
+
+The CPU path dequantizes NVFP4 with the torch reference (fp4moe.formats.nvfp4) at each call; GPU kernels
+that dequantize in registers are a separate piece of work.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp4moe.formats import nvfp4
+
+
+class NVFP4Weight(nn.Module):
+    """One [N, K] NVFP4 weight: ``packed`` uint8 [N, K/2], ``block_scales`` e4m3 [N, K/16], ``decode_scale``
+    f32 0-D (ModelOpt's weight_scale_2 = 1/compressed-tensors' weight_global_scale)."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("packed", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("block_scales", torch.empty(out_features, in_features // 16, dtype=nvfp4.FP8_DTYPE))
+        self.register_buffer("decode_scale", torch.empty((), dtype=torch.float32))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return nvfp4.dequantize_modelopt(self.packed, self.block_scales, self.decode_scale, dtype)
+
+
+class Linear(nn.Module):
+    """y = x W^T with W dense or NVFP4 (set by the loader through ``quantize_as_nvfp4``)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.nvfp4: NVFP4Weight | None = None
+
+    def use_nvfp4(self) -> None:
+        """Replace the dense weight by an NVFP4 one (before loading)."""
+        del self.weight
+        self.weight = None
+        self.nvfp4 = NVFP4Weight(self.out_features, self.in_features)
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.nvfp4.dequantize(dtype) if self.nvfp4 is not None else self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense_weight(x.dtype))

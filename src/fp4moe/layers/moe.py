@@ -1,0 +1,89 @@
+"""Sparse MoE block: fp32-softmax router with renormalised top-k, SwiGLU routed experts (dense or NVFP4,
+kept packed), and a shared expert gated by sigmoid(shared_expert_gate(x)).
+
+Tokens are sorted by expert once and each expert runs one matmul over its tokens; NVFP4 experts are
+dequantized one expert at a time with the torch reference (the CPU path)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp4moe.formats import nvfp4
+from fp4moe.layers.linear import Linear
+
+
+class RoutedExperts(nn.Module):
+    """E experts: gate_up [E, 2I, H] (gate rows first) and down [E, H, I], dense or NVFP4."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
+        self.quantized = False
+
+    def use_nvfp4(self) -> None:
+        """Hold packed NVFP4 weights instead (set before loading)."""
+        e, h, i = self.num_experts, self.hidden, self.inter
+        del self.gate_up_proj, self.down_proj
+        self.gate_up_proj = self.down_proj = None
+        self.register_buffer("gate_up_packed", torch.empty(e, 2 * i, h // 2, dtype=torch.uint8))
+        self.register_buffer("gate_up_scales", torch.empty(e, 2 * i, h // 16, dtype=nvfp4.FP8_DTYPE))
+        self.register_buffer("gate_up_decode", torch.empty(e, dtype=torch.float32))
+        self.register_buffer("down_packed", torch.empty(e, h, i // 2, dtype=torch.uint8))
+        self.register_buffer("down_scales", torch.empty(e, h, i // 16, dtype=nvfp4.FP8_DTYPE))
+        self.register_buffer("down_decode", torch.empty(e, dtype=torch.float32))
+        self.quantized = True
+
+    def weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.quantized:
+            return self.gate_up_proj[e], self.down_proj[e]
+        gate_up = nvfp4.dequantize_modelopt(self.gate_up_packed[e], self.gate_up_scales[e], self.gate_up_decode[e], dtype)
+        down = nvfp4.dequantize_modelopt(self.down_packed[e], self.down_scales[e], self.down_decode[e], dtype)
+        return gate_up, down
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], topk_ids/weights [T, k] -> sum_k w * down(silu(gate x) * up x), [T, H]."""
+        out = torch.zeros_like(x)
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of, slot_of = order // topk_ids.shape[1], order % topk_ids.shape[1]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tokens, slots = token_of[start : start + n], slot_of[start : start + n]
+            start += n
+            gate_up, down = self.weights(e, x.dtype)
+            gate, up = F.linear(x[tokens], gate_up).chunk(2, dim=-1)  # [n, I] each
+            y = F.linear(F.silu(gate) * up, down) * topk_weights[tokens, slots, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, inter: int, shared_inter: int):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = Linear(hidden, num_experts)  # the router
+        self.experts = RoutedExperts(num_experts, hidden, inter)
+        self.shared_gate_proj = Linear(hidden, shared_inter)
+        self.shared_up_proj = Linear(hidden, shared_inter)
+        self.shared_down_proj = Linear(shared_inter, hidden)
+        self.shared_expert_gate = Linear(hidden, 1)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.gate(x)  # [T, E]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        routed = self.experts(x, ids, weights)
+        shared = self.shared_down_proj(F.silu(self.shared_gate_proj(x)) * self.shared_up_proj(x))
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared

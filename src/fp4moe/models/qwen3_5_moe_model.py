@@ -1,0 +1,116 @@
+"""The qwen3_5_moe text model as torch modules of our engine (no transformers in the serving path).
+
+The forward takes a flat token batch -- ``input_ids`` [T] of several sequences back to back, ``positions``
+[3, T] (mRoPE T/H/W; equal rows for text) -- and a per-step context (``fp4moe.engine.context``) that says
+where each sequence starts, how many of its tokens are cached, and which cache/state slot it owns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fp4moe.layers.attention import GatedAttention
+from fp4moe.layers.deltanet import GatedDeltaNet
+from fp4moe.layers.linear import Linear
+from fp4moe.layers.moe import SparseMoE
+from fp4moe.layers.norm import RMSNorm
+from fp4moe.layers.rope import RopeConfig, Rotary
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    shared_intermediate_size: int
+    eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+
+    @classmethod
+    def from_text_config(cls, text: dict) -> ModelArgs:
+        n = int(text["num_hidden_layers"])
+        types = text.get("layer_types") or [
+            "full_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) == 0 else "linear_attention"
+            for i in range(n)
+        ]
+        return cls(
+            hidden_size=int(text["hidden_size"]), num_layers=n, layer_types=tuple(types),
+            vocab_size=int(text["vocab_size"]), num_heads=int(text["num_attention_heads"]),
+            num_kv_heads=int(text["num_key_value_heads"]),
+            head_dim=int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]),
+            linear_num_key_heads=int(text["linear_num_key_heads"]),
+            linear_num_value_heads=int(text["linear_num_value_heads"]),
+            linear_key_head_dim=int(text["linear_key_head_dim"]),
+            linear_value_head_dim=int(text["linear_value_head_dim"]),
+            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)), num_experts=int(text["num_experts"]),
+            top_k=int(text["num_experts_per_tok"]), moe_intermediate_size=int(text["moe_intermediate_size"]),
+            shared_intermediate_size=int(text["shared_expert_intermediate_size"]),
+            eps=float(text.get("rms_norm_eps", 1e-6)), rope=RopeConfig.from_text_config(text),
+            max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.is_attention = args.layer_types[layer_id] == "full_attention"
+        if self.is_attention:
+            self.self_attn = GatedAttention(args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim, args.eps, layer_id)
+        else:
+            self.linear_attn = GatedDeltaNet(
+                args.hidden_size, args.linear_num_key_heads, args.linear_num_value_heads, args.linear_key_head_dim,
+                args.linear_value_head_dim, args.conv_kernel, args.eps, layer_id,
+            )
+        self.mlp = SparseMoE(args.hidden_size, args.num_experts, args.top_k, args.moe_intermediate_size,
+                             args.shared_intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        h = h + (self.self_attn(x, cos, sin, ctx) if self.is_attention else self.linear_attn(x, ctx))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3_5MoeModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Parameter(torch.empty(args.vocab_size, args.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.eps)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size)
+        self.rotary: Rotary | None = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens[input_ids]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of a flat batch."""
+        if self.rotary is None:
+            self.rotary = Rotary(self.args.rope, self.embed_tokens.device)
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, ctx)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
