@@ -13,7 +13,9 @@ class KVCache:
     def __init__(self):
         self._kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def append(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(
+        self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add k/v [n, Hkv, D] to the slot's cache; returns all cached k/v [L, Hkv, D]."""
         old = self._kv.get((layer, slot))
         if old is not None:
@@ -31,8 +33,16 @@ class KVCache:
 
 
 class DeltaNetStates:
-    def __init__(self, conv_dim: int, conv_kernel: int, num_v_heads: int, k_dim: int, v_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        conv_dim: int,
+        conv_kernel: int,
+        num_v_heads: int,
+        k_dim: int,
+        v_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.conv_shape = (conv_dim, conv_kernel - 1)
         self.rec_shape = (num_v_heads, k_dim, v_dim)
         self.dtype, self.device = dtype, device
@@ -41,8 +51,10 @@ class DeltaNetStates:
     def get(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         state = self._states.get((layer, slot))
         if state is None:
-            return (torch.zeros(self.conv_shape, dtype=self.dtype, device=self.device),
-                    torch.zeros(self.rec_shape, dtype=torch.float32, device=self.device))
+            return (
+                torch.zeros(self.conv_shape, dtype=self.dtype, device=self.device),
+                torch.zeros(self.rec_shape, dtype=torch.float32, device=self.device),
+            )
         return state
 
     def set(self, layer: int, slot: int, conv: torch.Tensor, rec: torch.Tensor) -> None:

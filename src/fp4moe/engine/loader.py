@@ -56,37 +56,59 @@ def load_config(path: str | Path, hf_overrides: dict | None = None) -> dict:
     return merge_overrides(config, hf_overrides)
 
 
-def _experts_state(reader, fmt: OutputFormat | None, prefix: str, args: ModelArgs, dtype) -> dict[str, torch.Tensor]:
+def _decode_scale(stored: torch.Tensor, fmt: OutputFormat) -> torch.Tensor:
+    """ModelOpt stores the decode scale (weight_scale_2); compressed-tensors its reciprocal."""
+    s = stored.float().reshape(())
+    return s if fmt is OutputFormat.MODELOPT else 1.0 / s
+
+
+def _experts_state(
+    reader, fmt: OutputFormat | None, prefix: str, args: ModelArgs, dtype
+) -> dict[str, torch.Tensor]:
     """Engine tensors of one layer's routed experts (``mlp.experts.*``)."""
     e_count, h, i = args.num_experts, args.hidden_size, args.moe_intermediate_size
     if fmt is None:  # bf16
-        cfg = arch.TextConfig(args.num_layers, h, e_count, args.top_k, i, args.vocab_size, list(args.layer_types))
+        cfg = arch.TextConfig(
+            args.num_layers, h, e_count, args.top_k, i, args.vocab_size, list(args.layer_types)
+        )
         gate_up, down = arch.expert_block(reader, prefix, cfg).read(reader)
         return {"mlp.experts.gate_up_proj": gate_up.to(dtype), "mlp.experts.down_proj": down.to(dtype)}
     packed_sfx, scale_sfx, global_sfx, _ = SUFFIXES[fmt]
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("gu_p", "gu_s", "gu_d", "d_p", "d_s", "d_d")}
     for e in range(e_count):
-        t = {(p, s): reader.get(f"{prefix}{e}.{p}.{s}") for p in arch.PROJECTIONS for s in (packed_sfx, scale_sfx, global_sfx)}
-
-        def decode(p):
-            s = t[(p, global_sfx)].float().reshape(())
-            return s if fmt is OutputFormat.MODELOPT else 1.0 / s
-
-        if not torch.equal(decode("gate_proj"), decode("up_proj")):
-            raise CheckpointError(f"{prefix}{e}: gate and up NVFP4 global scales differ; run `fp4moe inspect`")
+        t = {
+            (p, s): reader.get(f"{prefix}{e}.{p}.{s}")
+            for p in arch.PROJECTIONS
+            for s in (packed_sfx, scale_sfx, global_sfx)
+        }
+        decode = {p: _decode_scale(t[(p, global_sfx)], fmt) for p in arch.PROJECTIONS}
+        if not torch.equal(decode["gate_proj"], decode["up_proj"]):
+            raise CheckpointError(
+                f"{prefix}{e}: gate and up NVFP4 global scales differ; run `fp4moe inspect`"
+            )
         parts["gu_p"].append(torch.cat([t[("gate_proj", packed_sfx)], t[("up_proj", packed_sfx)]]))
         parts["gu_s"].append(torch.cat([t[("gate_proj", scale_sfx)], t[("up_proj", scale_sfx)]]))
-        parts["gu_d"].append(decode("gate_proj"))
+        parts["gu_d"].append(decode["gate_proj"])
         parts["d_p"].append(t[("down_proj", packed_sfx)])
         parts["d_s"].append(t[("down_proj", scale_sfx)])
-        parts["d_d"].append(decode("down_proj"))
-    names = {"gu_p": "gate_up_packed", "gu_s": "gate_up_scales", "gu_d": "gate_up_decode",
-             "d_p": "down_packed", "d_s": "down_scales", "d_d": "down_decode"}
+        parts["d_d"].append(decode["down_proj"])
+    names = {
+        "gu_p": "gate_up_packed",
+        "gu_s": "gate_up_scales",
+        "gu_d": "gate_up_decode",
+        "d_p": "down_packed",
+        "d_s": "down_scales",
+        "d_d": "down_decode",
+    }
     return {f"mlp.experts.{names[k]}": torch.stack(v) for k, v in parts.items()}
 
 
-def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-               hf_overrides: dict | None = None) -> tuple[Qwen3_5MoeModel, dict]:
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "cpu",
+    hf_overrides: dict | None = None,
+) -> tuple[Qwen3_5MoeModel, dict]:
     """Build the engine model from a checkpoint directory; returns (model, merged config)."""
     config = load_config(path, hf_overrides)
     text = text_config_of(config)

@@ -13,7 +13,9 @@ from fp4moe.layers.rope import Rotary
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, layer_id: int):
+    def __init__(
+        self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, layer_id: int
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_id = layer_id
@@ -33,7 +35,9 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(q)
         for seq, (start, end) in enumerate(ctx.spans()):
-            k_all, v_all = ctx.kv.append(self.layer_id, ctx.slots[seq], k[start:end], v[start:end])  # [L, Hkv, D]
+            k_all, v_all = ctx.kv.append(
+                self.layer_id, ctx.slots[seq], k[start:end], v[start:end]
+            )  # [L, Hkv, D]
             out[start:end] = attend(q[start:end], k_all, v_all, ctx.cached_lens[seq])
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)

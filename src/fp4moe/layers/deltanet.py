@@ -54,14 +54,28 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
         system = a + torch.eye(n, dtype=q.dtype, device=q.device)
         rhs = bc.unsqueeze(-1) * (vc - (c.exp().unsqueeze(-1) * kc) @ state)  # [H, n, Dv]
         u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        out[start:end] = ((c.exp().unsqueeze(-1) * qc) @ state + ((qc @ kc.transpose(-1, -2)) * decay) @ u).transpose(0, 1)
-        state = c[:, -1].exp()[:, None, None] * state + (kc * (c[:, -1:] - c).exp().unsqueeze(-1)).transpose(-1, -2) @ u
+        out[start:end] = (
+            (c.exp().unsqueeze(-1) * qc) @ state + ((qc @ kc.transpose(-1, -2)) * decay) @ u
+        ).transpose(0, 1)
+        state = (
+            c[:, -1].exp()[:, None, None] * state
+            + (kc * (c[:, -1:] - c).exp().unsqueeze(-1)).transpose(-1, -2) @ u
+        )
     return out, state
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, conv_kernel: int,
-                 eps: float, layer_id: int):
+    def __init__(
+        self,
+        hidden: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        k_dim: int,
+        v_dim: int,
+        conv_kernel: int,
+        eps: float,
+        layer_id: int,
+    ):
         super().__init__()
         self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim = num_k_heads, num_v_heads, k_dim, v_dim
         self.layer_id, self.eps, self.conv_kernel = layer_id, eps, conv_kernel
@@ -107,4 +121,4 @@ class GatedDeltaNet(nn.Module):
         """Causal depthwise conv + SiLU over x [n, C] continuing from state [C, K-1] (the last inputs)."""
         full = torch.cat([state.to(x.dtype), x.transpose(0, 1)], dim=-1)  # [C, K-1+n]
         out = F.conv1d(full.unsqueeze(0), self.conv1d_weight, groups=self.conv_dim).squeeze(0)  # [C, n]
-        return F.silu(out).transpose(0, 1), full[:, -(self.conv_kernel - 1):]
+        return F.silu(out).transpose(0, 1), full[:, -(self.conv_kernel - 1) :]

@@ -21,7 +21,9 @@ class NVFP4Weight(nn.Module):
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
         self.register_buffer("packed", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("block_scales", torch.empty(out_features, in_features // 16, dtype=nvfp4.FP8_DTYPE))
+        self.register_buffer(
+            "block_scales", torch.empty(out_features, in_features // 16, dtype=nvfp4.FP8_DTYPE)
+        )
         self.register_buffer("decode_scale", torch.empty((), dtype=torch.float32))
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:

@@ -40,7 +40,9 @@ class RoutedExperts(nn.Module):
     def weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.quantized:
             return self.gate_up_proj[e], self.down_proj[e]
-        gate_up = nvfp4.dequantize_modelopt(self.gate_up_packed[e], self.gate_up_scales[e], self.gate_up_decode[e], dtype)
+        gate_up = nvfp4.dequantize_modelopt(
+            self.gate_up_packed[e], self.gate_up_scales[e], self.gate_up_decode[e], dtype
+        )
         down = nvfp4.dequantize_modelopt(self.down_packed[e], self.down_scales[e], self.down_decode[e], dtype)
         return gate_up, down
 

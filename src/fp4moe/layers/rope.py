@@ -41,7 +41,9 @@ class RopeConfig:
         kw = dict(
             head_dim=head_dim,
             theta=float(params.get("rope_theta", text.get("rope_theta", 10000.0))),
-            partial_rotary_factor=float(params.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))),
+            partial_rotary_factor=float(
+                params.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+            ),
             mrope_section=tuple(params.get("mrope_section", (11, 11, 10))),
             rope_type=rope_type,
         )
@@ -58,7 +60,9 @@ class RopeConfig:
             )
         cfg = cls(**kw)
         if sum(cfg.mrope_section) != cfg.rotary_dim // 2:
-            raise ValueError(f"mrope_section {cfg.mrope_section} must sum to rotary_dim/2 = {cfg.rotary_dim // 2}")
+            raise ValueError(
+                f"mrope_section {cfg.mrope_section} must sum to rotary_dim/2 = {cfg.rotary_dim // 2}"
+            )
         return cfg
 
 
@@ -69,9 +73,14 @@ def inv_freq_and_scale(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
     base_inv = 1.0 / (cfg.theta**exponents)
     if cfg.rope_type == "default":
         return base_inv, 1.0
+
     # YaRN: interpolate low frequencies by `factor`, keep high ones, ramp between the correction dims
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(cfg.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(cfg.theta))
+        return (
+            dim
+            * math.log(cfg.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(cfg.theta))
+        )
 
     low, high = correction_dim(cfg.beta_fast), correction_dim(cfg.beta_slow)
     if cfg.truncate:

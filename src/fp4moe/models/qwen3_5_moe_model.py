@@ -46,22 +46,30 @@ class ModelArgs:
     def from_text_config(cls, text: dict) -> ModelArgs:
         n = int(text["num_hidden_layers"])
         types = text.get("layer_types") or [
-            "full_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) == 0 else "linear_attention"
+            "full_attention"
+            if (i + 1) % int(text.get("full_attention_interval", 4)) == 0
+            else "linear_attention"
             for i in range(n)
         ]
         return cls(
-            hidden_size=int(text["hidden_size"]), num_layers=n, layer_types=tuple(types),
-            vocab_size=int(text["vocab_size"]), num_heads=int(text["num_attention_heads"]),
+            hidden_size=int(text["hidden_size"]),
+            num_layers=n,
+            layer_types=tuple(types),
+            vocab_size=int(text["vocab_size"]),
+            num_heads=int(text["num_attention_heads"]),
             num_kv_heads=int(text["num_key_value_heads"]),
             head_dim=int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]),
             linear_num_key_heads=int(text["linear_num_key_heads"]),
             linear_num_value_heads=int(text["linear_num_value_heads"]),
             linear_key_head_dim=int(text["linear_key_head_dim"]),
             linear_value_head_dim=int(text["linear_value_head_dim"]),
-            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)), num_experts=int(text["num_experts"]),
-            top_k=int(text["num_experts_per_tok"]), moe_intermediate_size=int(text["moe_intermediate_size"]),
+            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+            num_experts=int(text["num_experts"]),
+            top_k=int(text["num_experts_per_tok"]),
+            moe_intermediate_size=int(text["moe_intermediate_size"]),
             shared_intermediate_size=int(text["shared_expert_intermediate_size"]),
-            eps=float(text.get("rms_norm_eps", 1e-6)), rope=RopeConfig.from_text_config(text),
+            eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_text_config(text),
             max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
         )
 
@@ -71,14 +79,27 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.is_attention = args.layer_types[layer_id] == "full_attention"
         if self.is_attention:
-            self.self_attn = GatedAttention(args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim, args.eps, layer_id)
+            self.self_attn = GatedAttention(
+                args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim, args.eps, layer_id
+            )
         else:
             self.linear_attn = GatedDeltaNet(
-                args.hidden_size, args.linear_num_key_heads, args.linear_num_value_heads, args.linear_key_head_dim,
-                args.linear_value_head_dim, args.conv_kernel, args.eps, layer_id,
+                args.hidden_size,
+                args.linear_num_key_heads,
+                args.linear_num_value_heads,
+                args.linear_key_head_dim,
+                args.linear_value_head_dim,
+                args.conv_kernel,
+                args.eps,
+                layer_id,
             )
-        self.mlp = SparseMoE(args.hidden_size, args.num_experts, args.top_k, args.moe_intermediate_size,
-                             args.shared_intermediate_size)
+        self.mlp = SparseMoE(
+            args.hidden_size,
+            args.num_experts,
+            args.top_k,
+            args.moe_intermediate_size,
+            args.shared_intermediate_size,
+        )
         self.input_layernorm = RMSNorm(args.hidden_size, args.eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.eps)
 
@@ -101,8 +122,9 @@ class Qwen3_5MoeModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens[input_ids]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of a flat batch."""
         if self.rotary is None:
             self.rotary = Rotary(self.args.rope, self.embed_tokens.device)

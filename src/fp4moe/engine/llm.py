@@ -1,0 +1,238 @@
+"""``LLM``: load a qwen3_5_moe checkpoint (bf16 or NVFP4) into our engine and generate.
+
+All prompts of a call are prefilled together in one flat forward (no padding), then every unfinished
+sequence advances one token per flat decode forward. Continuous batching across calls, paged caches and
+CUDA graphs belong to the serving engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fp4moe.engine.cache import DeltaNetStates, KVCache
+from fp4moe.engine.context import StepContext
+from fp4moe.engine.loader import load_model
+from fp4moe.engine.sampler import SampleResult, SamplingParams, sample
+from fp4moe.engine.sequence import FinishReason, Sequence
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[SampleResult] | None = None
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+
+class PromptError(ValueError):
+    pass
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path,
+        dtype: str | torch.dtype = "auto",
+        device: str = "cpu",
+        hf_overrides: dict | None = None,
+        max_model_len: int | None = None,
+    ):
+        self.path = Path(model)
+        self.device = torch.device(device)
+        self.model, self.config = load_model(
+            model, dtype=dtype, device=self.device, hf_overrides=hf_overrides
+        )
+        args = self.model.args
+        rope = args.rope
+        limit = args.max_position_embeddings
+        if rope.rope_type == "yarn":
+            limit = max(limit, int(rope.factor * (rope.original_max_position_embeddings or limit)))
+        self.max_model_len = min(max_model_len or limit, limit)
+        self.tokenizer = self._load_tokenizer()
+        self.eos_ids = self._eos_ids()
+        self._seq_ids = itertools.count()
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        if not (self.path / "tokenizer_config.json").exists() and not (self.path / "tokenizer.json").exists():
+            return None
+        return AutoTokenizer.from_pretrained(str(self.path), trust_remote_code=False)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        gen = self.path / "generation_config.json"
+        sources = [self.config.get("text_config", {}), self.config]
+        if gen.exists():
+            import json
+
+            sources.append(json.loads(gen.read_text()))
+        for src in sources:
+            eos = src.get("eos_token_id")
+            if eos is not None:
+                ids.update(eos if isinstance(eos, list) else [eos])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # ----- prompts -----
+    def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise PromptError(f"{self.path} has no tokenizer: pass token ids instead of text")
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            text = prompt
+        else:
+            ids, text = [int(t) for t in prompt], None
+        if not ids:
+            raise PromptError("empty prompt")
+        if max(ids) >= self.model.args.vocab_size or min(ids) < 0:
+            raise PromptError(f"token id out of range [0, {self.model.args.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise PromptError(
+                f"prompt has {len(ids)} tokens; the maximum model length is {self.max_model_len}"
+            )
+        return text, ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise PromptError(f"{self.path} has no chat template")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+
+    # ----- generation -----
+    def _new_states(self) -> tuple[KVCache, DeltaNetStates]:
+        a = self.model.args
+        conv_dim = (
+            2 * a.linear_num_key_heads * a.linear_key_head_dim
+            + a.linear_num_value_heads * a.linear_value_head_dim
+        )
+        dtype = self.model.embed_tokens.dtype
+        return KVCache(), DeltaNetStates(
+            conv_dim,
+            a.conv_kernel,
+            a.linear_num_value_heads,
+            a.linear_key_head_dim,
+            a.linear_value_head_dim,
+            dtype,
+            self.device,
+        )
+
+    @torch.no_grad()
+    def _step(self, seqs: list[Sequence], kv: KVCache, states: DeltaNetStates) -> None:
+        """One flat forward over every sequence's uncached tokens; samples one token for each."""
+        chunks = [seq.all_ids[seq.num_cached :] for seq in seqs]
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
+        positions = torch.cat(
+            [torch.arange(s.num_cached, s.num_cached + len(c)) for s, c in zip(seqs, chunks, strict=True)]
+        )
+        ctx = StepContext(
+            [len(c) for c in chunks], [s.num_cached for s in seqs], [s.slot for s in seqs], kv, states
+        )
+        hidden = self.model(ids, positions.to(self.device), ctx)
+        last = torch.tensor([e - 1 for _, e in ctx.spans()], device=self.device)
+        logits = self.model.compute_logits(hidden[last]).cpu()
+        for i, seq in enumerate(seqs):
+            seq.num_cached += len(chunks[i])
+            result = sample(logits[i], seq.prompt_ids, seq.output_ids, seq.params, seq.generator)
+            seq.delta = seq.append(result, self.tokenizer)
+
+    def _run(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
+        """Advance all sequences to completion, yielding the ones that got a token after each step."""
+        kv, states = self._new_states()
+        active = list(seqs)
+        while active:
+            self._step(active, kv, states)
+            yield active
+            for seq in active:
+                if not seq.finished and len(seq.all_ids) >= self.max_model_len:
+                    seq.finish_reason = FinishReason.LENGTH  # the context is full
+                if seq.finished:
+                    kv.free(seq.slot)
+                    states.free(seq.slot)
+            active = [s for s in active if not s.finished]
+
+    def _make_sequences(
+        self, prompts, params: list[SamplingParams]
+    ) -> tuple[list[tuple[str | None, list[int]]], list[Sequence]]:
+        encoded = [self._encode(p) for p in prompts]
+        seqs = []
+        for (_, ids), p in zip(encoded, params, strict=True):
+            for j in range(p.n):
+                sp = p if p.seed is None or j == 0 else SamplingParams(**{**p.__dict__, "seed": p.seed + j})
+                seqs.append(
+                    Sequence(next(self._seq_ids), list(ids), sp, slot=len(seqs), eos_ids=self.eos_ids)
+                )
+        return encoded, seqs
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        on_token: Callable[[int, int, str], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for a batch of prompts (text or token ids). ``on_token(prompt_index, token, text_delta)``
+        is called as tokens are produced."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        encoded, seqs = self._make_sequences(prompts, params)
+        owner = [i for i, p in enumerate(params) for _ in range(p.n)]
+        for stepped in self._run(seqs):
+            if on_token is not None:
+                for seq in stepped:
+                    on_token(owner[seqs.index(seq)], seq.output_ids[-1], seq.delta)
+        outputs = []
+        for i, (text, ids) in enumerate(encoded):
+            mine = [s for s, o in zip(seqs, owner, strict=True) if o == i]
+            outputs.append(
+                RequestOutput(
+                    text,
+                    ids,
+                    [
+                        CompletionOutput(
+                            j,
+                            s.text,
+                            s.output_ids,
+                            s.finish_reason.value if s.finish_reason else None,
+                            s.logprobs if s.params.logprobs is not None else None,
+                        )
+                        for j, s in enumerate(mine)
+                    ],
+                )
+            )
+        return outputs
+
+    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Text deltas of one prompt as they are generated."""
+        _, seqs = self._make_sequences([prompt], [sampling_params or SamplingParams()])
+        for _ in self._run(seqs[:1]):
+            if seqs[0].delta:
+                yield seqs[0].delta
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        **template_kwargs,
+    ) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.apply_chat_template(c, **template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params)

@@ -1,0 +1,126 @@
+"""Sampling parameters and the sampler: penalties, temperature, top-k, top-p, min-p, seeded draws, logprobs.
+
+Semantics follow vLLM: the repetition penalty applies to prompt and output tokens (divide positive logits,
+multiply negative ones); presence and frequency penalties to output tokens only; temperature 0 is greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = (
+        None  # number of top logprobs to return per token (the sampled one is always given)
+    )
+    n: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_penalties(
+    logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], p: SamplingParams
+) -> torch.Tensor:
+    """logits [V] (fp32) with repetition/presence/frequency penalties applied."""
+    if p.repetition_penalty != 1.0 and (prompt_ids or output_ids):
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if output_ids and (p.presence_penalty or p.frequency_penalty):
+        counts = torch.bincount(
+            torch.tensor(output_ids, device=logits.device), minlength=logits.shape[-1]
+        ).float()
+        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits [V] with top-k, top-p and min-p applied (masked entries at -inf)."""
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass of the tokens before it already reaches top_p (keep at least one)
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        drop[0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+def sample(
+    logits: torch.Tensor,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    p: SamplingParams,
+    generator: torch.Generator | None,
+) -> SampleResult:
+    """One token from raw logits [V] of one sequence."""
+    raw = logits.float()
+    processed = apply_penalties(raw.clone(), prompt_ids, output_ids, p)
+    if p.greedy:
+        token = int(torch.argmax(processed))
+    else:
+        probs = filter_logits(processed, p).softmax(-1)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    if p.logprobs is None:
+        return SampleResult(token)
+    logprobs = raw.log_softmax(-1)
+    top = torch.topk(logprobs, p.logprobs) if p.logprobs else None
+    top_dict = (
+        {int(i): float(v) for v, i in zip(top.values, top.indices, strict=True)} if top is not None else {}
+    )
+    return SampleResult(token, float(logprobs[token]), top_dict)

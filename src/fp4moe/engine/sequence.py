@@ -1,0 +1,75 @@
+"""A sequence being generated: its tokens, parameters, slot, stop handling and outputs."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from fp4moe.engine.sampler import SampleResult, SamplingParams
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    slot: int
+    eos_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampleResult] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    num_cached: int = 0
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def append(self, result: SampleResult, tokenizer) -> str:
+        """Add a sampled token, update text and finish state; returns the new text (the delta)."""
+        token = result.token_id
+        self.output_ids.append(token)
+        if self.params.logprobs is not None:
+            self.logprobs.append(result)
+        before = self.text
+        if tokenizer is not None:
+            self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        if (
+            (token in self.eos_ids and not self.params.ignore_eos)
+            or token in self.params.stop_token_ids
+            or self.params.stop
+            and self._cut_at_stop_string(len(before))
+        ):
+            self.finish_reason = FinishReason.STOP
+        elif len(self.output_ids) >= self.params.max_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        return self.text[len(before) :] if self.text.startswith(before) else self.text
+
+    def _cut_at_stop_string(self, previous_len: int) -> bool:
+        longest = max(len(s) for s in self.params.stop)
+        search_from = max(0, previous_len - longest + 1)
+        hits = [(self.text.find(s, search_from), s) for s in self.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        self.text = (
+            self.text[: index + len(stop)] if self.params.include_stop_str_in_output else self.text[:index]
+        )
+        return True
