@@ -135,6 +135,57 @@ def _add_demo(sub) -> None:
     )
 
 
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text with our engine from a bf16 or NVFP4 checkpoint",
+        description=(
+            "Load a qwen3_5_moe checkpoint (bf16 in any expert layout, or NVFP4 in ModelOpt or compressed-tensors "
+            "form, experts kept packed) into fp4moe's engine and generate from a prompt. Text is streamed to stdout."
+        ),
+    )
+    p.add_argument("model", help="checkpoint directory")
+    p.add_argument("prompt", help="the prompt (raw text, or a user message with --chat)")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message with the chat template"
+    )
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); higher = more random"
+    )
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="sample among the smallest set with this much mass"
+    )
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    p.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="penalise tokens seen in prompt/output (>1)"
+    )
+    p.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="subtract from tokens already generated"
+    )
+    p.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="subtract per time a token was generated"
+    )
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument(
+        "--stop", action="append", default=[], help="stop string (repeatable); not included in the output"
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="compute dtype (auto: the checkpoint's)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu (the reference path) or cuda")
+    p.add_argument(
+        "--hf-overrides",
+        default=None,
+        help='JSON merged into config.json, e.g. YaRN: \'{"text_config": {"rope_parameters": {...}}}\'',
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fp4moe", description="NVFP4 for fused-expert MoE models (qwen3_5_moe)."
@@ -144,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantize(sub)
     _add_inspect(sub)
     _add_convert(sub)
+    _add_generate(sub)
     _add_demo(sub)
     return parser
 
@@ -237,7 +289,44 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"quantize": cmd_quantize, "inspect": cmd_inspect, "convert": cmd_convert, "demo": cmd_demo}
+def cmd_generate(args) -> int:
+    import json
+
+    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.sampler import SamplingParams
+
+    try:
+        overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--hf-overrides is not valid JSON: {e}") from None
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, hf_overrides=overrides)
+    prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    for delta in llm.stream(prompt, params):
+        print(delta, end="", flush=True)
+    print()
+    return 0
+
+
+COMMANDS = {
+    "quantize": cmd_quantize,
+    "inspect": cmd_inspect,
+    "convert": cmd_convert,
+    "generate": cmd_generate,
+    "demo": cmd_demo,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,157 @@
+"""Our engine vs transformers' Qwen3_5MoeForConditionalGeneration on the same random weights (fp32).
+
+Tolerance: logits within 1e-4 absolute (logits are O(3) here; we measure ~2e-6 -- the two differ only
+in fp32 summation order: chunked vs per-token delta rule, matmul groupings)."""
+
+import pytest
+import torch
+
+from fp4moe.engine.cache import DeltaNetStates, KVCache
+from fp4moe.engine.context import StepContext
+from fp4moe.engine.llm import LLM
+from fp4moe.engine.loader import load_model
+from fp4moe.engine.sampler import SamplingParams
+from fp4moe.models.tiny import CheckpointLayout
+from fp4moe.quantize.dequant import dequantized_state_dict
+
+ATOL = 1e-4
+LENGTHS = (5, 100, 17)  # 100 > the Gated DeltaNet chunk of 64
+
+
+def _states(model):
+    a = model.args
+    conv = 2 * a.linear_num_key_heads * a.linear_key_head_dim + a.linear_num_value_heads * a.linear_value_head_dim
+    return DeltaNetStates(conv, a.conv_kernel, a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim,
+                          model.embed_tokens.dtype, torch.device("cpu"))
+
+
+def _prompts(seed=0, lengths=LENGTHS):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 1000, (n,), generator=g) for n in lengths]
+
+
+@torch.no_grad()
+def _flat_prefill(model, prompts):
+    ids = torch.cat(prompts)
+    pos = torch.cat([torch.arange(len(p)) for p in prompts])
+    ctx = StepContext([len(p) for p in prompts], [0] * len(prompts), list(range(len(prompts))), KVCache(), _states(model))
+    return model.compute_logits(model(ids, pos, ctx)), ctx
+
+
+def _reference(path, state=None):
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+@torch.no_grad()
+def _ref_logits(ref, prompt):
+    return ref(input_ids=prompt[None]).logits[0].float()
+
+
+def test_prefill_logits_match_transformers_for_a_flat_batch(checkpoints):
+    path = checkpoints.bf16()
+    model, _ = load_model(path, dtype="float32")
+    ours, _ = _flat_prefill(model, prompts := _prompts())
+    ref = _reference(path)
+    start = 0
+    for p in prompts:
+        torch.testing.assert_close(ours[start : start + len(p)], _ref_logits(ref, p), atol=ATOL, rtol=0)
+        start += len(p)
+
+
+def test_greedy_32_tokens_identical_to_transformers(checkpoints):
+    path = checkpoints.bf16()
+    llm = LLM(path, dtype="float32")
+    prompts = [p.tolist() for p in _prompts(seed=3)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    ref = _reference(path)
+    for out in outs:
+        ids = torch.tensor([out.prompt_token_ids])
+        expected = ref.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, ids.shape[1] :].tolist()
+        assert out.outputs[0].token_ids == expected
+
+
+def test_decode_after_prefill_equals_full_prefill(checkpoints):
+    model, _ = load_model(checkpoints.bf16(), dtype="float32")
+    prompts = _prompts(seed=5, lengths=(7, 70))
+    follow = _prompts(seed=6, lengths=(6, 6))
+    _, ctx = _flat_prefill(model, prompts)
+    stepped = []
+    with torch.no_grad():
+        for t in range(6):
+            ids = torch.stack([f[t] for f in follow])
+            pos = torch.tensor([len(p) + t for p in prompts])
+            step = StepContext([1, 1], [len(p) + t for p in prompts], [0, 1], ctx.kv, ctx.deltanet)
+            stepped.append(model.compute_logits(model(ids, pos, step)))
+    full, _ = _flat_prefill(model, [torch.cat([p, f]) for p, f in zip(prompts, follow, strict=True)])
+    ends = [len(prompts[0]) + 6, len(prompts[0]) + 6 + len(prompts[1]) + 6]
+    for t in range(6):
+        for s in range(2):
+            torch.testing.assert_close(stepped[t][s], full[ends[s] - 6 + t], atol=ATOL, rtol=0)
+
+
+def test_every_bf16_expert_layout_loads_the_same_model(checkpoints):
+    logits = []
+    for layout in CheckpointLayout:
+        model, _ = load_model(checkpoints.bf16(layout), dtype="float32")
+        logits.append(_flat_prefill(model, _prompts(seed=8, lengths=(9,)))[0])
+    assert all(torch.equal(logits[0], x) for x in logits[1:])
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_nvfp4_engine_equals_transformers_on_dequantized_weights(checkpoints, fmt):
+    qdir = checkpoints.quantized(fmt=fmt)
+    model, _ = load_model(qdir, dtype="float32")
+    assert model.layers[0].mlp.experts.quantized  # experts stay packed
+    ref = _reference(checkpoints.bf16(), dequantized_state_dict(qdir))
+    ours, _ = _flat_prefill(model, prompts := _prompts(seed=9, lengths=(12, 80)))
+    start = 0
+    for p in prompts:
+        torch.testing.assert_close(ours[start : start + len(p)], _ref_logits(ref, p), atol=ATOL, rtol=0)
+        start += len(p)
+    llm = LLM(qdir, dtype="float32")
+    out = llm.generate([prompts[0].tolist()], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    ids = prompts[0][None]
+    assert out.outputs[0].token_ids == ref.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, 12:].tolist()
+
+
+def test_yarn_rope_matches_transformers():
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from fp4moe.layers.rope import RopeConfig, inv_freq_and_scale
+
+    rope = dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=262144, rope_theta=1e7,
+                partial_rotary_factor=0.25, mrope_section=[11, 11, 10], mrope_interleaved=True)
+    text = dict(hidden_size=2048, num_attention_heads=16, head_dim=256, max_position_embeddings=524288, rope_parameters=rope)
+    ours, scale = inv_freq_and_scale(RopeConfig.from_text_config(text))
+    hf_cfg = Qwen3_5MoeTextConfig(hidden_size=2048, num_attention_heads=16, head_dim=256, max_position_embeddings=524288,
+                                  rope_parameters=dict(rope))
+    theirs, their_scale = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    assert scale == pytest.approx(their_scale)
+    assert scale > 1.0 and not torch.equal(ours, inv_freq_and_scale(RopeConfig.from_text_config({**text, "rope_parameters": {**rope, "rope_type": "default"}}))[0])
+
+
+def test_yarn_override_matches_transformers_with_the_same_override(checkpoints):
+    path = checkpoints.bf16()
+    yarn = {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192,
+                                "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                                "mrope_interleaved": True}, "max_position_embeddings": 16384}
+    llm = LLM(path, dtype="float32", hf_overrides={"text_config": yarn})
+    assert llm.max_model_len == 16384
+    from transformers import AutoConfig, Qwen3_5MoeForConditionalGeneration
+
+    cfg = AutoConfig.from_pretrained(str(path))
+    cfg.text_config.rope_parameters = yarn["rope_parameters"]
+    cfg.text_config.max_position_embeddings = 16384
+    ref = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(path), config=cfg, dtype=torch.float32).eval()
+    prompt = _prompts(seed=11, lengths=(40,))[0]
+    ours, _ = _flat_prefill(llm.model, [prompt])
+    torch.testing.assert_close(ours, _ref_logits(ref, prompt), atol=ATOL, rtol=0)
+    plain, _ = _flat_prefill(load_model(path, dtype="float32")[0], [prompt])
+    assert (plain - ours).abs().max() > 10 * ATOL  # the override really changed the model
