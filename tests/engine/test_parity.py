@@ -20,9 +20,19 @@ LENGTHS = (5, 100, 17)  # 100 > the Gated DeltaNet chunk of 64
 
 def _states(model):
     a = model.args
-    conv = 2 * a.linear_num_key_heads * a.linear_key_head_dim + a.linear_num_value_heads * a.linear_value_head_dim
-    return DeltaNetStates(conv, a.conv_kernel, a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim,
-                          model.embed_tokens.dtype, torch.device("cpu"))
+    conv = (
+        2 * a.linear_num_key_heads * a.linear_key_head_dim
+        + a.linear_num_value_heads * a.linear_value_head_dim
+    )
+    return DeltaNetStates(
+        conv,
+        a.conv_kernel,
+        a.linear_num_value_heads,
+        a.linear_key_head_dim,
+        a.linear_value_head_dim,
+        model.embed_tokens.dtype,
+        torch.device("cpu"),
+    )
 
 
 def _prompts(seed=0, lengths=LENGTHS):
@@ -34,7 +44,9 @@ def _prompts(seed=0, lengths=LENGTHS):
 def _flat_prefill(model, prompts):
     ids = torch.cat(prompts)
     pos = torch.cat([torch.arange(len(p)) for p in prompts])
-    ctx = StepContext([len(p) for p in prompts], [0] * len(prompts), list(range(len(prompts))), KVCache(), _states(model))
+    ctx = StepContext(
+        [len(p) for p in prompts], [0] * len(prompts), list(range(len(prompts))), KVCache(), _states(model)
+    )
     return model.compute_logits(model(ids, pos, ctx)), ctx
 
 
@@ -71,7 +83,9 @@ def test_greedy_32_tokens_identical_to_transformers(checkpoints):
     ref = _reference(path)
     for out in outs:
         ids = torch.tensor([out.prompt_token_ids])
-        expected = ref.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, ids.shape[1] :].tolist()
+        expected = ref.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)[
+            0, ids.shape[1] :
+        ].tolist()
         assert out.outputs[0].token_ids == expected
 
 
@@ -114,9 +128,14 @@ def test_nvfp4_engine_equals_transformers_on_dequantized_weights(checkpoints, fm
         torch.testing.assert_close(ours[start : start + len(p)], _ref_logits(ref, p), atol=ATOL, rtol=0)
         start += len(p)
     llm = LLM(qdir, dtype="float32")
-    out = llm.generate([prompts[0].tolist()], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    out = llm.generate([prompts[0].tolist()], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[
+        0
+    ]
     ids = prompts[0][None]
-    assert out.outputs[0].token_ids == ref.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, 12:].tolist()
+    assert (
+        out.outputs[0].token_ids
+        == ref.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, 12:].tolist()
+    )
 
 
 def test_yarn_rope_matches_transformers():
@@ -125,23 +144,55 @@ def test_yarn_rope_matches_transformers():
 
     from fp4moe.layers.rope import RopeConfig, inv_freq_and_scale
 
-    rope = dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=262144, rope_theta=1e7,
-                partial_rotary_factor=0.25, mrope_section=[11, 11, 10], mrope_interleaved=True)
-    text = dict(hidden_size=2048, num_attention_heads=16, head_dim=256, max_position_embeddings=524288, rope_parameters=rope)
+    rope = dict(
+        rope_type="yarn",
+        factor=2.0,
+        original_max_position_embeddings=262144,
+        rope_theta=1e7,
+        partial_rotary_factor=0.25,
+        mrope_section=[11, 11, 10],
+        mrope_interleaved=True,
+    )
+    text = dict(
+        hidden_size=2048,
+        num_attention_heads=16,
+        head_dim=256,
+        max_position_embeddings=524288,
+        rope_parameters=rope,
+    )
     ours, scale = inv_freq_and_scale(RopeConfig.from_text_config(text))
-    hf_cfg = Qwen3_5MoeTextConfig(hidden_size=2048, num_attention_heads=16, head_dim=256, max_position_embeddings=524288,
-                                  rope_parameters=dict(rope))
+    hf_cfg = Qwen3_5MoeTextConfig(
+        hidden_size=2048,
+        num_attention_heads=16,
+        head_dim=256,
+        max_position_embeddings=524288,
+        rope_parameters=dict(rope),
+    )
     theirs, their_scale = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg)
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
     assert scale == pytest.approx(their_scale)
-    assert scale > 1.0 and not torch.equal(ours, inv_freq_and_scale(RopeConfig.from_text_config({**text, "rope_parameters": {**rope, "rope_type": "default"}}))[0])
+    assert scale > 1.0 and not torch.equal(
+        ours,
+        inv_freq_and_scale(
+            RopeConfig.from_text_config({**text, "rope_parameters": {**rope, "rope_type": "default"}})
+        )[0],
+    )
 
 
 def test_yarn_override_matches_transformers_with_the_same_override(checkpoints):
     path = checkpoints.bf16()
-    yarn = {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192,
-                                "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
-                                "mrope_interleaved": True}, "max_position_embeddings": 16384}
+    yarn = {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 8192,
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        "max_position_embeddings": 16384,
+    }
     llm = LLM(path, dtype="float32", hf_overrides={"text_config": yarn})
     assert llm.max_model_len == 16384
     from transformers import AutoConfig, Qwen3_5MoeForConditionalGeneration
@@ -149,7 +200,9 @@ def test_yarn_override_matches_transformers_with_the_same_override(checkpoints):
     cfg = AutoConfig.from_pretrained(str(path))
     cfg.text_config.rope_parameters = yarn["rope_parameters"]
     cfg.text_config.max_position_embeddings = 16384
-    ref = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(path), config=cfg, dtype=torch.float32).eval()
+    ref = Qwen3_5MoeForConditionalGeneration.from_pretrained(
+        str(path), config=cfg, dtype=torch.float32
+    ).eval()
     prompt = _prompts(seed=11, lengths=(40,))[0]
     ours, _ = _flat_prefill(llm.model, [prompt])
     torch.testing.assert_close(ours, _ref_logits(ref, prompt), atol=ATOL, rtol=0)

@@ -1,0 +1,184 @@
+"""Sampling: tests that fail when a mask, penalty, seed or stop rule is wrong."""
+
+import pytest
+import torch
+
+from fp4moe.engine.llm import LLM, PromptError
+from fp4moe.engine.sampler import SamplingParams, apply_penalties, filter_logits, sample
+
+
+def _draws(logits, params, n=400, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [sample(logits, [], [], params, gen).token_id for _ in range(n)]
+
+
+def test_greedy_is_argmax_and_ignores_seed():
+    logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
+    assert _draws(logits, SamplingParams(temperature=0), n=5) == [1] * 5
+
+
+def test_top_k_only_draws_the_k_best():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    best = set(torch.topk(logits, 3).indices.tolist())
+    draws = set(_draws(logits, SamplingParams(temperature=2.0, top_k=3)))
+    assert draws <= best and len(draws) == 3
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = torch.isfinite(filter_logits(logits.clone(), SamplingParams(top_p=0.8)))
+    assert kept.tolist() == [True, True, False, False]  # 0.5 + 0.3 reaches 0.8
+    kept = torch.isfinite(filter_logits(logits.clone(), SamplingParams(top_p=0.81)))
+    assert kept.tolist() == [True, True, True, False]
+    assert set(_draws(logits, SamplingParams(top_p=0.8))) == {0, 1}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.07, 0.03]))
+    kept = torch.isfinite(filter_logits(logits.clone(), SamplingParams(min_p=0.1)))
+    assert kept.tolist() == [True, True, True, False]  # 0.03 < 0.1 * 0.6
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = torch.tensor([1.0, 0.0])
+    cold = sum(t == 0 for t in _draws(logits, SamplingParams(temperature=0.2)))
+    hot = sum(t == 0 for t in _draws(logits, SamplingParams(temperature=5.0)))
+    assert cold > 380 and 180 < hot < 280  # p(0) = 0.993 vs 0.55
+
+
+def test_seeded_draws_reproduce_and_differ_by_seed():
+    logits = torch.zeros(100)
+    p = SamplingParams(temperature=1.0)
+    assert _draws(logits, p, 20, seed=7) == _draws(logits, p, 20, seed=7)
+    assert _draws(logits, p, 20, seed=7) != _draws(logits, p, 20, seed=8)
+
+
+def test_penalties_change_only_what_they_should():
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    rep = apply_penalties(
+        logits.clone(), prompt_ids=[0], output_ids=[1], p=SamplingParams(repetition_penalty=2.0)
+    )
+    assert rep.tolist() == [1.0, -4.0, 1.0, 0.5]  # positive divided, negative multiplied, unseen untouched
+    pres = apply_penalties(
+        logits.clone(), prompt_ids=[2], output_ids=[0, 0, 3], p=SamplingParams(presence_penalty=0.5)
+    )
+    assert pres.tolist() == [1.5, -2.0, 1.0, 0.0]  # output tokens only, once each
+    freq = apply_penalties(
+        logits.clone(), prompt_ids=[2], output_ids=[0, 0, 3], p=SamplingParams(frequency_penalty=0.5)
+    )
+    assert freq.tolist() == [1.0, -2.0, 1.0, 0.0]  # per occurrence
+
+
+def test_logprobs_are_raw_model_logprobs():
+    logits = torch.tensor([3.0, 1.0, 0.0, -1.0])
+    r = sample(logits, [], [], SamplingParams(temperature=0, logprobs=2), None)
+    lp = logits.log_softmax(-1)
+    assert r.token_id == 0 and r.logprob == pytest.approx(float(lp[0]))
+    assert r.top_logprobs == pytest.approx({0: float(lp[0]), 1: float(lp[1])})
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(min_p=2),
+        dict(max_tokens=0),
+        dict(top_k=-2),
+        dict(repetition_penalty=0),
+        dict(presence_penalty=3),
+        dict(n=0),
+    ],
+)
+def test_invalid_params_are_rejected(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    return LLM(checkpoints.bf16(), dtype="float32")
+
+
+def test_seeded_generation_is_reproducible(llm):
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=42, ignore_eos=True)
+    a = llm.generate("The quick brown", p)[0].outputs[0].token_ids
+    assert a == llm.generate("The quick brown", p)[0].outputs[0].token_ids
+    b = llm.generate(
+        "The quick brown", SamplingParams(max_tokens=12, temperature=1.0, seed=43, ignore_eos=True)
+    )
+    assert a != b[0].outputs[0].token_ids
+
+
+def test_stop_strings_cut_the_text(llm):
+    greedy = llm.generate("def main():", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[
+        0
+    ].outputs[0]
+    text = greedy.text
+    stop = text[5:8]  # something the model really produces
+    first = text.find(stop)
+    out = llm.generate(
+        "def main():", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == text[:first]
+    out = llm.generate(
+        "def main():",
+        SamplingParams(
+            max_tokens=24, temperature=0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+        ),
+    )[0].outputs[0]
+    assert out.text == text[: first + len(stop)]
+
+
+def test_stop_token_ids_and_length(llm):
+    greedy = llm.generate("Hello", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].outputs[
+        0
+    ]
+    assert greedy.finish_reason == "length" and len(greedy.token_ids) == 10
+    target = greedy.token_ids[4]
+    out = llm.generate(
+        "Hello", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[target])
+    )[0]
+    ids = out.outputs[0].token_ids
+    assert (
+        out.outputs[0].finish_reason == "stop"
+        and ids == greedy.token_ids[: greedy.token_ids.index(target) + 1]
+    )
+
+
+def test_batch_of_mixed_prompts_matches_one_by_one(llm):
+    prompts = ["a", "The Python tutorial explains " * 6, [5, 6, 7, 8]]
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+    alone = [llm.generate(x, p)[0].outputs[0].token_ids for x in prompts]
+    assert together == alone
+
+
+def test_streaming_yields_the_same_text(llm):
+    p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    assert "".join(llm.stream("Hello world", p)) == llm.generate("Hello world", p)[0].outputs[0].text
+    seen = []
+    llm.generate(["x", "y"], p, on_token=lambda i, tok, delta: seen.append(i))
+    assert seen.count(0) == 10 and seen.count(1) == 10
+
+
+def test_chat_uses_the_template(llm):
+    out = llm.chat(
+        [{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    )[0]
+    assert out.prompt.startswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_n_samples_per_prompt(llm):
+    out = llm.generate("Hi", SamplingParams(max_tokens=6, temperature=1.0, seed=1, n=3, ignore_eos=True))[0]
+    assert len(out.outputs) == 3 and len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+def test_bad_prompts(llm):
+    with pytest.raises(PromptError, match="empty prompt"):
+        llm.generate([[]])
+    with pytest.raises(PromptError, match="out of range"):
+        llm.generate([[5, 10**6]])
+    with pytest.raises(PromptError, match="maximum model length"):
+        llm.generate([[1] * (llm.max_model_len + 1)])
