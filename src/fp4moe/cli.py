@@ -64,7 +64,7 @@ def _add_quantize(sub) -> None:
         "--calib-dtype",
         default="auto",
         choices=["auto", "bfloat16", "float16", "float32"],
-        help="dtype the layers run in during calibration (auto: bfloat16 on GPU, float32 on CPU)",
+        help="dtype the layers run in during calibration (auto: the checkpoint's own, bf16 for the real model)",
     )
     p.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default 8)")
     p.add_argument(

@@ -141,7 +141,7 @@ def _ct_compress(w: torch.Tensor, observer_dtype: torch.dtype = torch.float32):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", KINDS)
 def test_bit_identical_to_compressed_tensors(kind, dtype):
-    gen = torch.Generator().manual_seed(hash(kind) % 2**31)
+    gen = torch.Generator().manual_seed(KINDS.index(kind))
     w = _adversarial(kind, gen).to(dtype)
     ours = nvfp4.quantize(w)
     theirs, scheme = _ct_compress(w)

@@ -18,7 +18,7 @@ from fp4moe.formats.nvfp4 import NVFP4Error
 from fp4moe.models.qwen3_5_moe import UnsupportedModelError
 from fp4moe.models.tiny import CheckpointLayout, TinySpec
 from fp4moe.quantize.calib_data import CalibrationDataError
-from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+from fp4moe.quantize.pipeline import QuantizeError, QuantizeOptions, quantize
 
 FAST = QuantizeOptions(num_samples=2, seq_len=32, progress=False)
 
@@ -238,3 +238,78 @@ def test_nan_check_names_the_tensor():
         NVFP4Error, match=r"layers.7.mlp.experts: 0 NaN and 1 Inf values \(first at index \(1, 3\)\)"
     ):
         nvfp4.quantize(w, name="layers.7.mlp.experts")
+
+
+def test_real_disk_full_on_a_small_tmpfs(checkpoints, tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        with pytest.raises(OSError, match="disk full while writing"):
+            quantize(
+                checkpoints.bf16(), mnt / "out", QuantizeOptions(num_samples=2, seq_len=32, progress=False)
+            )
+        assert list(mnt.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_safetensors_io_error_is_reported_as_disk_full(checkpoints, tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    import fp4moe.formats.checkpoint as ckpt
+
+    def fail(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ckpt, "save_file", fail)
+    with pytest.raises(OSError, match="disk full while writing"):
+        quantize(checkpoints.bf16(), tmp_path / "out", FAST)
+    _nothing_written(tmp_path / "out")
+
+
+def test_missing_tokenizer(src, tmp_path):
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (src / f).unlink(missing_ok=True)
+    with pytest.raises(QuantizeError, match="no tokenizer files"):
+        quantize(src, tmp_path / "out", FAST)
+    _nothing_written(tmp_path / "out")
+
+
+def test_missing_layer_tensor(src, tmp_path):
+    tensors = load_all(src)
+    del tensors["model.language_model.layers.3.self_attn.k_proj.weight"]
+    rewrite_tensors(src, tensors)
+    with pytest.raises(
+        CheckpointError,
+        match=r"decoder layer 3 \(full_attention\): missing tensors \['self_attn.k_proj.weight'\]",
+    ):
+        quantize(src, tmp_path / "out", FAST)
+    _nothing_written(tmp_path / "out")
+
+
+def test_old_dst_moved_aside_by_a_killed_run_is_restored(checkpoints, tmp_path):
+    dead = tmp_path / ".out.old-999999999"
+    dead.mkdir()
+    (dead / "old.txt").write_text("old")
+    with pytest.raises(FileExistsError):
+        quantize(checkpoints.bf16(), tmp_path / "out", FAST)
+    assert (tmp_path / "out" / "old.txt").read_text() == "old" and not dead.exists()
+
+
+def test_resave_without_mtp_tensors_quantizes_with_a_warning(checkpoints, tmp_path):
+    import json
+
+    from fp4moe.quantize.inspect import inspect_checkpoint
+
+    src = checkpoints.copy(checkpoints.bf16(CheckpointLayout.RESAVED), "no-mtp")
+    tensors = {k: v for k, v in load_all(src).items() if not k.startswith("mtp.")}
+    rewrite_tensors(src, tensors)  # what transformers' save_pretrained writes: MTP dropped, config key kept
+    report = quantize(src, tmp_path / "out", FAST)
+    assert any("no mtp.* tensors" in w for w in report.warnings)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["text_config"]["mtp_num_hidden_layers"] == 0
+    assert inspect_checkpoint(tmp_path / "out").ok

@@ -169,3 +169,57 @@ def test_cli_exit_codes_and_json(good, capsys):
     _plant(good, lambda t: t.pop(E + "up_proj.input_scale"))
     assert main(["inspect", str(good)]) == 1
     assert "PROBLEM" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0])
+def test_non_positive_scalar_scales(good, value):
+    def edit(t):
+        t[E + "gate_proj.input_scale"] = torch.tensor(value)
+
+    _assert_problem(_plant(good, edit), "is not finite and positive")
+
+
+def test_compressed_tensors_expert_left_in_bf16(checkpoints):
+    path = checkpoints.copy(checkpoints.quantized(fmt="compressed-tensors"), "ct-bf16")
+
+    def edit(t):
+        for sfx in ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"):
+            t.pop(f"{E}up_proj.{sfx}")
+        t[f"{E}up_proj.weight"] = torch.zeros(32, 64, dtype=torch.bfloat16)
+
+    report = _plant(path, edit)
+    _assert_problem(report, f"{E}up_proj.weight is BF16: routed expert left unquantized")
+
+
+def test_exclude_entry_covering_a_quantized_linear(good):
+    name = "model.language_model.layers.0.mlp.shared_expert.up_proj"
+
+    def edit(t):
+        t[name + ".weight"] = torch.zeros(32, 32, dtype=torch.uint8)
+        t[name + ".weight_scale"] = torch.ones(32, 4).to(torch.float8_e4m3fn)
+
+    _assert_problem(_plant(good, edit), f"covers {name}, whose weight is quantized")
+
+
+def test_vllm_style_entries_are_understood(good):
+    cfg = json.loads((good / "config.json").read_text())
+    entries = cfg["quantization_config"]["ignore"]
+    entries = [e for e in entries if not e.startswith("model.visual.")] + ["visual*"]
+    cfg["quantization_config"]["ignore"] = cfg["quantization_config"]["exclude_modules"] = entries
+    (good / "config.json").write_text(json.dumps(cfg))
+    assert inspect_checkpoint(good).ok  # vLLM's own name for the vision tower covers model.visual.*
+
+
+def test_modelopt_with_only_hf_quant_config(good):
+    cfg = json.loads((good / "config.json").read_text())
+    del cfg["quantization_config"]
+    (good / "config.json").write_text(json.dumps(cfg))
+    report = inspect_checkpoint(good)
+    assert report.ok and report.format == "modelopt"
+
+
+def test_mtp_present_but_not_declared(good):
+    cfg = json.loads((good / "config.json").read_text())
+    cfg["text_config"]["mtp_num_hidden_layers"] = 0
+    (good / "config.json").write_text(json.dumps(cfg))
+    _assert_problem(inspect_checkpoint(good), "declares no MTP layer")

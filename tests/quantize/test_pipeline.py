@@ -279,3 +279,52 @@ def test_gpu_quantize_matches_cpu(checkpoints, tmp_path):
             torch.testing.assert_close(gpu[name], t, rtol=1e-4, atol=0, msg=name)
         else:
             assert torch.equal(gpu[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def test_calibrate_all_experts_leaves_layer_outputs_routed(checkpoints):
+    from fp4moe.quantize import calibrate
+
+    src = checkpoints.bf16()
+    reader = CheckpointReader(src)
+    cfg = arch.ModelConfig.from_dir(src)
+    text = calibrate.text_config_for(cfg.raw)
+    names = arch.layer_names(reader, "model.language_model.", 0)
+    block = arch.expert_block(reader, f"{PREFIX}0.mlp.experts.", cfg.text)
+    tensors = {arch.strip_layer_prefix(n): reader.get(n) for n in names if n not in set(block.source_names())}
+    tensors["mlp.experts.gate_up_proj"], tensors["mlp.experts.down_proj"] = block.read(reader)
+    layer = calibrate.build_layer(text, 0, tensors, torch.float32, torch.device("cpu"))
+    rotary = calibrate.rotary_for(text, torch.device("cpu"))
+    hidden = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+    routed_out, routed = calibrate.calibrate_layer(layer, hidden, rotary)
+    all_out, everything = calibrate.calibrate_layer(layer, hidden, rotary, all_experts=True)
+    assert torch.equal(routed_out, all_out)  # statistics for every expert, outputs still gated
+    assert (everything.num_tokens == 32).all() and (routed.num_tokens.sum() == 32 * 2)
+    assert (everything.gate_up_amax >= routed.gate_up_amax).all()
+
+
+def test_text_only_single_file_checkpoint(checkpoints, tmp_path):
+    """A text-only re-save: ``model.layers.*`` names, ``model_type: qwen3_5_moe_text``, one safetensors file."""
+    from safetensors.torch import save_file
+
+    from fp4moe.engine.loader import load_model
+    from fp4moe.quantize.pipeline import quantize
+
+    src_dir = checkpoints.bf16()
+    src = tmp_path / "text-only"
+    src.mkdir()
+    tensors = {
+        k.replace("model.language_model.", "model."): v
+        for k, v in load_all(src_dir).items()
+        if not k.startswith(("model.visual.", "mtp."))
+    }
+    save_file(tensors, str(src / "model.safetensors"))
+    text = json.loads((src_dir / "config.json").read_text())["text_config"]
+    text.update(model_type="qwen3_5_moe_text", mtp_num_hidden_layers=0)
+    (src / "config.json").write_text(json.dumps(text))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (src / f).write_bytes((src_dir / f).read_bytes())
+    quantize(src, tmp_path / "q", QuantizeOptions(num_samples=2, seq_len=32, progress=False))
+    assert inspect_checkpoint(tmp_path / "q").ok
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in CheckpointReader(tmp_path / "q")
+    model, _ = load_model(tmp_path / "q", dtype="float32")
+    assert model.layers[0].mlp.experts.quantized

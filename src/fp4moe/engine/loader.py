@@ -115,8 +115,8 @@ def load_model(
     args = ModelArgs.from_text_config(text)
     reader = CheckpointReader(path)
     prefix = arch.text_prefix(reader)
-    fmt, _, problem = detect_format(config)
-    if "quantization_config" in config and problem:
+    fmt, _, problem = detect_format(config, Path(path))
+    if problem and ("quantization_config" in config or (Path(path) / "hf_quant_config.json").exists()):
         raise CheckpointError(f"{path}: {problem}")
     if dtype in (None, "auto"):
         info = reader.info(f"{prefix}embed_tokens.weight")

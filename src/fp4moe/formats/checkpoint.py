@@ -6,6 +6,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import struct
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -274,6 +275,10 @@ def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]
         if e.errno == errno.ENOSPC:
             raise OSError(errno.ENOSPC, f"disk full while writing {path.name} in {path.parent}") from e
         raise
+    except SafetensorError as e:  # safetensors reports I/O failures as its own error type
+        if "os error 28" in str(e) or "No space left" in str(e):
+            raise OSError(errno.ENOSPC, f"disk full while writing {path.name} in {path.parent}") from e
+        raise OSError(f"could not write {path}: {e}") from e
 
 
 def write_json(path: Path, obj) -> None:
@@ -291,7 +296,7 @@ def atomic_output_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterat
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} already exists; pass --overwrite to replace it")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_dirs(dst)
+    recover_interrupted_output(dst)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -310,11 +315,17 @@ def atomic_output_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterat
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _remove_stale_temp_dirs(dst: Path) -> None:
-    """Temp dirs of earlier runs that were killed (their process is gone) are deleted."""
-    for p in dst.parent.glob(f".{dst.name}.tmp-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+def recover_interrupted_output(dst: Path) -> None:
+    """Leftovers of earlier runs that were killed (their process is gone): temp dirs are deleted; an old
+    DST moved aside by a run killed between its two renames is put back when DST is absent."""
+    pattern = re.compile(rf"^\.{re.escape(dst.name)}\.(tmp|old)-(\d+)$")
+    for p in dst.parent.iterdir():
+        m = pattern.match(p.name)
+        if m is None or int(m[2]) == os.getpid() or _pid_alive(int(m[2])):
+            continue
+        if m[1] == "old" and not dst.exists():
+            os.replace(p, dst)
+        else:
             shutil.rmtree(p, ignore_errors=True)
 
 

@@ -154,10 +154,14 @@ def compressed_tensors_quantization_config(ignore: list[str], targets: list[str]
     }
 
 
-def excluded_modules(shapes: dict[str, tuple[int, ...]], fmt: OutputFormat) -> list[str]:
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+
+
+def excluded_modules(tensors: dict[str, tuple[str, tuple[int, ...]]], fmt: OutputFormat) -> list[str]:
     """Every module left in bf16, by the names that really exist in the shards.
 
-    One exact entry per module with a >=2-D ``weight`` that is not a routed expert: attention and
+    ``tensors`` maps names to (safetensors dtype, shape). One exact entry per module with a >=2-D float
+    ``weight`` (already-quantized uint8 weights are never excluded) that is not a routed expert: attention and
     Gated DeltaNet projections (vLLM fuses q/k/v -> qkv_proj, in_proj_qkv/z -> in_proj_qkvz, b/a ->
     in_proj_ba and checks each shard by exact name, so all shards are listed), conv1d, shared experts,
     routers, embeddings, lm_head, vision tower (not in vLLM's defaults), MTP. vLLM maps the
@@ -168,12 +172,14 @@ def excluded_modules(shapes: dict[str, tuple[int, ...]], fmt: OutputFormat) -> l
     from fp4moe.models.qwen3_5_moe import Role, classify
 
     modules: set[str] = set()
-    for name, shape in shapes.items():
+    for name, (dtype, shape) in tensors.items():
         if name.startswith("mtp.") and ".mlp.experts." in name:
             if fmt is OutputFormat.MODELOPT:  # compressed-tensors matches exactly: its re: entry covers these
                 modules.add(name[: name.index(".mlp.experts.") + len(".mlp.experts")])
             continue
         if not name.endswith(".weight") or len(shape) < 2 or classify(name) is Role.ROUTED_EXPERT:
+            continue
+        if dtype not in FLOAT_DTYPES:
             continue
         modules.add(name.removesuffix(".weight"))
     entries = sorted(modules)
@@ -192,12 +198,32 @@ def module_of(tensor_name: str) -> str:
     return tensor_name.rsplit(".", 1)[0]
 
 
+# vLLM's Qwen3.5 VL prefix mapping (checkpoint -> vLLM module names)
+VLLM_PREFIXES = {
+    "model.visual.": "visual.",
+    "model.language_model.": "language_model.model.",
+    "lm_head.": "language_model.lm_head.",
+}
+
+
+def vllm_name(module: str) -> str:
+    for old, new in VLLM_PREFIXES.items():
+        if module.startswith(old):
+            return new + module[len(old) :]
+    return "language_model.lm_head" if module == "lm_head" else module
+
+
 def exclude_entry_matches(entry: str, module: str, fmt: OutputFormat) -> bool:
-    """Does an exclude/ignore entry cover a module name, by the rule vLLM applies for the format?
+    """Does an exclude/ignore entry cover a module (a checkpoint name), by the rule vLLM applies?
 
     ModelOpt: exact, substring, or fnmatch (``foo*`` also as ``foo`` + ``foo.*``). compressed-tensors:
-    ``re:`` entries by ``re.match``, others exactly.
+    ``re:`` entries by ``re.match``, others exactly. Entries may be written against checkpoint names or
+    vLLM's mapped names (``visual.``, ``language_model.model.``); both are tried.
     """
+    return any(_matches(entry, name, fmt) for name in {module, vllm_name(module)})
+
+
+def _matches(entry: str, module: str, fmt: OutputFormat) -> bool:
     import fnmatch
     import re
 

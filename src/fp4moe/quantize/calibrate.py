@@ -58,8 +58,17 @@ def build_layer(
     """transformers' decoder layer ``idx`` holding ``tensors`` (names relative to the layer; fused experts)."""
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
 
+    from fp4moe.formats.checkpoint import CheckpointError
+
     with torch.device("meta"):
         layer = Qwen3_5MoeDecoderLayer(text_config, idx)
+    expected = set(layer.state_dict())
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"decoder layer {idx} ({text_config.layer_types[idx]}): missing tensors {missing[:4]}"
+            + (f", unexpected {unexpected[:4]}" if unexpected else "")
+        )
     state = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
     layer.load_state_dict(state, strict=True, assign=True)
     return layer.eval()

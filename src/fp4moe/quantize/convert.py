@@ -30,6 +30,7 @@ from fp4moe.formats.checkpoint import (
     atomic_output_dir,
     copy_side_files,
     parse_size,
+    recover_interrupted_output,
     write_json,
 )
 from fp4moe.formats.layouts import OutputFormat
@@ -151,6 +152,7 @@ def convert(
 
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
+    recover_interrupted_output(dst.resolve())
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} already exists; pass --overwrite to replace it")
     cfg = arch.ModelConfig.from_dir(src)
@@ -187,12 +189,12 @@ def convert(
         if mtp:
             writer.write_file(MTP_FILE, {n: reader.get(n) for n in mtp})
         writer.close()
-        shapes = {n: i.shape for n, i in reader.infos.items() if n not in fused_names}
+        tensors = {n: (i.dtype, i.shape) for n, i in reader.infos.items() if n not in fused_names}
         entries = list(
             dict.fromkeys(
                 [
                     *(qc.get("ignore") or qc.get("exclude_modules") or []),
-                    *layouts.excluded_modules(shapes, OutputFormat.MODELOPT),
+                    *layouts.excluded_modules(tensors, OutputFormat.MODELOPT),
                 ]
             )
         )

@@ -33,7 +33,7 @@ def dequantized_experts(
 def dequantized_state_dict(path: str | Path, dtype=torch.float32) -> dict[str, torch.Tensor]:
     """Every tensor transformers loads (no ``mtp.*``), routed experts fused and dequantized."""
     cfg = arch.ModelConfig.from_dir(path)
-    fmt, _, problem = detect_format(cfg.raw)
+    fmt, _, problem = detect_format(cfg.raw, Path(path))
     if problem:
         raise ValueError(f"{path}: {problem}")
     reader = CheckpointReader(path)

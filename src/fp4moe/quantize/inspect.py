@@ -92,9 +92,20 @@ class _Problems:
                 self.report.problems.append(f"... and {n - MAX_LISTED} more problems of kind '{kind}'")
 
 
-def detect_format(config: dict) -> tuple[OutputFormat | None, list[str], str | None]:
-    """(format, exclude entries, problem) from config.json's quantization_config."""
+def detect_format(
+    config: dict, path: Path | None = None
+) -> tuple[OutputFormat | None, list[str], str | None]:
+    """(format, exclude entries, problem) from config.json's quantization_config, or from ModelOpt's
+    hf_quant_config.json beside it when config.json has none."""
     qc = config.get("quantization_config")
+    hf_file = Path(path) / "hf_quant_config.json" if path is not None else None
+    if not isinstance(qc, dict) and hf_file is not None and hf_file.exists():
+        try:
+            q = json.loads(hf_file.read_text()).get("quantization", {})
+        except (json.JSONDecodeError, AttributeError):
+            q = {}
+        if str(q.get("quant_algo", "")).upper() == "NVFP4":
+            return OutputFormat.MODELOPT, list(q.get("exclude_modules") or []), None
     if not isinstance(qc, dict):
         return None, [], "config.json has no quantization_config: not a quantized checkpoint"
     method = qc.get("quant_method")
@@ -151,11 +162,14 @@ def _check_expert(
     for proj, (n, k) in shapes.items():
         base = f"{prefix}{e}.{proj}."
         if base + packed_sfx not in reader:
-            if fmt is OutputFormat.MODELOPT or base + "weight" not in reader:
+            dense = reader.infos.get(base + "weight")
+            if dense is not None and dense.dtype in layouts.FLOAT_DTYPES:
+                problems.add("bf16-expert", f"{base}weight is {dense.dtype}: routed expert left unquantized")
+            else:
                 problems.add("missing", f"{base}{packed_sfx} is missing")
             return None
         info = reader.info(base + packed_sfx)
-        if info.dtype in ("BF16", "F16", "F32"):
+        if info.dtype in layouts.FLOAT_DTYPES:
             problems.add("bf16-expert", f"{base}{packed_sfx} is {info.dtype}: routed expert left unquantized")
             return None
         expected = {
@@ -251,6 +265,15 @@ def _check_exclude_list(reader, fmt, entries: list[str], cfg, prefix: str, probl
                     "not-excluded",
                     f"{module} is {info.dtype} but not in the exclude list: vLLM would expect it quantized",
                 )
+    for name, info in reader.infos.items():
+        if info.dtype == "U8" and arch.classify(name) is not arch.Role.ROUTED_EXPERT:
+            module = layouts.module_of(name)
+            hits = [e for e in entries if layouts.exclude_entry_matches(e, module, fmt)]
+            if hits:
+                problems.add(
+                    "excludes-quantized",
+                    f"exclude entry {hits[0]!r} covers {module}, whose weight is quantized (uint8)",
+                )
     for i in range(cfg.num_layers):
         moe = f"{prefix}layers.{i}.mlp.experts"
         for m in (moe, f"{moe}.0.gate_proj", f"{moe}.0.down_proj"):
@@ -305,7 +328,7 @@ def inspect_checkpoint(path: str | Path, reference: CheckpointReader | None = No
     except (CheckpointError, arch.UnsupportedModelError) as e:
         report.problems.append(str(e))
         return report
-    fmt, entries, problem = detect_format(cfg.raw)
+    fmt, entries, problem = detect_format(cfg.raw, path)
     if problem:
         report.problems.append(problem)
     fmt = fmt or OutputFormat.MODELOPT
@@ -328,7 +351,9 @@ def inspect_checkpoint(path: str | Path, reference: CheckpointReader | None = No
             f"config declares mtp_num_hidden_layers={cfg.text.mtp_num_hidden_layers} but no mtp.* tensors exist",
         )
     if report.mtp_tensors and not cfg.text.mtp_num_hidden_layers:
-        report.warnings.append("mtp.* tensors present but the config declares no MTP layer")
+        problems.add(
+            "mtp", "mtp.* tensors are present but the config declares no MTP layer (mtp_num_hidden_layers)"
+        )
     if cfg.has_vision and not report.vision_tensors:
         problems.add("vision", "config has a vision_config but no model.visual.* tensors exist")
     if reference is not None:

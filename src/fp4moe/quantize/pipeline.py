@@ -21,12 +21,12 @@ from tqdm.auto import tqdm
 from fp4moe.formats import layouts
 from fp4moe.formats.checkpoint import (
     INDEX_NAME,
-    CheckpointError,
     CheckpointReader,
     ShardedWriter,
     atomic_output_dir,
     copy_side_files,
     parse_size,
+    recover_interrupted_output,
     write_json,
 )
 from fp4moe.formats.layouts import OutputFormat
@@ -103,6 +103,7 @@ class QuantizeReport:
     experts_quantized: int
     experts_calibrated: int
     fallback_experts: list[list[int]] = field(default_factory=list)  # [layer, expert]
+    warnings: list[str] = field(default_factory=list)
     min_tokens_per_expert: int = 0
     seconds: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=dict)
@@ -122,6 +123,7 @@ class QuantizeReport:
             f"fallbacks: {len(self.fallback_experts)}; fewest tokens for a calibrated expert: {self.min_tokens_per_expert}",
             f"  size: {self.bytes_in / gb:.3f} GB -> {self.bytes_out / gb:.3f} GB "
             f"({self.bytes_out / max(self.bytes_in, 1):.1%})",
+            *[f"  warning: {w}" for w in self.warnings],
             f"  time {self.seconds:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in self.stage_seconds.items())}), "
             f"peak RSS {self.peak_rss_bytes / gb:.2f} GB",
         ]
@@ -165,10 +167,17 @@ def _finite(name: str, t: torch.Tensor) -> torch.Tensor:
 def _load_tokenizer(src: Path):
     from transformers import AutoTokenizer
 
+    if not any((src / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        raise QuantizeError(
+            f"{src}: no tokenizer files (tokenizer.json / tokenizer_config.json) for calibration"
+        )
     try:
-        return AutoTokenizer.from_pretrained(str(src), trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(src), trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise QuantizeError(f"{src}: cannot load a tokenizer for calibration ({e})") from None
+    if len(tokenizer) <= 1:
+        raise QuantizeError(f"{src}: the tokenizer is empty; it cannot tokenize calibration text")
+    return tokenizer
 
 
 def calibration_token_ids(
@@ -225,6 +234,7 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
     options = options or QuantizeOptions()
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
+    recover_interrupted_output(dst.resolve())
     if dst.exists() and not options.overwrite:
         raise FileExistsError(f"{dst} already exists; pass --overwrite to replace it")
     if dst.resolve() == src.resolve():
@@ -242,9 +252,12 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
     mtp_layout = arch.detect_expert_layout(reader, "mtp.layers.0.mlp.experts.")
     if mtp_layout is not None:
         layouts_seen["mtp"] = mtp_layout.value
+    warnings: list[str] = []
     if cfg.text.mtp_num_hidden_layers and not mtp_names:
-        raise CheckpointError(
-            f"{src}: config declares {cfg.text.mtp_num_hidden_layers} MTP layer(s) but no mtp.* tensors exist"
+        # transformers drops mtp.* at load but keeps the config key, so re-saved derivatives look like this
+        warnings.append(
+            f"config declares {cfg.text.mtp_num_hidden_layers} MTP layer(s) but SRC has no mtp.* tensors "
+            "(a transformers re-save?); the output declares none"
         )
 
     device = options.resolve_device()
@@ -320,13 +333,19 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
                 writer.write_file(MTP_FILE, {n: _finite(n, reader.get(n)) for n in mtp_names})
             writer.close()
 
-        shapes = {
-            n: reader.info(n).shape for n in reader.names() if arch.classify(n) is not arch.Role.ROUTED_EXPERT
+        tensors = {
+            n: (reader.info(n).dtype, reader.info(n).shape)
+            for n in reader.names()
+            if arch.classify(n) is not arch.Role.ROUTED_EXPERT
         }
-        exclude = layouts.excluded_modules(shapes, options.format)
+        exclude = layouts.excluded_modules(tensors, options.format)
         qcfg, hf_qcfg = _quantization_configs(options.format, exclude, options.kv_cache_quant_algo)
-        raw = dict(cfg.raw)
+        raw = json.loads(json.dumps(cfg.raw))
         raw["quantization_config"] = qcfg
+        if not mtp_names:
+            text_cfg = raw.get("text_config", raw) if raw.get("model_type") == "qwen3_5_moe" else raw
+            if text_cfg.get("mtp_num_hidden_layers"):
+                text_cfg["mtp_num_hidden_layers"] = 0
         write_json(tmp / "config.json", raw)
         if hf_qcfg is not None:
             write_json(tmp / "hf_quant_config.json", hf_qcfg)
@@ -354,6 +373,7 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
         bytes_out=bytes_out,
         experts_quantized=num_quantized,
         experts_calibrated=num_calibrated,
+        warnings=warnings,
         fallback_experts=fallbacks,
         min_tokens_per_expert=min_tokens or 0,
         seconds=time.perf_counter() - t0,
