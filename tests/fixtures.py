@@ -65,3 +65,10 @@ def rewrite_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     for name in sorted(tensors):
         writer.add(name, tensors[name])
     writer.close()
+
+
+def no_eos(model) -> None:
+    """Let transformers' greedy decoding run through EOS like our ``ignore_eos`` (``min_new_tokens`` would
+    instead forbid EOS, which changes the argmax whenever EOS is the best token)."""
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0

@@ -149,6 +149,15 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message with the chat template"
     )
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        help="image file to show the model (repeatable); implies --chat unless the prompt has placeholders",
+    )
+    p.add_argument(
+        "--limit-mm-per-prompt", type=int, default=4, help="most images one prompt may carry (default 4)"
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (default); higher = more random"
@@ -312,8 +321,28 @@ def cmd_generate(args) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, hf_overrides=overrides)
-    prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        hf_overrides=overrides,
+        limit_mm_per_prompt={"image": args.limit_mm_per_prompt},
+    )
+    if args.image and "<|image_pad|>" not in args.prompt:
+        content = [
+            *({"type": "image", "image": f} for f in args.image),
+            {"type": "text", "text": args.prompt},
+        ]
+        prompt = {
+            "prompt": llm.apply_chat_template([{"role": "user", "content": content}]),
+            "multi_modal_data": {"image": args.image},
+        }
+    elif args.chat:
+        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+    else:
+        prompt = (
+            {"prompt": args.prompt, "multi_modal_data": {"image": args.image}} if args.image else args.prompt
+        )
     for delta in llm.stream(prompt, params):
         print(delta, end="", flush=True)
     print()

@@ -49,9 +49,13 @@ class LLM:
         device: str = "cpu",
         hf_overrides: dict | None = None,
         max_model_len: int | None = None,
+        limit_mm_per_prompt: dict[str, int] | None = None,
     ):
         self.path = Path(model)
         self.device = torch.device(device)
+        self.limit_images = int((limit_mm_per_prompt or {}).get("image", 4))
+        self._vision = None
+        self._image_processor = None
         self.model, self.config = load_model(
             model, dtype=dtype, device=self.device, hf_overrides=hf_overrides
         )
@@ -89,6 +93,45 @@ class LLM:
         return frozenset(ids)
 
     # ----- prompts -----
+    def _vision_parts(self):
+        from fp4moe.engine.multimodal import ImageError, ImageProcessor
+        from fp4moe.formats.checkpoint import CheckpointReader
+        from fp4moe.layers.vision import VisionTower
+
+        if self._vision is None:
+            if "vision_config" not in self.config:
+                raise ImageError(f"{self.path} has no vision tower (no vision_config): it cannot take images")
+            self._image_processor = ImageProcessor(self.path)
+            self._vision = VisionTower(
+                self.config["vision_config"],
+                CheckpointReader(self.path),
+                self.model.embed_tokens.dtype,
+                self.device,
+            )
+        return self._image_processor, self._vision
+
+    def _attach_images(self, seq: Sequence, images: list) -> None:
+        """Expand the prompt's image placeholders, set 3-D positions and the image embeddings."""
+        from fp4moe.engine.multimodal import ImageError, expand_image_tokens, mrope_positions
+
+        if len(images) > self.limit_images:
+            raise ImageError(
+                f"{len(images)} images in one prompt; the limit is {self.limit_images} (--limit-mm-per-prompt)"
+            )
+        processor, tower = self._vision_parts()
+        processed = processor(images)
+        image_token = int(self.config["image_token_id"])
+        ids = expand_image_tokens(seq.prompt_ids, image_token, processed.token_counts(tower.merge_size))
+        if len(ids) >= self.max_model_len:
+            raise PromptError(
+                f"prompt has {len(ids)} tokens with its images; the maximum model length is {self.max_model_len}"
+            )
+        seq.prompt_ids = ids
+        seq.prompt_positions, seq.rope_delta = mrope_positions(
+            ids, image_token, processed.grid_thw, tower.merge_size
+        )
+        seq.image_embeds = torch.cat(tower.encode(processed.pixel_values, processed.grid_thw))
+
     def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -138,12 +181,21 @@ class LLM:
         chunks = [seq.all_ids[seq.num_cached :] for seq in seqs]
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
         positions = torch.cat(
-            [torch.arange(s.num_cached, s.num_cached + len(c)) for s, c in zip(seqs, chunks, strict=True)]
+            [s.positions(s.num_cached, s.num_cached + len(c)) for s, c in zip(seqs, chunks, strict=True)],
+            dim=1,
         )
         ctx = StepContext(
             [len(c) for c in chunks], [s.num_cached for s in seqs], [s.slot for s in seqs], kv, states
         )
-        hidden = self.model(ids, positions.to(self.device), ctx)
+        embeds = None
+        if any(s.image_embeds is not None and s.num_cached == 0 for s in seqs):
+            embeds = self.model.embed(ids)
+            image_token = int(self.config["image_token_id"])
+            for seq, (start, end) in zip(seqs, ctx.spans(), strict=True):
+                if seq.image_embeds is not None and seq.num_cached == 0:
+                    mask = ids[start:end] == image_token
+                    embeds[start:end][mask] = seq.image_embeds.to(embeds.dtype)
+        hidden = self.model(ids, positions.to(self.device), ctx, inputs_embeds=embeds)
         last = torch.tensor([e - 1 for _, e in ctx.spans()], device=self.device)
         logits = self.model.compute_logits(hidden[last]).cpu()
         for i, seq in enumerate(seqs):
@@ -169,14 +221,27 @@ class LLM:
     def _make_sequences(
         self, prompts, params: list[SamplingParams]
     ) -> tuple[list[tuple[str | None, list[int]]], list[Sequence]]:
-        encoded = [self._encode(p) for p in prompts]
-        seqs = []
-        for (_, ids), p in zip(encoded, params, strict=True):
+        """Prompts are text, token ids, or {"prompt" | "prompt_token_ids": ..., "multi_modal_data": {"image": ...}}."""
+        encoded, seqs = [], []
+        for prompt, p in zip(prompts, params, strict=True):
+            images = []
+            if isinstance(prompt, dict):
+                images = (prompt.get("multi_modal_data") or {}).get("image") or []
+                images = images if isinstance(images, list) else [images]
+                prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+            text, ids = self._encode(prompt)
+            first = None
             for j in range(p.n):
                 sp = p if p.seed is None or j == 0 else SamplingParams(**{**p.__dict__, "seed": p.seed + j})
-                seqs.append(
-                    Sequence(next(self._seq_ids), list(ids), sp, slot=len(seqs), eos_ids=self.eos_ids)
-                )
+                seq = Sequence(next(self._seq_ids), list(ids), sp, slot=len(seqs), eos_ids=self.eos_ids)
+                if images and first is None:
+                    self._attach_images(seq, images)
+                    first = seq
+                elif first is not None:  # n > 1: share the processed images
+                    seq.prompt_ids, seq.prompt_positions = list(first.prompt_ids), first.prompt_positions
+                    seq.rope_delta, seq.image_embeds = first.rope_delta, first.image_embeds
+                seqs.append(seq)
+            encoded.append((text, seqs[-1].prompt_ids))
         return encoded, seqs
 
     def generate(
@@ -187,7 +252,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for a batch of prompts (text or token ids). ``on_token(prompt_index, token, text_delta)``
         is called as tokens are produced."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -220,7 +285,9 @@ class LLM:
             )
         return outputs
 
-    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(
+        self, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None
+    ) -> Iterator[str]:
         """Text deltas of one prompt as they are generated."""
         _, seqs = self._make_sequences([prompt], [sampling_params or SamplingParams()])
         for _ in self._run(seqs[:1]):
@@ -234,5 +301,23 @@ class LLM:
         **template_kwargs,
     ) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.apply_chat_template(c, **template_kwargs) for c in conversations]
+        prompts = []
+        for conv in conversations:
+            images = [
+                _image_of(part)
+                for m in conv
+                if isinstance(m.get("content"), list)
+                for part in m["content"]
+                if part.get("type") in ("image", "image_url")
+            ]
+            text = self.apply_chat_template(conv, **template_kwargs)
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params)
+
+
+def _image_of(part: dict):
+    """The image of a chat content part: {"type": "image", "image": X} or OpenAI's image_url form."""
+    if part["type"] == "image":
+        return part["image"]
+    url = part["image_url"]
+    return url["url"] if isinstance(url, dict) else url

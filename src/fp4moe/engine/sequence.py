@@ -28,6 +28,10 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_cached: int = 0
     generator: torch.Generator | None = None
+    prompt_positions: torch.Tensor | None = None  # [3, prompt_len] when the prompt holds images
+    rope_delta: int = 0  # position of token i after the prompt = i + rope_delta
+    image_embeds: torch.Tensor | None = None  # [image tokens, hidden], in prompt order
+    delta: str = ""  # text added by the last token
 
     def __post_init__(self):
         if self.params.seed is not None:
@@ -40,6 +44,15 @@ class Sequence:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """mRoPE positions [3, end - start] of tokens start..end-1."""
+        if self.prompt_positions is None:
+            return torch.arange(start, end).expand(3, -1)
+        n = len(self.prompt_ids)
+        inside = self.prompt_positions[:, start : min(end, n)]
+        after = torch.arange(max(start, n), end).expand(3, -1) + self.rope_delta
+        return torch.cat([inside, after], dim=1)
 
     def append(self, result: SampleResult, tokenizer) -> str:
         """Add a sampled token, update text and finish state; returns the new text (the delta)."""

@@ -46,6 +46,22 @@ CHAT_TEMPLATE = (
 )
 
 
+PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "size": {"shortest_edge": 32 * 32, "longest_edge": 96 * 96},  # pixels: 2x2 to 6x6 merged tokens
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "do_resize": True,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+}
+
+
 class CheckpointLayout(enum.Enum):
     """Expert layouts of a whole checkpoint: main layers / MTP block."""
 
@@ -248,6 +264,8 @@ def write_tiny_checkpoint(
     )
     (out / "config.json").write_text(json.dumps(raw, indent=2, default=str) + "\n")
     tokenizer.save_pretrained(out)
+    if spec.with_vision:  # the image processor of Qwen3.5 (Qwen2-VL style), at toy resolution
+        (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "do_sample": False}, indent=2)
         + "\n"
