@@ -12,7 +12,7 @@ def _subparsers(parser):
     return action.choices
 
 
-@pytest.mark.parametrize("command", ["quantize", "inspect", "convert", "demo"])
+@pytest.mark.parametrize("command", ["quantize", "inspect", "convert", "generate", "demo"])
 def test_every_option_has_help(command):
     sub = _subparsers(build_parser())[command]
     assert sub.description
@@ -27,6 +27,7 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "result                               OK" in out
     assert "mean KL" in out and "experts calibrated: 32/32" in out
+    assert "24 tokens:" in out  # the engine generated from the quantized checkpoint
     assert (tmp_path / "tiny-nvfp4-modelopt" / "config.json").exists()
 
 

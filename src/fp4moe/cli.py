@@ -293,6 +293,19 @@ def cmd_demo(args) -> int:
         print(
             f"   mean KL {kl.mean_kl:.5f} nats/token, max {kl.max_kl:.5f}, top-1 agreement {kl.top1_agreement:.1%}"
         )
+        print(
+            "5. generating from the NVFP4 checkpoint with fp4moe's engine (experts kept packed; random weights,"
+        )
+        print("   so the text is noise -- the point is the path: load, prefill, decode, detokenize)")
+        from fp4moe.engine.llm import LLM
+        from fp4moe.engine.sampler import SamplingParams
+
+        llm = LLM(dst)
+        out = llm.chat(
+            [{"role": "user", "content": "What is a list comprehension?"}],
+            SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+        )[0].outputs[0]
+        print(f"   {len(out.token_ids)} tokens: {out.text!r}")
         if args.out:
             print(f"checkpoints kept in {root}")
     return 0

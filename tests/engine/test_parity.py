@@ -205,3 +205,14 @@ def test_yarn_override_matches_transformers_with_the_same_override(checkpoints):
     torch.testing.assert_close(ours, _ref_logits(ref, prompt), atol=ATOL, rtol=0)
     plain, _ = _flat_prefill(load_model(path, dtype="float32")[0], [prompt])
     assert (plain - ours).abs().max() > 10 * ATOL  # the override really changed the model
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [None, "modelopt"])
+def test_engine_on_cuda_matches_cpu(checkpoints, fmt):
+    path = checkpoints.bf16() if fmt is None else checkpoints.quantized(fmt=fmt)
+    prompts = [p.tolist() for p in _prompts(seed=12)]
+    p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    cpu = LLM(path, dtype="float32").generate(prompts, p)
+    gpu = LLM(path, dtype="float32", device="cuda").generate(prompts, p)
+    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
