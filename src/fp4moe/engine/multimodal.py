@@ -47,7 +47,7 @@ def load_image(source) -> np.ndarray:
                 img = Image.open(source)
             else:
                 raise ImageError(f"unsupported image input of type {type(source).__name__}")
-            arr = np.asarray(img.convert("RGB"))
+            arr = np.array(img.convert("RGB"))  # a writable copy
         except (UnidentifiedImageError, OSError, ValueError) as e:
             if isinstance(e, ImageError):
                 raise
