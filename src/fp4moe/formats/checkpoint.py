@@ -228,6 +228,7 @@ class ShardedWriter:
         self._shards: list[list[str]] = []
         self._named_files: dict[str, list[str]] = {}
         self.total_bytes = 0
+        self.on_flush = None  # called with the shard index after each shard is on disk (progress bars)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         num_bytes = tensor.numel() * tensor.element_size()
@@ -244,6 +245,8 @@ class ShardedWriter:
         _save(self._buffer, self.out_dir / f".shard-{index:05d}.safetensors", self.metadata)
         self._shards.append(list(self._buffer))
         self._buffer, self._buffer_bytes = {}, 0
+        if self.on_flush is not None:
+            self.on_flush(index)
 
     def write_file(self, filename: str, tensors: dict[str, torch.Tensor]) -> None:
         """A named extra shard (e.g. ``model-mtp.safetensors``), listed in the index too."""

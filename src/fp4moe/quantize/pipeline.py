@@ -282,7 +282,17 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
         done.add(embed_name)
         del embed
 
-        for i, block in enumerate(tqdm(blocks, desc="layers", unit="layer", disable=not show)):
+        layer_bar = tqdm(blocks, desc="layers", unit="layer", disable=not show, position=0)
+        expert_bar = tqdm(
+            total=len(blocks) * cfg.text.num_experts,
+            desc="experts",
+            unit="expert",
+            disable=not show,
+            position=1,
+        )
+        shard_bar = tqdm(desc="shards written", unit="shard", disable=not show, position=2)
+        writer.on_flush = lambda index: shard_bar.update(1)
+        for i, block in enumerate(layer_bar):
             names = arch.layer_names(reader, prefix, i)
             expert_names = set(block.source_names())
             with timer("read"):
@@ -318,6 +328,8 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             if seen.numel():
                 min_tokens = int(seen.min()) if min_tokens is None else min(min_tokens, int(seen.min()))
             done.update(names)
+            expert_bar.update(block.num_experts)
+            expert_bar.set_postfix(calibrated=num_calibrated, fallbacks=len(fallbacks))
             del dense, gate_up, down, q
             _release_freed_memory()
 
@@ -332,6 +344,8 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             if mtp_names:
                 writer.write_file(MTP_FILE, {n: _finite(n, reader.get(n)) for n in mtp_names})
             writer.close()
+        for bar in (layer_bar, expert_bar, shard_bar):
+            bar.close()
 
         tensors = {
             n: (reader.info(n).dtype, reader.info(n).shape)
