@@ -23,6 +23,18 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
+def layer_types_of(text: dict) -> list[str]:
+    """``layer_types`` from a text config, or the default pattern: every ``full_attention_interval``-th
+    layer (4) is gated attention, the rest Gated DeltaNet."""
+    if text.get("layer_types"):
+        return list(text["layer_types"])
+    interval = int(text.get("full_attention_interval", 4))
+    return [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(int(text["num_hidden_layers"]))
+    ]
+
+
 class UnsupportedModelError(ValueError):
     pass
 
@@ -90,12 +102,7 @@ class ModelConfig:
         text = raw.get("text_config", raw) if model_type == "qwen3_5_moe" else raw
         try:
             num_layers = int(text["num_hidden_layers"])
-            layer_types = text.get("layer_types") or [
-                "full_attention"
-                if (i + 1) % int(text.get("full_attention_interval", 4)) == 0
-                else "linear_attention"
-                for i in range(num_layers)
-            ]
+            layer_types = layer_types_of(text)
             tc = TextConfig(
                 num_layers=num_layers,
                 hidden_size=int(text["hidden_size"]),

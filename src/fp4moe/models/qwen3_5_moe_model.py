@@ -18,6 +18,7 @@ from fp4moe.layers.linear import Linear
 from fp4moe.layers.moe import SparseMoE
 from fp4moe.layers.norm import RMSNorm
 from fp4moe.layers.rope import RopeConfig, Rotary
+from fp4moe.models.qwen3_5_moe import layer_types_of
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,7 @@ class ModelArgs:
     @classmethod
     def from_text_config(cls, text: dict) -> ModelArgs:
         n = int(text["num_hidden_layers"])
-        types = text.get("layer_types") or [
-            "full_attention"
-            if (i + 1) % int(text.get("full_attention_interval", 4)) == 0
-            else "linear_attention"
-            for i in range(n)
-        ]
+        types = layer_types_of(text)
         return cls(
             hidden_size=int(text["hidden_size"]),
             num_layers=n,
