@@ -116,12 +116,19 @@ def test_stop_strings_cut_the_text(llm):
         0
     ].outputs[0]
     text = greedy.text
-    stop = text[5:8]  # something the model really produces
+    # a stop string that straddles the boundary between the 3rd and 4th generated tokens
+    boundary = len(llm.tokenizer.decode(greedy.token_ids[:3], skip_special_tokens=True))
+    stop = text[boundary - 2 : boundary + 2]
+    assert len(stop) == 4
     first = text.find(stop)
     out = llm.generate(
         "def main():", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
     )[0].outputs[0]
     assert out.finish_reason == "stop" and out.text == text[:first]
+    streamed = llm.stream(
+        "def main():", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    )
+    assert "".join(streamed) == text[:first]
     out = llm.generate(
         "def main():",
         SamplingParams(
@@ -182,3 +189,70 @@ def test_bad_prompts(llm):
         llm.generate([[5, 10**6]])
     with pytest.raises(PromptError, match="maximum model length"):
         llm.generate([[1] * (llm.max_model_len + 1)])
+
+
+class ByteTokenizer:
+    """Each token id stands for a fixed byte string; decoding joins them as UTF-8 (like byte-level BPE)."""
+
+    def __init__(self, pieces: list[bytes]):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def _stream(pieces: list[bytes], params: SamplingParams) -> tuple[list[str], str]:
+    from fp4moe.engine.sampler import SampleResult
+    from fp4moe.engine.sequence import Sequence
+
+    tok = ByteTokenizer(pieces)
+    seq = Sequence(0, [0], params, slot=0)
+    deltas = []
+    for i in range(len(pieces)):
+        deltas.append(seq.append(SampleResult(i), tok))
+        if seq.finished:
+            break
+    return deltas, seq.text
+
+
+def test_streaming_never_emits_half_characters():
+    text = "héllo 日本語!"
+    raw = text.encode()
+    pieces = [raw[i : i + 1] for i in range(len(raw))]  # one byte per token: characters split across tokens
+    deltas, final = _stream(pieces, SamplingParams(max_tokens=len(pieces)))
+    assert "".join(deltas) == final == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_stop_string_split_across_tokens_is_never_streamed():
+    pieces = [b"hello", b" w", b"or", b"ld", b" f", b"oo"]
+    deltas, final = _stream(pieces, SamplingParams(max_tokens=10, stop=["world f"]))
+    assert final == "hello " and "".join(deltas) == "hello "
+    deltas, final = _stream(
+        pieces, SamplingParams(max_tokens=10, stop=["world f"], include_stop_str_in_output=True)
+    )
+    assert final == "hello world f" and "".join(deltas) == final
+    deltas, final = _stream(pieces, SamplingParams(max_tokens=6, stop=["zzz"]))
+    assert "".join(deltas) == final == "hello world foo"  # held-back text is released at the end
+
+
+def test_min_p_comes_before_top_k_and_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.1, 0.1]))
+    kept = torch.isfinite(filter_logits(logits.clone(), SamplingParams(top_p=0.6, min_p=0.25)))
+    # min-p (0.25 * 0.5 = 0.125) drops 2 and 3; renormalised, 0.5/0.8 = 0.625 >= top_p keeps only token 0
+    assert kept.tolist() == [True, False, False, False]
+
+
+def test_logprobs_are_raw_even_with_temperature_and_penalties():
+    logits = torch.tensor([3.0, 1.0, 0.5, -1.0])
+    p = SamplingParams(temperature=0.5, repetition_penalty=2.0, presence_penalty=1.0, logprobs=1, seed=0)
+    r = sample(logits, [0], [0, 1], p, torch.Generator().manual_seed(0))
+    raw = logits.log_softmax(-1)
+    assert r.logprob == pytest.approx(float(raw[r.token_id]))
+    assert r.top_logprobs == pytest.approx({0: float(raw[0])})
+
+
+def test_stop_params_are_validated_and_normalised():
+    with pytest.raises(ValueError, match="non-empty strings"):
+        SamplingParams(stop=[""])
+    assert SamplingParams(stop=None, stop_token_ids=None).stop_token_ids == []

@@ -64,7 +64,12 @@ class LLM:
         limit = args.max_position_embeddings
         if rope.rope_type == "yarn":
             limit = max(limit, int(rope.factor * (rope.original_max_position_embeddings or limit)))
-        self.max_model_len = min(max_model_len or limit, limit)
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's {limit} positions "
+                "(extend it with YaRN through hf_overrides)"
+            )
+        self.max_model_len = max_model_len or limit
         self.tokenizer = self._load_tokenizer()
         self.eos_ids = self._eos_ids()
         self._seq_ids = itertools.count()
@@ -226,8 +231,8 @@ class LLM:
         for prompt, p in zip(prompts, params, strict=True):
             images = []
             if isinstance(prompt, dict):
-                images = (prompt.get("multi_modal_data") or {}).get("image") or []
-                images = images if isinstance(images, list) else [images]
+                given = (prompt.get("multi_modal_data") or {}).get("image")
+                images = [] if given is None else given if isinstance(given, (list, tuple)) else [given]
                 prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
             text, ids = self._encode(prompt)
             first = None

@@ -82,13 +82,9 @@ def _experts_state(
             for s in (packed_sfx, scale_sfx, global_sfx)
         }
         decode = {p: _decode_scale(t[(p, global_sfx)], fmt) for p in arch.PROJECTIONS}
-        if not torch.equal(decode["gate_proj"], decode["up_proj"]):
-            raise CheckpointError(
-                f"{prefix}{e}: gate and up NVFP4 global scales differ; run `fp4moe inspect`"
-            )
         parts["gu_p"].append(torch.cat([t[("gate_proj", packed_sfx)], t[("up_proj", packed_sfx)]]))
         parts["gu_s"].append(torch.cat([t[("gate_proj", scale_sfx)], t[("up_proj", scale_sfx)]]))
-        parts["gu_d"].append(decode["gate_proj"])
+        parts["gu_d"].append(torch.stack([decode["gate_proj"], decode["up_proj"]]))
         parts["d_p"].append(t[("down_proj", packed_sfx)])
         parts["d_s"].append(t[("down_proj", scale_sfx)])
         parts["d_d"].append(decode["down_proj"])
@@ -130,25 +126,65 @@ def load_model(
             layer.mlp.experts.use_nvfp4()
 
     state: dict[str, torch.Tensor] = {}
+
+    def get(name: str, cast: bool = True) -> torch.Tensor:
+        t = reader.get(name)
+        return t.to(device=device, dtype=dtype) if cast and t.is_floating_point() else t.to(device)
+
+    quantized = _quantized_linears(reader, prefix)
+    for module, (qfmt, ckpt_module) in quantized.items():
+        model.get_submodule(module).use_nvfp4()
+        packed_sfx, scale_sfx, global_sfx, _ = SUFFIXES[qfmt]
+        state[f"{module}.nvfp4.packed"] = get(f"{ckpt_module}.{packed_sfx}")
+        state[f"{module}.nvfp4.block_scales"] = get(f"{ckpt_module}.{scale_sfx}", cast=False)
+        state[f"{module}.nvfp4.decode_scale"] = _decode_scale(
+            reader.get(f"{ckpt_module}.{global_sfx}"), qfmt
+        ).to(device)
+    skip = {f"{m}.{sfx}" for _, (f, m) in quantized.items() for sfx in SUFFIXES[f]}
     for name in reader.names():
         role = arch.classify(name)
-        if role in (arch.Role.VISION, arch.Role.MTP, arch.Role.ROUTED_EXPERT):
+        if role in (arch.Role.VISION, arch.Role.MTP, arch.Role.ROUTED_EXPERT) or name in skip:
             continue
         if name == f"{prefix}embed_tokens.weight":
-            state["embed_tokens"] = reader.get(name).to(dtype)
+            state["embed_tokens"] = get(name)
         elif name == f"{prefix}norm.weight":
-            state["norm.weight"] = reader.get(name).to(dtype)
+            state["norm.weight"] = get(name)
         elif name == "lm_head.weight":
-            state["lm_head.weight"] = reader.get(name).to(dtype)
+            state["lm_head.weight"] = get(name)
         elif (idx := arch.layer_of(name)) is not None:
             rest = arch.strip_layer_prefix(name)
-            state[f"layers.{idx}.{_RENAMES.get(rest, rest)}"] = reader.get(name).to(dtype)
-    if "lm_head.weight" not in state and text.get("tie_word_embeddings"):
+            state[f"layers.{idx}.{_RENAMES.get(rest, rest)}"] = get(name)
+    if "lm_head.weight" not in state and (
+        config.get("tie_word_embeddings") or text.get("tie_word_embeddings")
+    ):
         state["lm_head.weight"] = state["embed_tokens"]
     for idx in range(args.num_layers):
         for k, v in _experts_state(reader, fmt, f"{prefix}layers.{idx}.mlp.experts.", args, dtype).items():
-            state[f"layers.{idx}.{k}"] = v
+            state[f"layers.{idx}.{k}"] = v.to(device)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise CheckpointError(f"{path}: tensors missing {missing[:5]} / unexpected {unexpected[:5]}")
-    return model.to(device).eval(), config
+    return model.eval(), config
+
+
+def _quantized_linears(reader: CheckpointReader, prefix: str) -> dict[str, tuple[OutputFormat, str]]:
+    """NVFP4 linears other than the routed experts (e.g. shared experts or attention in llm-compressor or
+    ModelOpt recipes): engine module path -> (format, checkpoint module name)."""
+    found = {}
+    for name, info in reader.infos.items():
+        if arch.classify(name) in (arch.Role.ROUTED_EXPERT, arch.Role.VISION, arch.Role.MTP):
+            continue
+        if name.endswith(".weight_packed"):
+            fmt, module = OutputFormat.COMPRESSED_TENSORS, name.removesuffix(".weight_packed")
+        elif name.endswith(".weight") and info.dtype == "U8":
+            fmt, module = OutputFormat.MODELOPT, name.removesuffix(".weight")
+        else:
+            continue
+        if module == "lm_head":
+            found["lm_head"] = (fmt, module)
+        elif (idx := arch.layer_of(name)) is not None:
+            rest = arch.strip_layer_prefix(module + ".weight")
+            found[f"layers.{idx}.{_RENAMES.get(rest, rest).removesuffix('.weight')}"] = (fmt, module)
+        else:
+            raise CheckpointError(f"{name}: NVFP4 is not supported for this tensor")
+    return found

@@ -32,8 +32,13 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self):
+        if self.stop is None:
+            self.stop = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if any(not isinstance(x, str) or not x for x in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -76,8 +81,12 @@ def apply_penalties(
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits [V] with top-k, top-p and min-p applied (masked entries at -inf)."""
+    """Temperature-scaled logits [V] with min-p, then top-k, then top-p applied (vLLM V1's order; masked
+    entries at -inf)."""
     logits = logits / p.temperature
+    if p.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -88,9 +97,6 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         drop = (probs.cumsum(-1) - probs) >= p.top_p
         drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if p.min_p > 0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     return logits
 
 

@@ -31,7 +31,8 @@ class Sequence:
     prompt_positions: torch.Tensor | None = None  # [3, prompt_len] when the prompt holds images
     rope_delta: int = 0  # position of token i after the prompt = i + rope_delta
     image_embeds: torch.Tensor | None = None  # [image tokens, hidden], in prompt order
-    delta: str = ""  # text added by the last token
+    delta: str = ""  # text made final by the last token
+    emitted: int = 0  # characters of ``text`` already handed out as deltas
 
     def __post_init__(self):
         if self.params.seed is not None:
@@ -55,24 +56,33 @@ class Sequence:
         return torch.cat([inside, after], dim=1)
 
     def append(self, result: SampleResult, tokenizer) -> str:
-        """Add a sampled token, update text and finish state; returns the new text (the delta)."""
+        """Add a sampled token, update text and finish state; returns the text that is now final (the
+        streaming delta). Text that may still change is held back: a trailing incomplete UTF-8 character
+        (decoded as U+FFFD) and, while stop strings are set, the last len(longest stop) - 1 characters."""
         token = result.token_id
         self.output_ids.append(token)
         if self.params.logprobs is not None:
             self.logprobs.append(result)
-        before = self.text
+        before = len(self.text)
         if tokenizer is not None:
             self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
         if (
             (token in self.eos_ids and not self.params.ignore_eos)
             or token in self.params.stop_token_ids
             or self.params.stop
-            and self._cut_at_stop_string(len(before))
+            and self._cut_at_stop_string(before)
         ):
             self.finish_reason = FinishReason.STOP
         elif len(self.output_ids) >= self.params.max_tokens:
             self.finish_reason = FinishReason.LENGTH
-        return self.text[len(before) :] if self.text.startswith(before) else self.text
+        final = len(self.text)
+        if not self.finished:
+            final = len(self.text.rstrip("\ufffd"))
+            if self.params.stop:
+                final = min(final, len(self.text) - max(len(s) for s in self.params.stop) + 1)
+        final = max(final, self.emitted)
+        delta, self.emitted = self.text[self.emitted : final], final
+        return delta
 
     def _cut_at_stop_string(self, previous_len: int) -> bool:
         longest = max(len(s) for s in self.params.stop)

@@ -31,7 +31,7 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = self.down_proj = None
         self.register_buffer("gate_up_packed", torch.empty(e, 2 * i, h // 2, dtype=torch.uint8))
         self.register_buffer("gate_up_scales", torch.empty(e, 2 * i, h // 16, dtype=nvfp4.FP8_DTYPE))
-        self.register_buffer("gate_up_decode", torch.empty(e, dtype=torch.float32))
+        self.register_buffer("gate_up_decode", torch.empty(e, 2, dtype=torch.float32))  # gate, up
         self.register_buffer("down_packed", torch.empty(e, h, i // 2, dtype=torch.uint8))
         self.register_buffer("down_scales", torch.empty(e, h, i // 16, dtype=nvfp4.FP8_DTYPE))
         self.register_buffer("down_decode", torch.empty(e, dtype=torch.float32))
@@ -40,8 +40,16 @@ class RoutedExperts(nn.Module):
     def weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.quantized:
             return self.gate_up_proj[e], self.down_proj[e]
-        gate_up = nvfp4.dequantize_modelopt(
-            self.gate_up_packed[e], self.gate_up_scales[e], self.gate_up_decode[e], dtype
+        i = self.inter  # gate and up may carry different decode scales (kept exact, unlike vLLM)
+        gate_up = torch.cat(
+            [
+                nvfp4.dequantize_modelopt(
+                    self.gate_up_packed[e, :i], self.gate_up_scales[e, :i], self.gate_up_decode[e, 0], dtype
+                ),
+                nvfp4.dequantize_modelopt(
+                    self.gate_up_packed[e, i:], self.gate_up_scales[e, i:], self.gate_up_decode[e, 1], dtype
+                ),
+            ]
         )
         down = nvfp4.dequantize_modelopt(self.down_packed[e], self.down_scales[e], self.down_decode[e], dtype)
         return gate_up, down

@@ -39,8 +39,18 @@ def dequantized_state_dict(path: str | Path, dtype=torch.float32) -> dict[str, t
     reader = CheckpointReader(path)
     prefix = arch.text_prefix(reader)
     state = {}
-    for name in reader.names():
+    dense_nvfp4 = set()  # other NVFP4 linears (recipes that quantize more than the experts)
+    for name, info in reader.infos.items():
         if name.startswith("mtp.") or arch.classify(name) is arch.Role.ROUTED_EXPERT:
+            continue
+        packed = SUFFIXES[fmt][0]
+        if name.endswith("." + packed) and info.dtype == "U8":
+            module = layouts.module_of(name)
+            tensors = {s: reader.get(f"{module}.{s}") for s in SUFFIXES[fmt]}
+            state[f"{module}.weight"] = layouts.read_quantized_linear(fmt, tensors, dtype)
+            dense_nvfp4.update(f"{module}.{s}" for s in SUFFIXES[fmt])
+    for name in reader.names():
+        if name.startswith("mtp.") or arch.classify(name) is arch.Role.ROUTED_EXPERT or name in dense_nvfp4:
             continue
         state[name] = reader.get(name).to(dtype)
     for i in range(cfg.text.num_layers):
