@@ -182,6 +182,21 @@ def _add_generate(sub) -> None:
     )
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument(
+        "--stop-token-ids",
+        type=int,
+        nargs="+",
+        default=[],
+        help="token ids that end generation (kept in the ids)",
+    )
+    p.add_argument(
+        "--include-stop-str-in-output", action="store_true", help="keep the matched stop string in the text"
+    )
+    p.add_argument("--n", type=int, default=1, help="completions per prompt (printed one after another)")
+    p.add_argument(
+        "--logprobs", type=int, default=None, help="also print each token's log-probability and the top K"
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "bfloat16", "float16", "float32"],
@@ -333,6 +348,10 @@ def cmd_generate(args) -> int:
         seed=args.seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        stop_token_ids=args.stop_token_ids,
+        include_stop_str_in_output=args.include_stop_str_in_output,
+        n=args.n,
+        logprobs=args.logprobs,
     )
     llm = LLM(
         args.model,
@@ -340,6 +359,7 @@ def cmd_generate(args) -> int:
         device=args.device,
         hf_overrides=overrides,
         limit_mm_per_prompt={"image": args.limit_mm_per_prompt},
+        max_model_len=args.max_model_len,
     )
     if args.image and "<|image_pad|>" not in args.prompt:
         content = [
@@ -356,9 +376,20 @@ def cmd_generate(args) -> int:
         prompt = (
             {"prompt": args.prompt, "multi_modal_data": {"image": args.image}} if args.image else args.prompt
         )
-    for delta in llm.stream(prompt, params):
-        print(delta, end="", flush=True)
-    print()
+    if args.n == 1 and args.logprobs is None:
+        for delta in llm.stream(prompt, params):
+            print(delta, end="", flush=True)
+        print()
+        return 0
+    for out in llm.generate(prompt, params)[0].outputs:
+        if args.n > 1:
+            print(f"--- completion {out.index} ({out.finish_reason}) ---")
+        print(out.text)
+        for r in out.logprobs or []:
+            top = ", ".join(
+                f"{llm.tokenizer.decode([t])!r}: {lp:.3f}" for t, lp in (r.top_logprobs or {}).items()
+            )
+            print(f"  {r.token_id:>7} {llm.tokenizer.decode([r.token_id])!r:<16} {r.logprob:8.3f}   [{top}]")
     return 0
 
 

@@ -172,3 +172,31 @@ def test_cli_generate_with_an_image(checkpoints, tmp_path, capsys):
     assert code == 0 and capsys.readouterr().out.strip()
     code = main(["generate", str(checkpoints.bf16()), "x", "--image", str(tmp_path / "missing.png")])
     assert code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_cli_generate_sampling_flags(checkpoints, capsys):
+    code = main(
+        [
+            "generate",
+            str(checkpoints.bf16()),
+            "Hello",
+            "--max-tokens",
+            "3",
+            "--ignore-eos",
+            "--n",
+            "2",
+            "--temperature",
+            "1.0",
+            "--seed",
+            "3",
+            "--logprobs",
+            "2",
+            "--dtype",
+            "float32",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and "--- completion 0 (length) ---" in out and "--- completion 1 (length) ---" in out
+    assert out.count("[") >= 6  # one logprob line per token, each with its top-2
+    code = main(["generate", str(checkpoints.bf16()), "Hello", "--max-model-len", "100000000"])
+    assert code == 2 and "exceeds the model's" in capsys.readouterr().err
