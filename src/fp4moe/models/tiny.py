@@ -26,21 +26,37 @@ SPECIAL_TOKENS = [
     "<|vision_end|>",
     "<|image_pad|>",
     "<|video_pad|>",
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
 ]
+# added but not "special" (as in Qwen's tokenizer): they survive decoding, so parsers can see them
+MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 CHAT_TEMPLATE = (
+    # Qwen3.5-style ChatML: tools in a system block, qwen3_coder tool calls, tool results as user turns
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n# Tools\\n<tools>\\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
+    "{{- '</tools>\\nCall a function with <tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n"
+    "</function>\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}"
+    "{%- elif message['content'] %}{%- for part in message['content'] %}"
     "{%- if part['type'] == 'text' %}{{- part['text'] }}"
     "{%- elif part['type'] in ('image', 'image_url') %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
     "{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{{- '\\n<tool_call>\\n<function=' + call['function']['name'] + '>\\n' }}"
+    "{%- for key, value in call['function']['arguments'].items() %}"
+    "{{- '<parameter=' + key + '>\\n' }}{{- value if value is string else value | tojson }}{{- '\\n</parameter>\\n' }}"
+    "{%- endfor %}"
+    "{{- '</function>\\n</tool_call>' }}"
+    "{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
 )
@@ -112,6 +128,7 @@ def train_tokenizer(vocab_size: int):
         pad_token="<|endoftext|>",
         unk_token=None,
     )
+    fast.add_tokens(MARKUP_TOKENS)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
