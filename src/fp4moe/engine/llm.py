@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from fp4moe.engine.cache import DeltaNetStates, KVCache
-from fp4moe.engine.context import StepContext
 from fp4moe.engine.loader import load_model
+from fp4moe.engine.model_runner import ModelRunner
 from fp4moe.engine.sampler import SampleResult, SamplingParams, sample
 from fp4moe.engine.sequence import FinishReason, Sequence
 
@@ -71,6 +71,10 @@ class LLM:
             )
         self.max_model_len = max_model_len or limit
         self.tokenizer = self._load_tokenizer()
+        image_token = self.config.get("image_token_id")
+        self.runner = ModelRunner(
+            self.model, int(image_token) if image_token is not None else None, self.device
+        )
         self.eos_ids = self._eos_ids()
         self._seq_ids = itertools.count()
 
@@ -164,49 +168,18 @@ class LLM:
 
     # ----- generation -----
     def _new_states(self) -> tuple[KVCache, DeltaNetStates]:
-        a = self.model.args
-        conv_dim = (
-            2 * a.linear_num_key_heads * a.linear_key_head_dim
-            + a.linear_num_value_heads * a.linear_value_head_dim
-        )
-        dtype = self.model.embed_tokens.dtype
-        return KVCache(), DeltaNetStates(
-            conv_dim,
-            a.conv_kernel,
-            a.linear_num_value_heads,
-            a.linear_key_head_dim,
-            a.linear_value_head_dim,
-            dtype,
-            self.device,
-        )
+        return self.runner.new_caches()
 
-    @torch.no_grad()
     def _step(self, seqs: list[Sequence], kv: KVCache, states: DeltaNetStates) -> None:
         """One flat forward over every sequence's uncached tokens; samples one token for each."""
-        chunks = [seq.all_ids[seq.num_cached :] for seq in seqs]
-        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
-        positions = torch.cat(
-            [s.positions(s.num_cached, s.num_cached + len(c)) for s, c in zip(seqs, chunks, strict=True)],
-            dim=1,
-        )
-        ctx = StepContext(
-            [len(c) for c in chunks], [s.num_cached for s in seqs], [s.slot for s in seqs], kv, states
-        )
-        embeds = None
-        if any(s.image_embeds is not None and s.num_cached == 0 for s in seqs):
-            embeds = self.model.embed(ids)
-            image_token = int(self.config["image_token_id"])
-            for seq, (start, end) in zip(seqs, ctx.spans(), strict=True):
-                if seq.image_embeds is not None and seq.num_cached == 0:
-                    mask = ids[start:end] == image_token
-                    embeds[start:end][mask] = seq.image_embeds.to(embeds.dtype)
-        hidden = self.model(ids, positions.to(self.device), ctx, inputs_embeds=embeds)
-        last = torch.tensor([e - 1 for _, e in ctx.spans()], device=self.device)
-        logits = self.model.compute_logits(hidden[last]).cpu()
-        for i, seq in enumerate(seqs):
-            seq.num_cached += len(chunks[i])
-            result = sample(logits[i], seq.prompt_ids, seq.output_ids, seq.params, seq.generator)
-            seq.delta = seq.append(result, self.tokenizer)
+        for seq, logits in self.runner.run([(s, len(s.all_ids) - s.num_cached) for s in seqs], kv, states):
+            self.sample_into(seq, logits)
+
+    def sample_into(self, seq: Sequence, logits: torch.Tensor) -> None:
+        result = sample(logits, seq.prompt_ids, seq.output_ids, seq.params, seq.generator)
+        seq.delta = seq.append(result, self.tokenizer)
+        if not seq.finished and len(seq.all_ids) >= self.max_model_len:
+            seq.finish_reason = FinishReason.LENGTH  # the context is full
 
     def _run(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
         """Advance all sequences to completion, yielding the ones that got a token after each step."""
@@ -216,8 +189,6 @@ class LLM:
             self._step(active, kv, states)
             yield active
             for seq in active:
-                if not seq.finished and len(seq.all_ids) >= self.max_model_len:
-                    seq.finish_reason = FinishReason.LENGTH  # the context is full
                 if seq.finished:
                     kv.free(seq.slot)
                     states.free(seq.slot)

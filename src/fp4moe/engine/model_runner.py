@@ -1,0 +1,85 @@
+"""Batch assembly: a flat forward over chosen token chunks of several sequences, logits for those whose
+chunk reached their last token. Prompts may arrive in chunks (chunked prefill); images are placed by
+counting the image tokens before each chunk."""
+
+from __future__ import annotations
+
+import torch
+
+from fp4moe.engine.cache import DeltaNetStates, KVCache
+from fp4moe.engine.context import StepContext
+from fp4moe.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model, image_token_id: int | None, device: torch.device):
+        self.model, self.image_token_id, self.device = model, image_token_id, device
+
+    def new_caches(self) -> tuple[KVCache, DeltaNetStates]:
+        a = self.model.args
+        conv_dim = (
+            2 * a.linear_num_key_heads * a.linear_key_head_dim
+            + a.linear_num_value_heads * a.linear_value_head_dim
+        )
+        states = DeltaNetStates(
+            conv_dim,
+            a.conv_kernel,
+            a.linear_num_value_heads,
+            a.linear_key_head_dim,
+            a.linear_value_head_dim,
+            self.model.embed_tokens.dtype,
+            self.device,
+        )
+        return KVCache(), states
+
+    def _embeds(self, ids: torch.Tensor, batch: list[tuple[Sequence, int]], spans) -> torch.Tensor | None:
+        with_images = [
+            (s, n, sp)
+            for (s, n), sp in zip(batch, spans, strict=True)
+            if s.image_embeds is not None and s.num_cached < len(s.prompt_ids)
+        ]
+        if not with_images:
+            return None
+        embeds = self.model.embed(ids)
+        for seq, n, (start, end) in with_images:
+            chunk = torch.tensor(seq.all_ids[seq.num_cached : seq.num_cached + n])
+            mask = chunk == self.image_token_id
+            if mask.any():
+                before = sum(t == self.image_token_id for t in seq.prompt_ids[: seq.num_cached])
+                rows = seq.image_embeds[before : before + int(mask.sum())].to(embeds.dtype)
+                embeds[start:end][mask.to(embeds.device)] = rows
+        return embeds
+
+    @torch.no_grad()
+    def run(
+        self, batch: list[tuple[Sequence, int]], kv: KVCache, states: DeltaNetStates
+    ) -> list[tuple[Sequence, torch.Tensor]]:
+        """Forward ``n`` uncached tokens of each (sequence, n); advances ``num_cached``; returns
+        (sequence, logits [V] on the CPU) for every sequence that now has all its tokens cached."""
+        chunks = [seq.all_ids[seq.num_cached : seq.num_cached + n] for seq, n in batch]
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
+        positions = torch.cat(
+            [
+                s.positions(s.num_cached, s.num_cached + len(c))
+                for (s, _), c in zip(batch, chunks, strict=True)
+            ],
+            dim=1,
+        )
+        ctx = StepContext(
+            [len(c) for c in chunks], [s.num_cached for s, _ in batch], [s.slot for s, _ in batch], kv, states
+        )
+        spans = ctx.spans()
+        hidden = self.model(
+            ids, positions.to(self.device), ctx, inputs_embeds=self._embeds(ids, batch, spans)
+        )
+        done = []
+        for (seq, n), (_, end) in zip(batch, spans, strict=True):
+            seq.num_cached += n
+            if seq.num_cached == len(seq.all_ids):
+                done.append((seq, end - 1))
+        if not done:
+            return []
+        logits = self.model.compute_logits(
+            hidden[torch.tensor([i for _, i in done], device=self.device)]
+        ).cpu()
+        return [(seq, logits[k]) for k, (seq, _) in enumerate(done)]
