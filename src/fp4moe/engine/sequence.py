@@ -33,6 +33,8 @@ class Sequence:
     image_embeds: torch.Tensor | None = None  # [image tokens, hidden], in prompt order
     delta: str = ""  # text made final by the last token
     emitted: int = 0  # characters of ``text`` already handed out as deltas
+    arrival: float = 0.0  # monotonic time the request arrived (serving)
+    last_token_time: float | None = None
 
     def __post_init__(self):
         if self.params.seed is not None:

@@ -1,0 +1,153 @@
+"""The serving engine core: the scheduler's batches through the model runner, sampling, and bookkeeping.
+
+``EngineCore`` is synchronous and single-threaded (one ``step()`` at a time); ``AsyncEngine`` runs it on a
+background thread and hands each request's outputs to an asyncio queue, so a web server can await them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+from fp4moe.engine.llm import LLM
+from fp4moe.engine.sampler import SamplingParams
+from fp4moe.engine.scheduler import Scheduler, SchedulerConfig
+from fp4moe.engine.sequence import Sequence
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    token_id: int
+    delta: str
+    finished: bool
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    steps: int = 0
+    ttft: list[float] = field(default_factory=list)  # drained by the metrics collector
+    itl: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+
+
+class EngineCore:
+    def __init__(self, llm: LLM, config: SchedulerConfig):
+        self.llm = llm
+        self.scheduler = Scheduler(config)
+        self.kv, self.states = llm.runner.new_caches()
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    def _release(self, slot: int) -> None:
+        self.kv.free(slot)
+        self.states.free(slot)
+
+    def make_sequences(self, prompt, params: SamplingParams) -> list[Sequence]:
+        """Encode a prompt (text, ids or a multimodal dict) into ``params.n`` sequences (may raise)."""
+        _, seqs = self.llm._make_sequences([prompt], [params])
+        now = time.monotonic()
+        for seq in seqs:
+            seq.arrival, seq.last_token_time, seq.slot = now, None, -1
+        return seqs
+
+    def add(self, seqs: list[Sequence]) -> None:
+        if len(self.scheduler.waiting) + len(seqs) > self.scheduler.config.max_waiting:
+            from fp4moe.engine.scheduler import QueueFullError
+
+            raise QueueFullError(f"the waiting queue is full ({self.scheduler.config.max_waiting} requests)")
+        for seq in seqs:
+            self.scheduler.add(seq)
+            self.stats.prompt_tokens += len(seq.prompt_ids)
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.finished:
+            self.stats.aborted_requests += 1
+        self.scheduler.abort(seq, self._release)
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule(self._release)
+        if not batch:
+            return []
+        self.stats.steps += 1
+        outputs = []
+        for seq, logits in self.llm.runner.run(batch, self.kv, self.states):
+            self.llm.sample_into(seq, logits)
+            now = time.monotonic()
+            if seq.last_token_time is None:
+                self.stats.ttft.append(now - seq.arrival)
+            else:
+                self.stats.itl.append(now - seq.last_token_time)
+            seq.last_token_time = now
+            self.stats.generation_tokens += 1
+            outputs.append(StepOutput(seq, seq.output_ids[-1], seq.delta, seq.finished))
+            if seq.finished:
+                self.scheduler.finish(seq, self._release)
+                self.stats.finished_requests += 1
+                self.stats.e2e.append(now - seq.arrival)
+        return outputs
+
+
+class AsyncEngine:
+    """EngineCore on a background thread; ``submit`` returns an asyncio queue of StepOutputs (then None)."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="fp4moe-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, seqs: list[Sequence]) -> asyncio.Queue:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self.core.add(seqs)  # raises QueueFullError without side effects
+            for seq in seqs:
+                self._queues[id(seq)] = (loop, queue)
+        self._wake.set()
+        return queue
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        with self._lock:
+            for seq in seqs:
+                self.core.abort(seq)
+                self._queues.pop(id(seq), None)
+
+    def _loop(self) -> None:
+        while not self._stop:
+            with self._lock:
+                busy = self.core.scheduler.has_work()
+                outputs = self.core.step() if busy else []
+                targets = [(self._queues.get(id(o.seq)), o) for o in outputs]
+                for o in outputs:
+                    if o.finished:
+                        self._queues.pop(id(o.seq), None)
+            for target, out in targets:
+                if target is not None:
+                    loop, queue = target
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Finish in-flight requests (up to ``timeout`` seconds), then stop the thread."""
+        deadline = time.monotonic() + timeout
+        while self.core.scheduler.has_work() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._lock:
+            for seq in list(self.core.scheduler.running) + list(self.core.scheduler.waiting):
+                self.core.abort(seq)
+        self._stop = True
+        self._wake.set()
+        self._thread.join(5)

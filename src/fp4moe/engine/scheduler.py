@@ -1,0 +1,123 @@
+"""Continuous batching: requests join and leave every step; chunked prefill shares a token budget with
+decodes; FIFO admission with a bounded waiting queue; preemption by recompute when the cache is full.
+
+Each step first gives every running sequence that has finished its prefill one decode token, then
+continues unfinished prefills, then admits waiting sequences in arrival order while sequence slots and
+tokens remain (a prompt larger than what is left is split when chunked prefill is on; otherwise it waits,
+and nothing behind it jumps the queue). The cache budget counts cached tokens; when a step would exceed it,
+the most recently admitted running sequence is preempted: its caches are freed and it goes back to the
+front of the queue to be recomputed (its generated tokens are kept).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from fp4moe.engine.sequence import Sequence
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_waiting: int = 256
+    max_cached_tokens: int = 1 << 20
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_cached_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(config.max_num_seqs))
+        self.num_preemptions = 0
+
+    # predicate / action pairs
+    def can_add(self) -> bool:
+        return len(self.waiting) < self.config.max_waiting
+
+    def add(self, seq: Sequence) -> None:
+        if not self.can_add():
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def cached_tokens(self) -> int:
+        return sum(s.num_cached for s in self.running)
+
+    def _release(self, seq: Sequence, release) -> None:
+        release(seq.slot)
+        self.free_slots.append(seq.slot)
+        seq.slot = -1
+
+    def schedule(self, release) -> list[tuple[Sequence, int]]:
+        """The (sequence, number of tokens) to run this step; ``release(slot)`` frees a slot's caches."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        batch: list[tuple[Sequence, int]] = []
+        decoding = [s for s in self.running if s.num_cached == len(s.all_ids) - 1]
+        # preempt (newest first) while the step's new tokens do not fit in the cache
+        while decoding and self.cached_tokens() + len(decoding) > cfg.max_cached_tokens:
+            victim = self.running.pop()
+            self._release(victim, release)
+            victim.num_cached = 0
+            self.waiting.appendleft(victim)
+            self.num_preemptions += 1
+            decoding = [s for s in self.running if s.num_cached == len(s.all_ids) - 1]
+        scheduled = set()
+        for seq in decoding[:budget]:
+            batch.append((seq, 1))
+            scheduled.add(id(seq))
+        budget -= len(batch)
+        for seq in self.running:  # prefills under way (chunked)
+            remaining = len(seq.all_ids) - seq.num_cached
+            if id(seq) in scheduled or remaining < 1 or budget < 1:
+                continue
+            n = (
+                min(remaining, budget)
+                if cfg.enable_chunked_prefill
+                else (remaining if remaining <= budget else 0)
+            )
+            if n > 0:
+                batch.append((seq, n))
+                budget -= n
+        while self.waiting and self.free_slots and budget > 0:
+            seq = self.waiting[0]
+            remaining = len(seq.all_ids) - seq.num_cached
+            if (
+                self.cached_tokens() + sum(n for _, n in batch) + min(remaining, budget)
+                > cfg.max_cached_tokens
+            ):
+                break
+            if remaining > budget and not cfg.enable_chunked_prefill:
+                break  # FIFO: wait for a step with room rather than let later requests pass
+            self.waiting.popleft()
+            seq.slot = self.free_slots.pop()
+            self.running.append(seq)
+            n = min(remaining, budget)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def finish(self, seq: Sequence, release) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self._release(seq, release)
+
+    def abort(self, seq: Sequence, release) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.finish(seq, release)
