@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -210,6 +211,74 @@ def _add_generate(sub) -> None:
     )
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible server on our engine (or the vLLM command for the checkpoint)",
+        description=(
+            "Serve a qwen3_5_moe checkpoint over an OpenAI-compatible HTTP API with continuous batching: "
+            "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. With --engine vllm, print "
+            "(or --exec) the vLLM command for the checkpoint instead -- the way past one GPU."
+        ),
+    )
+    p.add_argument("model", help="checkpoint directory")
+    p.add_argument(
+        "--engine",
+        choices=["fp4moe", "vllm"],
+        default="fp4moe",
+        help="serve with our engine or print vLLM's command",
+    )
+    p.add_argument(
+        "--exec", action="store_true", help="with --engine vllm: run the command instead of printing it"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument(
+        "--served-model-name", default=None, help="model name clients use (default: the directory name)"
+    )
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=16, help="sequences in the running batch at most (default 16)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most (default 2048)"
+    )
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts across steps to keep decoding (default on)",
+    )
+    p.add_argument(
+        "--max-waiting", type=int, default=256, help="waiting requests before answering 429 (default 256)"
+    )
+    p.add_argument(
+        "--max-cached-tokens",
+        type=int,
+        default=1 << 20,
+        help="cache budget in tokens; beyond it sequences are preempted and recomputed",
+    )
+    p.add_argument("--limit-mm-per-prompt", default='{"image": 4}', help="JSON, e.g. '{\"image\": 4}'")
+    p.add_argument(
+        "--reasoning-parser", choices=["qwen3"], default=None, help="split <think> into reasoning_content"
+    )
+    p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None, help="parse tool calls")
+    p.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"')
+    p.add_argument(
+        "--hf-overrides", default=None, help="JSON merged into config.json (e.g. YaRN rope_parameters)"
+    )
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="compute dtype"
+    )
+    p.add_argument("--device", default="cpu", help="cpu (reference path) or cuda")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="with --engine vllm: GPUs to shard over"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fp4moe", description="NVFP4 for fused-expert MoE models (qwen3_5_moe)."
@@ -220,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     _add_convert(sub)
     _add_generate(sub)
+    _add_serve(sub)
     _add_demo(sub)
     return parser
 
@@ -393,11 +463,125 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def vllm_command(args) -> list[str]:
+    """The reference recipe for stock vLLM, adapted to this checkpoint."""
+    from pathlib import Path
+
+    from fp4moe.engine.loader import load_config, text_config_of
+
+    config = load_config(args.model)
+    text = text_config_of(config)
+    name = args.served_model_name or Path(args.model).name
+    rope = dict(text.get("rope_parameters") or {})
+    yarn = {
+        "text_config": {
+            "rope_parameters": {
+                **rope,
+                "rope_type": "yarn",
+                "factor": 2.0,
+                "original_max_position_embeddings": text.get("max_position_embeddings", 262144),
+            },
+            "max_position_embeddings": 2 * int(text.get("max_position_embeddings", 262144)),
+        }
+    }
+    cmd = [
+        "vllm",
+        "serve",
+        str(args.model),
+        "--served-model-name",
+        name,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--kv-cache-dtype",
+        "fp8",
+        "--max-model-len",
+        str(args.max_model_len or yarn["text_config"]["max_position_embeddings"]),
+        "--hf-overrides",
+        json.dumps(args.hf_overrides and json.loads(args.hf_overrides) or yarn),
+        "--reasoning-parser",
+        "qwen3",
+        "--tool-call-parser",
+        "qwen3_coder",
+        "--enable-auto-tool-choice",
+        "--enable-prefix-caching",
+        "--enable-chunked-prefill",
+        "--limit-mm-per-prompt",
+        args.limit_mm_per_prompt,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+    ]
+    if int(text.get("mtp_num_hidden_layers", 0) or 0) > 0:
+        cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
+    if args.tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size), "--enable-expert-parallel"]
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    return cmd
+
+
+def cmd_serve(args) -> int:
+    import os
+    import shlex
+    from pathlib import Path
+
+    if args.engine == "vllm":
+        cmd = vllm_command(args)
+        if args.exec:
+            os.execvp(cmd[0], cmd)
+        print(shlex.join(cmd))
+        return 0
+    import uvicorn
+
+    from fp4moe.engine.core import AsyncEngine, EngineCore
+    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.scheduler import SchedulerConfig
+    from fp4moe.server.app import ServerConfig, build_app
+
+    try:
+        overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
+        limits = json.loads(args.limit_mm_per_prompt)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON option: {e}") from None
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        hf_overrides=overrides,
+        max_model_len=args.max_model_len,
+        limit_mm_per_prompt=limits,
+    )
+    core = EngineCore(
+        llm,
+        SchedulerConfig(
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            args.enable_chunked_prefill,
+            args.max_waiting,
+            args.max_cached_tokens,
+        ),
+    )
+    app = build_app(
+        AsyncEngine(core),
+        ServerConfig(
+            served_model_name=args.served_model_name or Path(args.model).name,
+            api_key=args.api_key,
+            reasoning_parser=args.reasoning_parser,
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+        ),
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
+    return 0
+
+
 COMMANDS = {
     "quantize": cmd_quantize,
     "inspect": cmd_inspect,
     "convert": cmd_convert,
     "generate": cmd_generate,
+    "serve": cmd_serve,
     "demo": cmd_demo,
 }
 

@@ -1,0 +1,495 @@
+"""The OpenAI-compatible HTTP server: /v1/models, /v1/chat/completions, /v1/completions, /health, /metrics.
+
+Errors are OpenAI-shaped JSON (never a stack trace): 400 bad input, 401 wrong API key, 404 unknown model,
+429 full queue. A streaming client that disconnects has its request aborted and its cache slots freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from fp4moe.engine.core import AsyncEngine
+from fp4moe.engine.llm import PromptError
+from fp4moe.engine.multimodal import ImageError
+from fp4moe.engine.scheduler import QueueFullError
+from fp4moe.server.metrics import Metrics
+from fp4moe.server.parsers.reasoning import ReasoningParser
+from fp4moe.server.parsers.tool_calls import ToolCallParser
+from fp4moe.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    reasoning_parser: str | None = None  # "qwen3"
+    tool_call_parser: str | None = None  # "qwen3_coder"
+    enable_auto_tool_choice: bool = False
+    max_image_bytes: int = 20 << 20
+
+
+class APIError(Exception):
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def _check(condition: bool, message: str, param: str | None = None) -> None:
+    if not condition:
+        raise APIError(400, message, param=param)
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="fp4moe", docs_url=None, redoc_url=None)
+    llm = engine.core.llm
+    metrics = Metrics(config.served_model_name)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(error_body(exc.message, exc.type, exc.status, exc.param), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        message = f"{first.get('msg', 'invalid request')}" + (f" ({where})" if where else "")
+        return JSONResponse(error_body(message, "invalid_request_error", 400, where or None), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}", "internal_error", 500), status_code=500
+        )
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if config.api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+                return JSONResponse(
+                    error_body("invalid API key", "authentication_error", 401), status_code=401
+                )
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(engine), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "fp4moe",
+                    "max_model_len": llm.max_model_len,
+                }
+            ],
+        }
+
+    def _check_model(name: str | None) -> None:
+        if name and name != config.served_model_name:
+            raise APIError(
+                404,
+                f"model {name!r} does not exist; this server serves {config.served_model_name!r}",
+                "not_found_error",
+                "model",
+            )
+
+    async def _start(prompt, params):
+        try:
+            seqs = await asyncio.to_thread(engine.core.make_sequences, prompt, params)
+            for seq in seqs:
+                room = llm.max_model_len - len(seq.prompt_ids)
+                seq.params = dataclasses.replace(
+                    seq.params, max_tokens=max(1, min(seq.params.max_tokens, room))
+                )
+            return seqs, engine.submit(seqs)
+        except QueueFullError as e:
+            raise APIError(429, str(e), "rate_limit_exceeded") from None
+        except (PromptError, ImageError, ValueError) as e:
+            raise APIError(400, str(e)) from None
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        _check_model(req.model)
+        _check(
+            req.response_format is None or req.response_format.get("type") == "text",
+            "response_format json_object/json_schema is not supported yet (no guided decoding)",
+            "response_format",
+        )
+        tools = _tools_for(req, config)
+        messages, images = _prepare_messages(req.messages, llm.limit_images, config.max_image_bytes)
+        try:
+            text = llm.apply_chat_template(messages, tools=tools, **(req.chat_template_kwargs or {}))
+        except Exception as e:  # template errors are the caller's messages
+            raise APIError(400, f"cannot apply the chat template: {e}") from None
+        max_tokens = req.max_completion_tokens or req.max_tokens or llm.max_model_len
+        top = req.top_logprobs if req.logprobs else None
+        try:
+            params = req.sampling_params(max_tokens, (top or 0) if req.logprobs else None)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        prompt = {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+        seqs, queue = await _start(prompt, params)
+        opened_think = text.rstrip().endswith("<think>")
+        make_parsers = lambda: (  # noqa: E731
+            ReasoningParser(opened_think) if config.reasoning_parser else None,
+            ToolCallParser(tools) if tools and config.tool_call_parser else None,
+        )
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return StreamingResponse(
+                _chat_stream(rid, req, seqs, queue, make_parsers), media_type="text/event-stream"
+            )
+        try:
+            await _drain(queue, seqs)
+        finally:
+            engine.abort([s for s in seqs if not s.finished])
+        choices = []
+        for i, seq in enumerate(seqs):
+            reasoning, content, calls = _parse_whole(seq.text, *make_parsers())
+            message = {"role": "assistant", "content": content if (content or not calls) else None}
+            if config.reasoning_parser:
+                message["reasoning_content"] = reasoning or None
+            if calls:
+                message["tool_calls"] = calls
+            choice = {
+                "index": i,
+                "message": message,
+                "finish_reason": "tool_calls" if calls else seq.finish_reason.value,
+                "logprobs": None,
+            }
+            if req.logprobs:
+                choice["logprobs"] = {"content": [_chat_logprob(llm.tokenizer, r) for r in seq.logprobs]}
+            choices.append(choice)
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": config.served_model_name,
+            "choices": choices,
+            "usage": _usage(seqs),
+        }
+
+    async def _chat_stream(rid, req, seqs, queue, make_parsers):
+        created, model = int(time.time()), config.served_model_name
+        index = {id(s): i for i, s in enumerate(seqs)}
+        parsers = [make_parsers() for _ in seqs]
+        called = [False] * len(seqs)
+
+        def chunk(i, delta, finish=None, logprobs=None):
+            body = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
+            }
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        try:
+            for i in range(len(seqs)):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            remaining = len(seqs)
+            while remaining:
+                out = await queue.get()
+                i = index[id(out.seq)]
+                texts = [out.delta]
+                if out.finished:
+                    texts.append(None)  # flush marker
+                for text in texts:
+                    delta = _stream_delta(text, *parsers[i])
+                    if delta.get("tool_calls"):
+                        called[i] = True
+                    lp = None
+                    if req.logprobs and text is not None and out.seq.logprobs:
+                        lp = {"content": [_chat_logprob(llm.tokenizer, out.seq.logprobs[-1])]}
+                    if delta or lp:
+                        yield chunk(i, delta, logprobs=lp)
+                if out.finished:
+                    remaining -= 1
+                    yield chunk(i, {}, "tool_calls" if called[i] else out.seq.finish_reason.value)
+            if req.stream_options and req.stream_options.include_usage:
+                body = {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": _usage(seqs),
+                }
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # client gone (the task is cancelled) or done: free whatever is left
+            engine.abort([s for s in seqs if not s.finished])
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        _check_model(req.model)
+        try:
+            params = req.sampling_params(req.max_tokens or llm.max_model_len, req.logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        seqs, queue = await _start(req.prompt, params)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return StreamingResponse(
+                _completion_stream(rid, req, seqs, queue), media_type="text/event-stream"
+            )
+        try:
+            await _drain(queue, seqs)
+        finally:
+            engine.abort([s for s in seqs if not s.finished])
+        choices = [
+            {
+                "index": i,
+                "text": s.text,
+                "finish_reason": s.finish_reason.value,
+                "logprobs": _completion_logprobs(llm.tokenizer, s) if req.logprobs is not None else None,
+            }
+            for i, s in enumerate(seqs)
+        ]
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": config.served_model_name,
+            "choices": choices,
+            "usage": _usage(seqs),
+        }
+
+    async def _completion_stream(rid, req, seqs, queue):
+        created, model = int(time.time()), config.served_model_name
+        index = {id(s): i for i, s in enumerate(seqs)}
+        try:
+            remaining = len(seqs)
+            while remaining:
+                out = await queue.get()
+                choice = {
+                    "index": index[id(out.seq)],
+                    "text": out.delta,
+                    "finish_reason": out.seq.finish_reason.value if out.finished else None,
+                    "logprobs": None,
+                }
+                remaining -= out.finished
+                body = {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                }
+                yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+            if req.stream_options and req.stream_options.include_usage:
+                body = {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": _usage(seqs),
+                }
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            engine.abort([s for s in seqs if not s.finished])
+
+    @app.on_event("shutdown")
+    async def _shutdown():
+        await asyncio.to_thread(engine.shutdown)
+
+    app.state.engine, app.state.metrics = engine, metrics
+    return app
+
+
+async def _drain(queue: asyncio.Queue, seqs) -> None:
+    remaining = len(seqs)
+    while remaining:
+        out = await queue.get()
+        remaining -= out.finished
+
+
+def _usage(seqs) -> dict:
+    prompt = len(seqs[0].prompt_ids)
+    completion = sum(len(s.output_ids) for s in seqs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _tools_for(req: ChatCompletionRequest, config: ServerConfig) -> list[dict] | None:
+    choice = req.tool_choice
+    if not req.tools or choice == "none":
+        _check(
+            not isinstance(choice, dict),
+            "tool_choice names a function but no tools were given",
+            "tool_choice",
+        )
+        return None
+    names = {t.get("function", {}).get("name") for t in req.tools}
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        _check(name in names, f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+    elif choice not in (None, "auto"):
+        raise APIError(
+            400,
+            f"tool_choice {choice!r} is not supported; use 'auto', 'none' or a named function",
+            param="tool_choice",
+        )
+    else:
+        _check(
+            config.enable_auto_tool_choice and config.tool_call_parser is not None,
+            '"auto" tool choice needs --enable-auto-tool-choice and --tool-call-parser',
+            "tool_choice",
+        )
+    return req.tools
+
+
+def _prepare_messages(messages: list[dict], limit: int, max_bytes: int) -> tuple[list[dict], list]:
+    """Template-ready messages (tool-call arguments as dicts) and the images in order (decoded data URLs)."""
+    out, images = [], []
+    for m in messages:
+        _check(
+            isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool"),
+            f"invalid message {str(m)[:80]!r}",
+            "messages",
+        )
+        m = dict(m)
+        if isinstance(m.get("content"), list):
+            for part in m["content"]:
+                if part.get("type") == "image_url":
+                    url = (
+                        part["image_url"]["url"]
+                        if isinstance(part.get("image_url"), dict)
+                        else part.get("image_url")
+                    )
+                    _check(
+                        isinstance(url, str) and url.startswith("data:"),
+                        "only data: image URLs are accepted (remote URLs are not fetched)",
+                        "messages",
+                    )
+                    _check(len(url) * 3 // 4 <= max_bytes, f"image larger than {max_bytes} bytes", "messages")
+                    try:
+                        header, _, payload = url.partition(",")
+                        images.append(base64.b64decode(payload, validate=True))
+                    except ValueError:
+                        raise APIError(
+                            400, "undecodable base64 in an image data URL", param="messages"
+                        ) from None
+        if m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                fn = dict(call.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"] or "{}")
+                    except json.JSONDecodeError:
+                        raise APIError(
+                            400, "tool_calls arguments must be a JSON object", param="messages"
+                        ) from None
+                calls.append({**call, "function": fn})
+            m["tool_calls"] = calls
+        if m.get("content") is None:
+            m["content"] = ""
+        out.append(m)
+    _check(len(images) <= limit, f"{len(images)} images in one request; the limit is {limit}", "messages")
+    return out, images
+
+
+def _parse_whole(text: str, reasoning_parser, tool_parser) -> tuple[str | None, str, list[dict]]:
+    reasoning = None
+    content = text
+    if reasoning_parser is not None:
+        a, b = reasoning_parser.feed(text), reasoning_parser.finish()
+        reasoning, content = (a.reasoning + b.reasoning).strip("\n") or None, a.content + b.content
+    calls = []
+    if tool_parser is not None:
+        c = tool_parser.feed(content).content + tool_parser.finish().content
+        calls = [
+            {
+                "id": x["id"],
+                "type": "function",
+                "function": {"name": x["name"], "arguments": json.dumps(x["arguments"], ensure_ascii=False)},
+            }
+            for x in tool_parser.calls
+        ]
+        content = c.strip() if calls else c
+    return reasoning, content, calls
+
+
+def _stream_delta(text: str | None, reasoning_parser, tool_parser) -> dict:
+    """One streamed text delta (None = end of output) through the parsers, as an OpenAI delta."""
+    reasoning, content = "", text or ""
+    if reasoning_parser is not None:
+        d = reasoning_parser.feed(text) if text is not None else reasoning_parser.finish()
+        reasoning, content = d.reasoning, d.content
+    delta: dict = {}
+    if tool_parser is not None:
+        d = tool_parser.feed(content)
+        content = d.content
+        if text is None:
+            content += tool_parser.finish().content
+        if d.tool_calls:
+            delta["tool_calls"] = [
+                {
+                    "index": t.index,
+                    **({"id": t.id, "type": "function"} if t.id else {}),
+                    "function": {
+                        k: v for k, v in (("name", t.name), ("arguments", t.arguments)) if v is not None
+                    },
+                }
+                for t in d.tool_calls
+            ]
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if content:
+        delta["content"] = content
+    return delta
+
+
+def _chat_logprob(tokenizer, r) -> dict:
+    token = tokenizer.decode([r.token_id])
+    return {
+        "token": token,
+        "logprob": r.logprob,
+        "bytes": list(token.encode()),
+        "top_logprobs": [
+            {"token": tokenizer.decode([t]), "logprob": lp, "bytes": list(tokenizer.decode([t]).encode())}
+            for t, lp in (r.top_logprobs or {}).items()
+        ],
+    }
+
+
+def _completion_logprobs(tokenizer, seq) -> dict:
+    tokens = [tokenizer.decode([r.token_id]) for r in seq.logprobs]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [r.logprob for r in seq.logprobs],
+        "top_logprobs": [
+            {tokenizer.decode([t]): lp for t, lp in (r.top_logprobs or {}).items()} for r in seq.logprobs
+        ],
+        "text_offset": offsets,
+    }

@@ -1,0 +1,99 @@
+"""Prometheus metrics with vLLM-like names (``fp4moe:`` prefix instead of ``vllm:``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.running = Gauge(
+            "fp4moe:num_requests_running", "Sequences in the running batch.", labels, registry=r
+        )
+        self.waiting = Gauge(
+            "fp4moe:num_requests_waiting", "Sequences waiting to be scheduled.", labels, registry=r
+        )
+        self.kv_usage = Gauge(
+            "fp4moe:kv_cache_usage_perc", "Cached tokens / cache budget (0-1).", labels, registry=r
+        )
+        self.preemptions = Gauge(
+            "fp4moe:num_preemptions", "Sequences preempted (recomputed) so far.", labels, registry=r
+        )
+        self.prompt_tokens = Counter("fp4moe:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("fp4moe:generation_tokens", "Tokens generated.", labels, registry=r)
+        self.success = Counter("fp4moe:request_success", "Sequences finished.", labels, registry=r)
+        self.aborted = Counter(
+            "fp4moe:request_aborted", "Sequences aborted (client gone, shutdown).", labels, registry=r
+        )
+        self.ttft = Histogram(
+            "fp4moe:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "fp4moe:inter_token_latency_seconds",
+            "Time between tokens.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "fp4moe:e2e_request_latency_seconds",
+            "Arrival to last token.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.model_name = model_name
+        self._seen = {"prompt": 0, "generation": 0, "success": 0, "aborted": 0}
+
+    def render(self, engine) -> bytes:
+        """Fold the engine's counters and latency samples in, then render the text format."""
+        m = self.model_name
+        with engine._lock:
+            core = engine.core
+            stats = core.stats
+            sched = core.scheduler
+            self.running.labels(m).set(len(sched.running))
+            self.waiting.labels(m).set(len(sched.waiting))
+            self.kv_usage.labels(m).set(sched.cached_tokens() / sched.config.max_cached_tokens)
+            self.preemptions.labels(m).set(sched.num_preemptions)
+            for key, counter, value in (
+                ("prompt", self.prompt_tokens, stats.prompt_tokens),
+                ("generation", self.generation_tokens, stats.generation_tokens),
+                ("success", self.success, stats.finished_requests),
+                ("aborted", self.aborted, stats.aborted_requests),
+            ):
+                counter.labels(m).inc(value - self._seen[key])
+                self._seen[key] = value
+            for hist, samples in ((self.ttft, stats.ttft), (self.itl, stats.itl), (self.e2e, stats.e2e)):
+                for v in samples:
+                    hist.labels(m).observe(v)
+                samples.clear()
+        return generate_latest(self.registry)

@@ -1,0 +1,65 @@
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from fp4moe.engine.core import AsyncEngine, EngineCore
+from fp4moe.engine.llm import LLM
+from fp4moe.engine.scheduler import SchedulerConfig
+from fp4moe.server.app import ServerConfig, build_app
+
+
+class RunningServer:
+    def __init__(self, app, engine):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.engine = engine
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.root = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.root}/metrics").text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def start_server(path, api_key=None, **sched) -> RunningServer:
+    llm = LLM(path, dtype="float32", limit_mm_per_prompt={"image": 2})
+    engine = AsyncEngine(
+        EngineCore(llm, SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 256, **sched}))
+    )
+    config = ServerConfig(
+        served_model_name="tiny",
+        api_key=api_key,
+        reasoning_parser="qwen3",
+        tool_call_parser="qwen3_coder",
+        enable_auto_tool_choice=True,
+    )
+    return RunningServer(build_app(engine, config), engine)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    srv = start_server(checkpoints.bf16())
+    yield srv
+    srv.stop()

@@ -1,0 +1,348 @@
+"""The real server on 127.0.0.1, driven by the official openai client."""
+
+import base64
+import io
+import json
+import threading
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+import fp4moe.engine.llm as llm_module
+from fp4moe.engine.sampler import SampleResult
+
+GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    }
+]
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+
+
+@pytest.fixture
+def scripted(server, monkeypatch):
+    """Make every sequence emit the tokens of a given text, then end (the random model cannot)."""
+    tok = server.engine.core.llm.tokenizer
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def script(text: str):
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [eos]
+
+        def fake_sample(logits, prompt_ids, output_ids, params, generator):
+            return SampleResult(ids[min(len(output_ids), len(ids) - 1)])
+
+        monkeypatch.setattr(llm_module, "sample", fake_sample)
+
+    return script
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{server.root}/health").status_code == 200
+
+
+def test_chat_stream_equals_non_stream(client):
+    messages = [{"role": "user", "content": "Tell me about lists."}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
+    reasoning, content, usage = "", "", None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+    full = whole.choices[0].message
+    assert content == (full.content or "") and reasoning == (getattr(full, "reasoning_content", None) or "")
+    assert usage.completion_tokens == 12 and usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_completions_stream_and_logprobs(client):
+    whole = client.completions.create(model="tiny", prompt="def f(x):", logprobs=2, **GREEDY)
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == 12 and len(lp.top_logprobs[0]) == 2 and all(v <= 0 for v in lp.token_logprobs)
+    text = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="tiny", prompt="def f(x):", stream=True, **GREEDY)
+        if c.choices
+    )
+    assert text == whole.choices[0].text
+
+
+def test_reasoning_split(client, scripted):
+    scripted("First I think about it.\n</think>\n\nThe answer is 42.")
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "?"}], max_tokens=64
+    )
+    msg = r.choices[0].message
+    assert msg.content == "The answer is 42." and msg.reasoning_content == "First I think about it."
+    parts = {"reasoning": "", "content": ""}
+    for chunk in client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "?"}], max_tokens=64, stream=True
+    ):
+        for c in chunk.choices:
+            parts["reasoning"] += getattr(c.delta, "reasoning_content", None) or ""
+            parts["content"] += c.delta.content or ""
+    assert parts == {"reasoning": "First I think about it.\n", "content": "The answer is 42."}
+
+
+def test_tool_call_round_trip(client, scripted):
+    call_text = (
+        "</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    scripted(call_text)
+    messages = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    r = client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, tool_choice="auto", max_tokens=80
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+        "city": "Paris",
+        "days": 3,
+    }
+    # streamed: fragments assemble to the same call
+    name, args, ids = None, "", set()
+    for chunk in client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, max_tokens=80, stream=True
+    ):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                name = name or tc.function.name
+                args += tc.function.arguments or ""
+                ids.add(tc.id) if tc.id else None
+            if c.finish_reason:
+                assert c.finish_reason == "tool_calls"
+    assert name == "get_weather" and json.loads(args) == {"city": "Paris", "days": 3} and len(ids) == 1
+    # the tool's result goes back through the chat template
+    scripted("</think>\n\nIt will be sunny.")
+    follow = messages + [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 25C"},
+    ]
+    r2 = client.chat.completions.create(model="tiny", messages=follow, tools=TOOLS, max_tokens=40)
+    assert (
+        r2.choices[0].message.content == "It will be sunny."
+        and r2.usage.prompt_tokens > r.usage.prompt_tokens
+    )
+
+
+def _data_url(seed):
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(
+        buf, "PNG"
+    )
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_image_request(client):
+    content = [
+        {"type": "image_url", "image_url": {"url": _data_url(1)}},
+        {"type": "text", "text": "What is this?"},
+    ]
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": content}], **GREEDY
+    )
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 20  # the image tokens count
+
+
+def test_concurrent_requests_equal_sequential(client):
+    prompts = [f"Request number {i} " * (i + 1) for i in range(6)]
+    sequential = [
+        client.completions.create(model="tiny", prompt=p, **GREEDY).choices[0].text for p in prompts
+    ]
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = client.completions.create(model="tiny", prompt=prompts[i], **GREEDY).choices[0].text
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == sequential
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "fragment"),
+    [
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": -1},
+            400,
+            "temperature",
+        ),
+        ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "does not exist"),
+        ({"model": "tiny", "messages": []}, 400, "messages"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "word " * 9000}]},
+            400,
+            "maximum model length",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "https://x.org/a.png"}}],
+                    }
+                ],
+            },
+            400,
+            "remote URLs",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": _data_url(i)}} for i in range(3)
+                        ],
+                    }
+                ],
+            },
+            400,
+            "limit is 2",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+                        ],
+                    }
+                ],
+            },
+            400,
+            "cannot decode image",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "nope"}},
+            },
+            400,
+            "not among the tools",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"},
+            },
+            400,
+            "not supported",
+        ),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, body, status, fragment):
+    r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and err["code"] == status
+
+
+def test_invalid_json(server):
+    r = httpx.post(
+        f"{server.base_url}/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_disconnect_frees_the_request(server):
+    before = server.metric("fp4moe:request_aborted_total")
+    body = {"model": "tiny", "prompt": "long", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 3:
+                break
+    import time
+
+    deadline = time.monotonic() + 20
+    while (
+        server.metric("fp4moe:num_requests_running") > 0
+        or server.metric("fp4moe:request_aborted_total") <= before
+    ):
+        assert time.monotonic() < deadline, "the disconnected request was not aborted"
+        time.sleep(0.05)
+    core = server.engine.core
+    assert core.kv._kv == {} and core.states._states == {}
+
+
+def test_metrics_names(server, client):
+    client.completions.create(model="tiny", prompt="hi", **GREEDY)
+    text = httpx.get(f"{server.root}/metrics").text
+    for name in (
+        "fp4moe:num_requests_running",
+        "fp4moe:num_requests_waiting",
+        "fp4moe:kv_cache_usage_perc",
+        "fp4moe:prompt_tokens_total",
+        "fp4moe:generation_tokens_total",
+        "fp4moe:time_to_first_token_seconds_bucket",
+        "fp4moe:inter_token_latency_seconds_bucket",
+        "fp4moe:e2e_request_latency_seconds_count",
+    ):
+        assert name in text, name
+
+
+def test_api_key_and_full_queue(checkpoints):
+    from conftest import start_server
+
+    srv = start_server(checkpoints.bf16(), api_key="sekrit", max_num_seqs=1, max_waiting=1)
+    try:
+        bad = openai.OpenAI(base_url=srv.base_url, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=srv.base_url, api_key="sekrit", max_retries=0)
+        assert good.models.list().data[0].id == "tiny"
+        statuses = []
+
+        def run():
+            try:
+                good.completions.create(
+                    model="tiny", prompt="x", max_tokens=60, extra_body={"ignore_eos": True}
+                )
+                statuses.append(200)
+            except openai.RateLimitError:
+                statuses.append(429)
+
+        threads = [threading.Thread(target=run) for _ in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert 429 in statuses and 200 in statuses
+    finally:
+        srv.stop()
