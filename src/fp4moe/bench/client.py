@@ -1,0 +1,226 @@
+"""Load generator for any OpenAI-compatible server (ours, vLLM, SGLang, llama.cpp).
+
+For each prompt size (pp), generation size (tg), context depth and concurrency, ``runs`` rounds of
+``concurrency`` simultaneous streaming requests. Prompts are real text (the packaged held-out corpus, or
+--prompt-file), each with a unique prefix so no request hits a prefix cache. Token counts come from the
+server's ``usage`` (stream_options.include_usage), never from counting chunks -- speculative decoding sends
+several tokens per chunk. Spec-decode acceptance is read from /metrics before and after each round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+SPEC_METRICS = {  # vLLM's names, and ours
+    "drafts": ("vllm:spec_decode_num_drafts_total", "fp4moe:spec_decode_num_drafts_total"),
+    "draft_tokens": ("vllm:spec_decode_num_draft_tokens_total", "fp4moe:spec_decode_num_draft_tokens_total"),
+    "accepted": (
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "fp4moe:spec_decode_num_accepted_tokens_total",
+    ),
+}
+
+
+@dataclass
+class BenchConfig:
+    base_url: str
+    model: str | None = None
+    api_key: str | None = None
+    pp: list[int] = field(default_factory=lambda: [512])
+    tg: list[int] = field(default_factory=lambda: [128])
+    depth: list[int] = field(default_factory=lambda: [0])
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
+    runs: int = 3
+    warmup: int = 1
+    chars_per_token: float = 4.0
+    prompt_text: str = ""
+    timeout: float = 600.0
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("pp", "tg", "concurrency"):
+            if any(v < 1 for v in getattr(self, name)):
+                raise ValueError(f"--{name} values must be positive")
+        if self.runs < 1:
+            raise ValueError("--runs must be at least 1")
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    error: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft: float = 0.0  # first chunk of any kind
+    ttft_content: float = 0.0  # first chunk carrying text
+    e2e: float = 0.0
+    decode_tps: float = 0.0
+
+
+@dataclass
+class RoundResult:
+    pp: int
+    tg: int
+    depth: int
+    concurrency: int
+    requests: list[RequestResult]
+    wall: float
+    spec: dict[str, float] = field(default_factory=dict)
+
+
+def _prompt(cfg: BenchConfig, tokens: int, rng: random.Random) -> str:
+    """About ``tokens`` tokens of real text, from a random offset, after a unique nonce."""
+    n = int(tokens * cfg.chars_per_token)
+    text = cfg.prompt_text
+    start = rng.randrange(0, max(1, len(text) - n))
+    body = (text * (1 + n // max(1, len(text))))[start : start + n]
+    return f"[{uuid.uuid4().hex[:8]}] {body}"
+
+
+async def _one(
+    client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: str, tg: int
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": tg,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "min_tokens": tg,
+    }
+    t0 = time.perf_counter()
+    res = RequestResult(ok=False)
+    try:
+        async with client.stream("POST", "/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                now = time.perf_counter() - t0
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                res.ttft = res.ttft or now
+                if not res.ttft_content and any(c.get("text") for c in chunk.get("choices", [])):
+                    res.ttft_content = now
+                if chunk.get("usage"):
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    res.completion_tokens = chunk["usage"]["completion_tokens"]
+        res.e2e = time.perf_counter() - t0
+        first = res.ttft_content or res.ttft
+        if res.completion_tokens > 1 and res.e2e > first:
+            res.decode_tps = (res.completion_tokens - 1) / (res.e2e - first)
+        res.ok = res.completion_tokens > 0
+        if not res.ok:
+            res.error = "no usage in the stream (does the server support stream_options.include_usage?)"
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def _spec_counters(client: httpx.AsyncClient, root: str) -> dict[str, float]:
+    try:
+        text = (await client.get(f"{root}/metrics")).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for key, names in SPEC_METRICS.items():
+        for line in text.splitlines():
+            if line.split("{")[0].split(" ")[0] in names:
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def run_bench(cfg: BenchConfig, progress=None) -> list[RoundResult]:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    root = cfg.base_url.rstrip("/").removesuffix("/v1")
+    rng = random.Random(cfg.seed)
+    rounds: list[RoundResult] = []
+    limits = httpx.Limits(max_connections=max(cfg.concurrency) + 4)
+    async with httpx.AsyncClient(
+        base_url=cfg.base_url, headers=headers, timeout=cfg.timeout, limits=limits
+    ) as client:
+        model = cfg.model or (await client.get("/models")).json()["data"][0]["id"]
+        for _ in range(cfg.warmup):
+            await _one(client, cfg, model, _prompt(cfg, 32, rng), 8)
+        for pp in cfg.pp:
+            for tg in cfg.tg:
+                for depth in cfg.depth:
+                    for conc in cfg.concurrency:
+                        for _ in range(cfg.runs):
+                            before = await _spec_counters(client, root)
+                            t0 = time.perf_counter()
+                            results = await asyncio.gather(
+                                *(
+                                    _one(client, cfg, model, _prompt(cfg, depth + pp, rng), tg)
+                                    for _ in range(conc)
+                                )
+                            )
+                            wall = time.perf_counter() - t0
+                            after = await _spec_counters(client, root)
+                            spec = {k: after[k] - before.get(k, 0.0) for k in after}
+                            rounds.append(RoundResult(pp, tg, depth, conc, list(results), wall, spec))
+                            if progress is not None:
+                                progress(conc)
+    return rounds
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def summarize(rounds: list[RoundResult]) -> list[dict]:
+    """One row per (pp, tg, depth, concurrency): medians over requests/rounds, aggregates over rounds."""
+    groups: dict[tuple, list[RoundResult]] = {}
+    for r in rounds:
+        groups.setdefault((r.pp, r.tg, r.depth, r.concurrency), []).append(r)
+    rows = []
+    for (pp, tg, depth, conc), rs in groups.items():
+        reqs = [q for r in rs for q in r.requests if q.ok]
+        errors = sum(not q.ok for r in rs for q in r.requests)
+        aggregate = [sum(q.completion_tokens for q in r.requests if q.ok) / r.wall for r in rs if r.wall > 0]
+        spec = {k: sum(r.spec.get(k, 0.0) for r in rs) for k in ("drafts", "draft_tokens", "accepted")}
+        row = {
+            "pp": pp,
+            "tg": tg,
+            "depth": depth,
+            "concurrency": conc,
+            "requests": len(reqs),
+            "errors": errors,
+            "prompt_tokens": statistics.median([q.prompt_tokens for q in reqs]) if reqs else 0,
+            "ttft_s_median": statistics.median([q.ttft for q in reqs]) if reqs else float("nan"),
+            "ttft_s_p90": _pct([q.ttft for q in reqs], 0.9),
+            "prefill_tps_median": statistics.median([q.prompt_tokens / q.ttft for q in reqs if q.ttft])
+            if reqs
+            else 0,
+            "decode_tps_per_request_median": statistics.median([q.decode_tps for q in reqs]) if reqs else 0,
+            "aggregate_tps_median": statistics.median(aggregate) if aggregate else 0,
+            "e2e_s_p50": _pct([q.e2e for q in reqs], 0.5),
+            "e2e_s_p90": _pct([q.e2e for q in reqs], 0.9),
+            "e2e_s_p99": _pct([q.e2e for q in reqs], 0.99),
+        }
+        if spec["drafts"] > 0:
+            row["spec_acceptance_rate"] = spec["accepted"] / max(spec["draft_tokens"], 1)
+            row["spec_mean_acceptance_length"] = 1 + spec["accepted"] / spec["drafts"]
+        rows.append(row)
+    return rows
+
+
+def rounds_json(rounds: list[RoundResult]) -> list[dict]:
+    return [asdict(r) for r in rounds]

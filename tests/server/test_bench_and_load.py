@@ -1,0 +1,144 @@
+"""fp4moe bench against our server; a bounded loopback load test; the vLLM command."""
+
+import asyncio
+import gc
+import json
+import random
+import threading
+
+import httpx
+import pytest
+
+from fp4moe.cli import main
+
+
+def test_bench_against_our_server(server, tmp_path, capsys):
+    code = main(
+        [
+            "bench",
+            "--base-url",
+            server.base_url,
+            "--pp",
+            "24",
+            "--tg",
+            "6",
+            "--concurrency",
+            "1",
+            "3",
+            "--runs",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "| pp | tg | depth | conc | aggregate tok/s |" in out
+    data = json.loads((tmp_path / "bench.json").read_text())
+    rows = {r["concurrency"]: r for r in data["summary"]}
+    assert set(rows) == {1, 3} and rows[3]["requests"] == 6 and rows[3]["errors"] == 0
+    assert all(
+        q["completion_tokens"] == 6 for r in data["rounds"] for q in r["requests"]
+    )  # from usage, not chunks
+    assert rows[1]["prompt_tokens"] > 10 and rows[3]["aggregate_tps_median"] > 0
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_load_200_requests_at_concurrency_32(server):
+    """Loopback only, bounded in count (200) and time: no errors, nothing leaked, memory back to baseline."""
+    import psutil
+
+    core = server.engine.core
+    proc = psutil.Process()
+    gc.collect()
+    baseline = proc.memory_info().rss
+    rng = random.Random(0)
+    jobs = [(" ".join(["word"] * rng.randint(1, 60)), rng.randint(1, 12)) for _ in range(200)]
+    statuses = []
+
+    async def run():
+        sem = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(
+            base_url=server.base_url, timeout=120, limits=httpx.Limits(max_connections=40)
+        ) as client:
+
+            async def one(prompt, n):
+                async with sem:
+                    r = await client.post(
+                        "/completions",
+                        json={
+                            "model": "tiny",
+                            "prompt": prompt,
+                            "max_tokens": n,
+                            "temperature": 0.8,
+                            "seed": n,
+                        },
+                    )
+                    statuses.append(r.status_code)
+                    assert r.status_code != 200 or r.json()["usage"]["completion_tokens"] <= n
+
+            await asyncio.wait_for(asyncio.gather(*(one(p, n) for p, n in jobs)), timeout=300)
+
+    asyncio.run(run())
+    assert statuses == [200] * 200
+    assert not core.scheduler.has_work() and core.kv._kv == {} and core.states._states == {}
+    assert len(core.scheduler.free_slots) == core.scheduler.config.max_num_seqs
+    gc.collect()
+    assert proc.memory_info().rss - baseline < 200 << 20  # transient buffers only; caches are gone
+
+
+def test_vllm_command(checkpoints, capsys):
+    path = checkpoints.quantized()
+    assert main(["serve", str(path), "--engine", "vllm", "--tensor-parallel-size", "2"]) == 0
+    cmd = capsys.readouterr().out
+    for part in (
+        "vllm serve",
+        "--kv-cache-dtype fp8",
+        '"method": "mtp"',
+        "--reasoning-parser qwen3",
+        "--tool-call-parser qwen3_coder --enable-auto-tool-choice",
+        "--enable-prefix-caching",
+        "--enable-chunked-prefill",
+        "--tensor-parallel-size 2 --enable-expert-parallel",
+        '"rope_type": "yarn"',
+        "--max-model-len 16384",
+        "--host 127.0.0.1",
+    ):
+        assert part in cmd, part
+
+
+def test_serve_help_lists_every_option():
+    from fp4moe.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    for name in ("serve", "bench"):
+        for action in sub[name]._actions:
+            assert action.help, f"{name} {action.dest}"
+
+
+@pytest.mark.parametrize("concurrency", [0])
+def test_bench_rejects_bad_settings(concurrency, capsys):
+    assert main(["bench", "--base-url", "http://127.0.0.1:9/v1", "--concurrency", str(concurrency)]) == 2
+    assert "positive" in capsys.readouterr().err
+
+
+def test_stream_and_nonstream_share_the_engine_under_threads(server):
+    """Streams and plain requests at once: every stream ends with [DONE]."""
+    done = []
+
+    def stream():
+        with httpx.stream(
+            "POST",
+            f"{server.base_url}/completions",
+            timeout=60,
+            json={"model": "tiny", "prompt": "hi", "max_tokens": 5, "stream": True},
+        ) as r:
+            done.append(list(r.iter_lines())[-2:])
+
+    threads = [threading.Thread(target=stream) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all("data: [DONE]" in lines for lines in done) and len(done) == 4
