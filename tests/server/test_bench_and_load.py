@@ -142,3 +142,55 @@ def test_stream_and_nonstream_share_the_engine_under_threads(server):
     for t in threads:
         t.join(60)
     assert all("data: [DONE]" in lines for lines in done) and len(done) == 4
+
+
+def test_sigterm_lets_in_flight_streams_finish(checkpoints):
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fp4moe.cli",
+            "serve",
+            str(checkpoints.bf16()),
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
+            time.sleep(0.2)
+        lines = []
+        body = {"prompt": "hello", "max_tokens": 40, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            for i, line in enumerate(r.iter_lines()):
+                lines.append(line)
+                if i == 4:
+                    os.kill(proc.pid, signal.SIGTERM)  # mid-stream
+        events = [line for line in lines if line]
+        assert events[-1] == "data: [DONE]" and sum(e.startswith("data: {") for e in events) == 40
+        # uvicorn shuts down gracefully, then re-raises the signal so the exit status says SIGTERM
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        assert b"Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
