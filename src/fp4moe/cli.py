@@ -256,6 +256,17 @@ def _add_serve(sub) -> None:
         "--max-waiting", type=int, default=256, help="waiting requests before answering 429 (default 256)"
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="reuse attention KV and Gated DeltaNet states of repeated prompt prefixes (block snapshots)",
+    )
+    p.add_argument(
+        "--prefix-block-size", type=int, default=64, help="prefix-cache block size in tokens (default 64)"
+    )
+    p.add_argument(
+        "--prefix-cache-entries", type=int, default=64, help="prefix snapshots kept, LRU (default 64)"
+    )
+    p.add_argument(
         "--max-cached-tokens",
         type=int,
         default=1 << 20,
@@ -596,6 +607,11 @@ def cmd_serve(args) -> int:
         max_model_len=args.max_model_len,
         limit_mm_per_prompt=limits,
     )
+    from fp4moe.engine.prefix_cache import PrefixCache
+
+    prefix = (
+        PrefixCache(args.prefix_block_size, args.prefix_cache_entries) if args.enable_prefix_caching else None
+    )
     core = EngineCore(
         llm,
         SchedulerConfig(
@@ -605,6 +621,7 @@ def cmd_serve(args) -> int:
             args.max_waiting,
             args.max_cached_tokens,
         ),
+        prefix_cache=prefix,
     )
     app = build_app(
         AsyncEngine(core),

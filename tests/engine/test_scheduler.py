@@ -84,3 +84,34 @@ def test_abort_frees_everything(llm):
     assert slots == {b.slot}
     core.abort(b)
     assert core.kv._kv == {} and core.states._states == {} and not core.scheduler.has_work()
+
+
+def test_prefix_cache_reuses_kv_and_deltanet_states(llm):
+    from fp4moe.engine.prefix_cache import PrefixCache
+
+    pc = PrefixCache(block_size=16, max_entries=8)
+    core = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), prefix_cache=pc)
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    base = "The Python tutorial explains data structures. " * 4
+    longer = base + "Then it moves on to modules and packages."
+
+    def run(prompt):
+        seq = core.make_sequences(prompt, p)[0]
+        core.add([seq])
+        steps = 0
+        while not seq.finished:
+            core.step()
+            steps += 1
+        return seq
+
+    first = run(base)
+    assert pc.hits == 0 and len(pc._entries) == 1
+    again = run(base)
+    boundary = pc.boundary(len(first.prompt_ids))
+    assert pc.hits == boundary > 0  # the whole block-aligned prefix came from the cache
+    extended = run(longer)
+    assert pc.hits > boundary  # the extended prompt reused the first prompt's snapshot
+    fresh = llm.generate([base, longer], p)
+    assert again.output_ids == first.output_ids == fresh[0].outputs[0].token_ids
+    assert extended.output_ids == fresh[1].outputs[0].token_ids
+    assert core.kv._kv == {} and core.states._states == {}

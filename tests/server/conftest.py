@@ -43,11 +43,10 @@ class RunningServer:
         return total
 
 
-def start_server(path, api_key=None, **sched) -> RunningServer:
+def start_server(path, api_key=None, prefix_cache=None, **sched) -> RunningServer:
     llm = LLM(path, dtype="float32", limit_mm_per_prompt={"image": 2})
-    engine = AsyncEngine(
-        EngineCore(llm, SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 256, **sched}))
-    )
+    scheduler = SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 256, **sched})
+    engine = AsyncEngine(EngineCore(llm, scheduler, prefix_cache=prefix_cache))
     config = ServerConfig(
         served_model_name="tiny",
         api_key=api_key,

@@ -194,3 +194,24 @@ def test_sigterm_lets_in_flight_streams_finish(checkpoints):
         assert b"Traceback" not in proc.stderr.read()
     finally:
         proc.kill()
+
+
+def test_prefix_caching_over_http(checkpoints):
+    from conftest import start_server
+    from fp4moe.engine.prefix_cache import PrefixCache
+
+    srv = start_server(checkpoints.bf16(), prefix_cache=PrefixCache(block_size=16))
+    try:
+        body = {
+            "model": "tiny",
+            "prompt": "A long shared system prompt. " * 20,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        first = httpx.post(f"{srv.base_url}/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert srv.metric("fp4moe:prefix_cache_hits_total") == 0
+        second = httpx.post(f"{srv.base_url}/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert second == first and srv.metric("fp4moe:prefix_cache_hits_total") >= 16
+    finally:
+        srv.stop()

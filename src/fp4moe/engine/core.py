@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from fp4moe.engine.llm import LLM
+from fp4moe.engine.prefix_cache import PrefixCache
 from fp4moe.engine.sampler import SamplingParams
 from fp4moe.engine.scheduler import Scheduler, SchedulerConfig
 from fp4moe.engine.sequence import Sequence
@@ -39,8 +40,9 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, llm: LLM, config: SchedulerConfig):
+    def __init__(self, llm: LLM, config: SchedulerConfig, prefix_cache: PrefixCache | None = None):
         self.llm = llm
+        self.prefix_cache = prefix_cache
         self.scheduler = Scheduler(config)
         self.kv, self.states = llm.runner.new_caches()
         self.stats = EngineStats()
@@ -72,13 +74,39 @@ class EngineCore:
             self.stats.aborted_requests += 1
         self.scheduler.abort(seq, self._release)
 
+    def _on_admit(self, seq: Sequence) -> None:
+        """Restore the longest cached prefix of a fresh prompt; mark where its own snapshot is taken."""
+        pc = self.prefix_cache
+        if pc is None or seq.image_embeds is not None or seq.num_cached or seq.output_ids:
+            return
+        snap = pc.lookup(seq.prompt_ids)
+        if snap is not None:
+            pc.restore(snap, self.kv, self.states, seq.slot)
+            seq.num_cached = snap.length
+        boundary = pc.boundary(len(seq.prompt_ids))
+        if boundary > seq.num_cached and not pc.contains(seq.prompt_ids, boundary):
+            seq.stop_at = boundary
+
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule(self._release)
+        batch = self.scheduler.schedule(self._release, self._on_admit)
         if not batch:
             return []
         self.stats.steps += 1
         outputs = []
-        for seq, logits in self.llm.runner.run(batch, self.kv, self.states):
+        results = self.llm.runner.run(batch, self.kv, self.states)
+        if self.prefix_cache is not None:
+            for seq, _ in batch:
+                if getattr(seq, "stop_at", 0) and seq.num_cached == seq.stop_at:
+                    self.prefix_cache.store(
+                        seq.prompt_ids,
+                        seq.stop_at,
+                        self.kv,
+                        self.states,
+                        seq.slot,
+                        self.llm.model.args.num_layers,
+                    )
+                    seq.stop_at = 0
+        for seq, logits in results:
             self.llm.sample_into(seq, logits)
             now = time.monotonic()
             if seq.last_token_time is None:

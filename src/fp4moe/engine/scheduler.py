@@ -63,8 +63,10 @@ class Scheduler:
         self.free_slots.append(seq.slot)
         seq.slot = -1
 
-    def schedule(self, release) -> list[tuple[Sequence, int]]:
-        """The (sequence, number of tokens) to run this step; ``release(slot)`` frees a slot's caches."""
+    def schedule(self, release, on_admit=None) -> list[tuple[Sequence, int]]:
+        """The (sequence, number of tokens) to run this step; ``release(slot)`` frees a slot's caches;
+        ``on_admit(seq)`` runs when a sequence gets its slot (prefix-cache restore). A sequence's chunk never
+        runs past ``seq.stop_at`` (a prefix snapshot boundary) while it is below it."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         batch: list[tuple[Sequence, int]] = []
@@ -91,6 +93,7 @@ class Scheduler:
                 if cfg.enable_chunked_prefill
                 else (remaining if remaining <= budget else 0)
             )
+            n = _clip_to_snapshot(seq, n)
             if n > 0:
                 batch.append((seq, n))
                 budget -= n
@@ -107,7 +110,10 @@ class Scheduler:
             self.waiting.popleft()
             seq.slot = self.free_slots.pop()
             self.running.append(seq)
-            n = min(remaining, budget)
+            if on_admit is not None:
+                on_admit(seq)
+                remaining = len(seq.all_ids) - seq.num_cached
+            n = _clip_to_snapshot(seq, min(remaining, budget))
             batch.append((seq, n))
             budget -= n
         return batch
@@ -121,3 +127,8 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.finish(seq, release)
+
+
+def _clip_to_snapshot(seq: Sequence, n: int) -> int:
+    stop = getattr(seq, "stop_at", 0)
+    return min(n, stop - seq.num_cached) if seq.num_cached < stop else n

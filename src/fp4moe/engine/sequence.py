@@ -35,6 +35,7 @@ class Sequence:
     emitted: int = 0  # characters of ``text`` already handed out as deltas
     arrival: float = 0.0  # monotonic time the request arrived (serving)
     last_token_time: float | None = None
+    stop_at: int = 0  # prefill stops here first (a prefix-cache snapshot boundary); 0 = no stop
 
     def __post_init__(self):
         if self.params.seed is not None:

@@ -49,6 +49,12 @@ class Metrics:
         self.aborted = Counter(
             "fp4moe:request_aborted", "Sequences aborted (client gone, shutdown).", labels, registry=r
         )
+        self.prefix_queries = Counter(
+            "fp4moe:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r
+        )
+        self.prefix_hits = Counter(
+            "fp4moe:prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels, registry=r
+        )
         self.ttft = Histogram(
             "fp4moe:time_to_first_token_seconds",
             "Time to first token.",
@@ -71,7 +77,7 @@ class Metrics:
             registry=r,
         )
         self.model_name = model_name
-        self._seen = {"prompt": 0, "generation": 0, "success": 0, "aborted": 0}
+        self._seen = {"prompt": 0, "generation": 0, "success": 0, "aborted": 0, "pq": 0, "ph": 0}
 
     def render(self, engine) -> bytes:
         """Fold the engine's counters and latency samples in, then render the text format."""
@@ -89,6 +95,8 @@ class Metrics:
                 ("generation", self.generation_tokens, stats.generation_tokens),
                 ("success", self.success, stats.finished_requests),
                 ("aborted", self.aborted, stats.aborted_requests),
+                ("pq", self.prefix_queries, core.prefix_cache.queries if core.prefix_cache else 0),
+                ("ph", self.prefix_hits, core.prefix_cache.hits if core.prefix_cache else 0),
             ):
                 counter.labels(m).inc(value - self._seen[key])
                 self._seen[key] = value

@@ -1,0 +1,78 @@
+"""Prefix caching for a hybrid model: attention keys/values AND Gated DeltaNet states, at block boundaries.
+
+Attention layers could reuse any cached prefix, but a Gated DeltaNet layer's state at position p exists only
+if the forward stopped at p. So the prefill of each prompt is split to end at its last block boundary
+p = floor((len - 1) / B) * B, and a snapshot is taken there: the keys/values of tokens [0, p) of every
+attention layer and the conv + recurrent state of every DeltaNet layer at p, keyed by a hash of tokens
+[0, p). A new prompt restores the longest snapshot whose tokens are a prefix of it (checked at every block
+boundary, longest first) and prefills only the rest. Multi-turn chats hit: each turn's prompt extends the
+last. Prompts with images are not cached (their tokens do not identify the image). Snapshots live in a
+bounded LRU; each costs p x the KV bytes per token plus one DeltaNet state per layer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Snapshot:
+    length: int
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (k [p, Hkv, D], v)
+    states: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (conv [C, K-1], recurrent [Hv, Dk, Dv])
+
+
+def prefix_key(tokens: list[int]) -> str:
+    return hashlib.sha256(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+
+class PrefixCache:
+    def __init__(self, block_size: int = 16, max_entries: int = 64):
+        if block_size < 1 or max_entries < 1:
+            raise ValueError("prefix cache block size and entries must be positive")
+        self.block_size, self.max_entries = block_size, max_entries
+        self._entries: OrderedDict[str, Snapshot] = OrderedDict()
+        self.queries = 0  # prompt tokens looked up
+        self.hits = 0  # prompt tokens served from the cache
+
+    def boundary(self, prompt_len: int) -> int:
+        """Where a prompt's snapshot is taken: its last block boundary that leaves a token to compute."""
+        return (prompt_len - 1) // self.block_size * self.block_size
+
+    def lookup(self, prompt: list[int]) -> Snapshot | None:
+        self.queries += len(prompt)
+        for p in range(self.boundary(len(prompt)), 0, -self.block_size):
+            snap = self._entries.get(prefix_key(prompt[:p]))
+            if snap is not None:
+                self._entries.move_to_end(prefix_key(prompt[:p]))
+                self.hits += p
+                return snap
+        return None
+
+    def contains(self, prompt: list[int], p: int) -> bool:
+        return prefix_key(prompt[:p]) in self._entries
+
+    def store(self, prompt: list[int], p: int, kv_cache, states, slot: int, num_layers: int) -> None:
+        kv = {}
+        rec = {}
+        for layer in range(num_layers):
+            entry = kv_cache._kv.get((layer, slot))
+            if entry is not None:
+                kv[layer] = (entry[0][:p].clone(), entry[1][:p].clone())
+            state = states._states.get((layer, slot))
+            if state is not None:
+                rec[layer] = (state[0].clone(), state[1].clone())
+        self._entries[prefix_key(prompt[:p])] = Snapshot(p, kv, rec)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    @staticmethod
+    def restore(snap: Snapshot, kv_cache, states, slot: int) -> None:
+        for layer, (k, v) in snap.kv.items():
+            kv_cache._kv[(layer, slot)] = (k.clone(), v.clone())
+        for layer, (conv, rec) in snap.states.items():
+            states._states[(layer, slot)] = (conv.clone(), rec.clone())
