@@ -264,6 +264,12 @@ def _add_serve(sub) -> None:
         "--prefix-block-size", type=int, default=64, help="prefix-cache block size in tokens (default 64)"
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="fp8: keys/values stored as float8-e4m3 with per-layer scales (half the cache memory of bf16)",
+    )
+    p.add_argument(
         "--prefix-cache-entries", type=int, default=64, help="prefix snapshots kept, LRU (default 64)"
     )
     p.add_argument(
@@ -606,6 +612,7 @@ def cmd_serve(args) -> int:
         hf_overrides=overrides,
         max_model_len=args.max_model_len,
         limit_mm_per_prompt=limits,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     from fp4moe.engine.prefix_cache import PrefixCache
 

@@ -115,3 +115,24 @@ def test_prefix_cache_reuses_kv_and_deltanet_states(llm):
     assert again.output_ids == first.output_ids == fresh[0].outputs[0].token_ids
     assert extended.output_ids == fresh[1].outputs[0].token_ids
     assert core.kv._kv == {} and core.states._states == {}
+
+
+def test_fp8_kv_cache_stays_close_to_exact(checkpoints):
+    import torch
+
+    exact = LLM(checkpoints.bf16(), dtype="float32")
+    fp8 = LLM(checkpoints.bf16(), dtype="float32", kv_cache_dtype="fp8")
+    prompt = [int(t) for t in torch.randint(0, 1000, (90,), generator=torch.Generator().manual_seed(4))]
+    logits = []
+    for llm_ in (exact, fp8):
+        kv, states = llm_.runner.new_caches()
+        seq = llm_._make_sequences([prompt], [SamplingParams(max_tokens=1)])[1][0]
+        seq.slot = 0
+        ((_, row),) = llm_.runner.run([(seq, len(prompt))], kv, states)
+        logits.append(row)
+        if llm_ is fp8:
+            assert kv._kv[(3, 0)][0].dtype == torch.float8_e4m3fn  # stored in fp8
+    diff = (logits[0] - logits[1]).abs().max()
+    assert 0 < diff < 0.05  # e4m3 keeps ~2 significant digits; logits are O(3)
+    with pytest.raises(ValueError, match="kv cache dtype"):
+        LLM(checkpoints.bf16(), kv_cache_dtype="int4")

@@ -10,17 +10,42 @@ import torch
 
 
 class KVCache:
-    def __init__(self):
+    """``dtype="fp8"`` stores keys and values as float8-e4m3 with one scale per layer and tensor (k, v),
+    set from the first tokens written to that layer with 2x headroom (later values beyond it saturate)."""
+
+    HEADROOM = 2.0
+
+    def __init__(self, dtype: str = "auto"):
+        if dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv cache dtype must be 'auto' or 'fp8', got {dtype!r}")
+        self.fp8 = dtype == "fp8"
+        self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer not in self.scales:
+            self.scales[layer] = tuple(
+                torch.clamp(x.abs().amax().float() * self.HEADROOM / 448.0, min=1e-8) for x in (k, v)
+            )
+        ks, vs = self.scales[layer]
+        return tuple(
+            torch.clamp(x.float() / s, -448.0, 448.0).to(torch.float8_e4m3fn) for x, s in ((k, ks), (v, vs))
+        )
 
     def append(
         self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add k/v [n, Hkv, D] to the slot's cache; returns all cached k/v [L, Hkv, D]."""
+        """Add k/v [n, Hkv, D] to the slot's cache; returns all cached k/v [L, Hkv, D] in k's dtype."""
+        dtype = k.dtype
+        if self.fp8:
+            k, v = self._encode(layer, k, v)
         old = self._kv.get((layer, slot))
         if old is not None:
             k, v = torch.cat([old[0], k]), torch.cat([old[1], v])
         self._kv[(layer, slot)] = (k, v)
+        if self.fp8:
+            ks, vs = self.scales[layer]
+            return (k.float() * ks).to(dtype), (v.float() * vs).to(dtype)
         return k, v
 
     def length(self, layer: int, slot: int) -> int:

@@ -50,6 +50,7 @@ class LLM:
         hf_overrides: dict | None = None,
         max_model_len: int | None = None,
         limit_mm_per_prompt: dict[str, int] | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         self.path = Path(model)
         self.device = torch.device(device)
@@ -73,7 +74,7 @@ class LLM:
         self.tokenizer = self._load_tokenizer()
         image_token = self.config.get("image_token_id")
         self.runner = ModelRunner(
-            self.model, int(image_token) if image_token is not None else None, self.device
+            self.model, int(image_token) if image_token is not None else None, self.device, kv_cache_dtype
         )
         self.eos_ids = self._eos_ids()
         self._seq_ids = itertools.count()

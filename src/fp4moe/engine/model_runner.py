@@ -12,8 +12,11 @@ from fp4moe.engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model, image_token_id: int | None, device: torch.device):
+    def __init__(self, model, image_token_id: int | None, device: torch.device, kv_cache_dtype: str = "auto"):
         self.model, self.image_token_id, self.device = model, image_token_id, device
+        if kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv cache dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype
 
     def new_caches(self) -> tuple[KVCache, DeltaNetStates]:
         a = self.model.args
@@ -30,7 +33,7 @@ class ModelRunner:
             self.model.embed_tokens.dtype,
             self.device,
         )
-        return KVCache(), states
+        return KVCache(self.kv_cache_dtype), states
 
     def _embeds(self, ids: torch.Tensor, batch: list[tuple[Sequence, int]], spans) -> torch.Tensor | None:
         with_images = [
