@@ -270,6 +270,12 @@ def _add_serve(sub) -> None:
         help="fp8: keys/values stored as float8-e4m3 with per-layer scales (half the cache memory of bf16)",
     )
     p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        help="hosts remote image URLs may be fetched from (default: none; only data: URLs)",
+    )
+    p.add_argument(
         "--prefix-cache-entries", type=int, default=64, help="prefix snapshots kept, LRU (default 64)"
     )
     p.add_argument(
@@ -638,6 +644,7 @@ def cmd_serve(args) -> int:
             reasoning_parser=args.reasoning_parser,
             tool_call_parser=args.tool_call_parser,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
+            allowed_media_domains=frozenset(args.allowed_media_domains),
         ),
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)

@@ -43,7 +43,7 @@ class RunningServer:
         return total
 
 
-def start_server(path, api_key=None, prefix_cache=None, **sched) -> RunningServer:
+def start_server(path, api_key=None, prefix_cache=None, allowed_media_domains=(), **sched) -> RunningServer:
     llm = LLM(path, dtype="float32", limit_mm_per_prompt={"image": 2})
     scheduler = SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 256, **sched})
     engine = AsyncEngine(EngineCore(llm, scheduler, prefix_cache=prefix_cache))
@@ -53,6 +53,7 @@ def start_server(path, api_key=None, prefix_cache=None, **sched) -> RunningServe
         reasoning_parser="qwen3",
         tool_call_parser="qwen3_coder",
         enable_auto_tool_choice=True,
+        allowed_media_domains=frozenset(allowed_media_domains),
     )
     return RunningServer(build_app(engine, config), engine)
 

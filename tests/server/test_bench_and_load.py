@@ -215,3 +215,50 @@ def test_prefix_caching_over_http(checkpoints):
         assert second == first and srv.metric("fp4moe:prefix_cache_hits_total") >= 16
     finally:
         srv.stop()
+
+
+def test_remote_images_only_from_allowed_domains(checkpoints, tmp_path):
+    import functools
+    import http.server
+
+    from test_server import _data_url
+
+    from conftest import start_server
+
+    import base64
+
+    (tmp_path / "cat.png").write_bytes(base64.b64decode(_data_url(3).split(",", 1)[1]))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{files.server_address[1]}/cat.png"
+    srv = start_server(checkpoints.bf16(), allowed_media_domains=["127.0.0.1"])
+    try:
+        msg = [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}],
+            }
+        ]
+        ok = httpx.post(
+            f"{srv.base_url}/chat/completions", json={"messages": msg, "max_tokens": 3}, timeout=60
+        )
+        assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] > 10
+        missing = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url + "x"}}]}]
+        r = httpx.post(
+            f"{srv.base_url}/chat/completions", json={"messages": missing, "max_tokens": 3}, timeout=60
+        )
+        assert r.status_code == 400 and "HTTP 404" in r.json()["error"]["message"]
+        other = [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": "http://localhost:1/a.png"}}],
+            }
+        ]
+        r = httpx.post(
+            f"{srv.base_url}/chat/completions", json={"messages": other, "max_tokens": 3}, timeout=60
+        )
+        assert r.status_code == 400 and "'localhost' is not" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
+        files.shutdown()

@@ -212,7 +212,7 @@ def test_concurrent_requests_equal_sequential(client):
                 ],
             },
             400,
-            "remote URLs",
+            "not fetched",
         ),
         (
             {

@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,6 +38,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # "qwen3_coder"
     enable_auto_tool_choice: bool = False
     max_image_bytes: int = 20 << 20
+    allowed_media_domains: frozenset[str] = frozenset()  # hosts remote image URLs may come from
 
 
 class APIError(Exception):
@@ -139,7 +141,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             "response_format",
         )
         tools = _tools_for(req, config)
-        messages, images = _prepare_messages(req.messages, llm.limit_images, config.max_image_bytes)
+        messages, images = _prepare_messages(
+            req.messages, llm.limit_images, config.max_image_bytes, config.allowed_media_domains
+        )
+        images = await _fetch_images(images, config.max_image_bytes)
         try:
             text = llm.apply_chat_template(messages, tools=tools, **(req.chat_template_kwargs or {}))
         except Exception as e:  # template errors are the caller's messages
@@ -323,6 +328,31 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
+async def _fetch_images(images: list, max_bytes: int) -> list:
+    """Download the remote images (allowed domains only; 10 s, ``max_bytes`` at most, no redirects)."""
+    if not any(isinstance(i, str) for i in images):
+        return images
+    out = []
+    async with httpx.AsyncClient(timeout=10.0, follow_redirects=False) as client:
+        for image in images:
+            if not isinstance(image, str):
+                out.append(image)
+                continue
+            try:
+                async with client.stream("GET", image) as r:
+                    if r.status_code != 200:
+                        raise APIError(400, f"fetching {image} gave HTTP {r.status_code}", param="messages")
+                    data = bytearray()
+                    async for chunk in r.aiter_bytes():
+                        data += chunk
+                        if len(data) > max_bytes:
+                            raise APIError(400, f"image larger than {max_bytes} bytes", param="messages")
+            except httpx.HTTPError as e:
+                raise APIError(400, f"cannot fetch {image}: {type(e).__name__}", param="messages") from None
+            out.append(bytes(data))
+    return out
+
+
 async def _drain(queue: asyncio.Queue, seqs) -> None:
     remaining = len(seqs)
     while remaining:
@@ -364,8 +394,11 @@ def _tools_for(req: ChatCompletionRequest, config: ServerConfig) -> list[dict] |
     return req.tools
 
 
-def _prepare_messages(messages: list[dict], limit: int, max_bytes: int) -> tuple[list[dict], list]:
-    """Template-ready messages (tool-call arguments as dicts) and the images in order (decoded data URLs)."""
+def _prepare_messages(
+    messages: list[dict], limit: int, max_bytes: int, allowed_domains: frozenset[str] = frozenset()
+) -> tuple[list[dict], list]:
+    """Template-ready messages (tool-call arguments as dicts) and the images in order: bytes of data URLs,
+    or the URL itself for remote images on an allowed domain (fetched later by ``_fetch_images``)."""
     out, images = [], []
     for m in messages:
         _check(
@@ -382,11 +415,18 @@ def _prepare_messages(messages: list[dict], limit: int, max_bytes: int) -> tuple
                         if isinstance(part.get("image_url"), dict)
                         else part.get("image_url")
                     )
-                    _check(
-                        isinstance(url, str) and url.startswith("data:"),
-                        "only data: image URLs are accepted (remote URLs are not fetched)",
-                        "messages",
-                    )
+                    _check(isinstance(url, str), "image_url needs a url", "messages")
+                    if url.startswith(("http://", "https://")):
+                        host = httpx.URL(url).host
+                        _check(
+                            host in allowed_domains,
+                            f"remote image URLs are not fetched unless their domain is allowed "
+                            f"(--allowed-media-domains); {host!r} is not",
+                            "messages",
+                        )
+                        images.append(url)
+                        continue
+                    _check(url.startswith("data:"), "image URLs must be data: URLs", "messages")
                     _check(len(url) * 3 // 4 <= max_bytes, f"image larger than {max_bytes} bytes", "messages")
                     try:
                         header, _, payload = url.partition(",")
