@@ -218,14 +218,13 @@ def test_prefix_caching_over_http(checkpoints):
 
 
 def test_remote_images_only_from_allowed_domains(checkpoints, tmp_path):
+    import base64
     import functools
     import http.server
 
     from test_server import _data_url
 
     from conftest import start_server
-
-    import base64
 
     (tmp_path / "cat.png").write_bytes(base64.b64decode(_data_url(3).split(",", 1)[1]))
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
