@@ -276,6 +276,12 @@ def _add_serve(sub) -> None:
         help="hosts remote image URLs may be fetched from (default: none; only data: URLs)",
     )
     p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="with --device cuda: share of GPU memory for weights + caches; sizes the KV budget (default 0.9)",
+    )
+    p.add_argument(
         "--prefix-cache-entries", type=int, default=64, help="prefix snapshots kept, LRU (default 64)"
     )
     p.add_argument(
@@ -342,6 +348,11 @@ def _add_bench(sub) -> None:
         "--chars-per-token", type=float, default=4.0, help="text length per prompt token (default 4)"
     )
     p.add_argument("--out", default="bench-results", help="directory for bench.md, bench.json, bench.png")
+    p.add_argument(
+        "--allow-prefix-hits",
+        action="store_true",
+        help="do not give each prompt a unique prefix (by default no request can hit a prefix cache)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -622,6 +633,26 @@ def cmd_serve(args) -> int:
     )
     from fp4moe.engine.prefix_cache import PrefixCache
 
+    max_cached = args.max_cached_tokens
+    if llm.device.type == "cuda":  # size the KV budget from what the loaded model leaves
+        import torch
+
+        from fp4moe.engine.memory import cache_budget_tokens, deltanet_bytes_per_sequence, kv_bytes_per_token
+
+        free, total = torch.cuda.mem_get_info(llm.device)
+        dtype = llm.model.embed_tokens.dtype
+        max_cached = min(
+            max_cached,
+            cache_budget_tokens(
+                total,
+                total - free,
+                args.gpu_memory_utilization,
+                kv_bytes_per_token(llm.model.args, args.kv_cache_dtype, dtype),
+                deltanet_bytes_per_sequence(llm.model.args, dtype),
+                args.max_num_seqs,
+            ),
+        )
+
     prefix = (
         PrefixCache(args.prefix_block_size, args.prefix_cache_entries) if args.enable_prefix_caching else None
     )
@@ -632,7 +663,7 @@ def cmd_serve(args) -> int:
             args.max_num_batched_tokens,
             args.enable_chunked_prefill,
             args.max_waiting,
-            args.max_cached_tokens,
+            max_cached,
         ),
         prefix_cache=prefix,
     )
@@ -674,6 +705,7 @@ def cmd_bench(args) -> int:
         warmup=args.warmup,
         chars_per_token=args.chars_per_token,
         prompt_text=text,
+        allow_prefix_hits=args.allow_prefix_hits,
     )
     total = len(args.pp) * len(args.tg) * len(args.depth) * sum(args.concurrency) * args.runs
     with tqdm(total=total, desc="requests", unit="req", disable=args.no_progress) as bar:

@@ -136,3 +136,43 @@ def test_fp8_kv_cache_stays_close_to_exact(checkpoints):
     assert 0 < diff < 0.05  # e4m3 keeps ~2 significant digits; logits are O(3)
     with pytest.raises(ValueError, match="kv cache dtype"):
         LLM(checkpoints.bf16(), kv_cache_dtype="int4")
+
+
+def test_cache_budget_from_device_memory():
+    from fp4moe.engine.memory import cache_budget_tokens, deltanet_bytes_per_sequence, kv_bytes_per_token
+    from fp4moe.models.qwen3_5_moe_model import ModelArgs
+
+    real = ModelArgs.from_text_config(
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=40,
+            vocab_size=248320,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            rope_parameters=dict(rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10]),
+        )
+    )
+    import torch
+
+    assert (
+        kv_bytes_per_token(real, "auto", torch.bfloat16) == 10 * 2 * 2 * 256 * 2
+    )  # 20 KiB per token in bf16
+    assert kv_bytes_per_token(real, "fp8", torch.bfloat16) == 10 * 2 * 2 * 256
+    per_seq = deltanet_bytes_per_sequence(real, torch.bfloat16)
+    assert per_seq == 30 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)  # ~63 MB, dominated by the fp32 states
+    gib = 1 << 30
+    tokens = cache_budget_tokens(141 * gib, 22 * gib, 0.9, 10240, per_seq, 16)
+    assert tokens == (int(141 * gib * 0.9) - 22 * gib - per_seq * 16) // 10240  # ~10.6 M tokens of fp8 KV
+    with pytest.raises(ValueError, match="no room for the KV cache"):
+        cache_budget_tokens(24 * gib, 22 * gib, 0.9, 10240, per_seq, 16)
+    with pytest.raises(ValueError, match="must be in"):
+        cache_budget_tokens(gib, 0, 1.5, 1, 0, 1)

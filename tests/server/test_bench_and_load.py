@@ -261,3 +261,13 @@ def test_remote_images_only_from_allowed_domains(checkpoints, tmp_path):
     finally:
         srv.stop()
         files.shutdown()
+
+
+def test_bench_reads_vllm_spec_decode_counters():
+    from fp4moe.bench.client import RequestResult, RoundResult, summarize
+
+    ok = RequestResult(ok=True, prompt_tokens=10, completion_tokens=8, ttft=0.1, e2e=1.0, decode_tps=7.7)
+    spec = {"drafts": 10.0, "draft_tokens": 20.0, "accepted": 15.0, "pos0": 9.0, "pos1": 6.0}
+    row = summarize([RoundResult(16, 8, 0, 1, [ok], 1.0, spec)])[0]
+    assert row["spec_acceptance_rate"] == 0.75 and row["spec_mean_acceptance_length"] == 2.5
+    assert row["spec_acceptance_per_position"] == [0.9, 0.6]

@@ -44,6 +44,7 @@ class BenchConfig:
     prompt_text: str = ""
     timeout: float = 600.0
     seed: int = 0
+    allow_prefix_hits: bool = False  # keep prompts free of a unique prefix (measure the prefix cache)
 
     def __post_init__(self):
         for name in ("pp", "tg", "concurrency"):
@@ -82,7 +83,7 @@ def _prompt(cfg: BenchConfig, tokens: int, rng: random.Random) -> str:
     text = cfg.prompt_text
     start = rng.randrange(0, max(1, len(text) - n))
     body = (text * (1 + n // max(1, len(text))))[start : start + n]
-    return f"[{uuid.uuid4().hex[:8]}] {body}"
+    return body if cfg.allow_prefix_hits else f"[{uuid.uuid4().hex[:8]}] {body}"
 
 
 async def _one(
@@ -131,16 +132,30 @@ async def _one(
     return res
 
 
+PER_POSITION = (
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+    "fp4moe:spec_decode_num_accepted_tokens_per_pos_total",
+)
+
+
 async def _spec_counters(client: httpx.AsyncClient, root: str) -> dict[str, float]:
+    """Spec-decode counters from /metrics; per-position acceptance as keys ``pos<k>``."""
     try:
         text = (await client.get(f"{root}/metrics")).text
     except httpx.HTTPError:
         return {}
     out: dict[str, float] = {}
-    for key, names in SPEC_METRICS.items():
-        for line in text.splitlines():
-            if line.split("{")[0].split(" ")[0] in names:
-                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if line.startswith("#") or not name:
+            continue
+        value = float(line.rsplit(" ", 1)[1])
+        for key, names in SPEC_METRICS.items():
+            if name in names:
+                out[key] = out.get(key, 0.0) + value
+        if name in PER_POSITION and 'position="' in line:
+            pos = line.split('position="', 1)[1].split('"', 1)[0]
+            out[f"pos{pos}"] = out.get(f"pos{pos}", 0.0) + value
     return out
 
 
@@ -195,7 +210,8 @@ def summarize(rounds: list[RoundResult]) -> list[dict]:
         reqs = [q for r in rs for q in r.requests if q.ok]
         errors = sum(not q.ok for r in rs for q in r.requests)
         aggregate = [sum(q.completion_tokens for q in r.requests if q.ok) / r.wall for r in rs if r.wall > 0]
-        spec = {k: sum(r.spec.get(k, 0.0) for r in rs) for k in ("drafts", "draft_tokens", "accepted")}
+        keys = {k for r in rs for k in r.spec}
+        spec = {k: sum(r.spec.get(k, 0.0) for r in rs) for k in keys | {"drafts", "draft_tokens", "accepted"}}
         row = {
             "pp": pp,
             "tg": tg,
@@ -218,6 +234,9 @@ def summarize(rounds: list[RoundResult]) -> list[dict]:
         if spec["drafts"] > 0:
             row["spec_acceptance_rate"] = spec["accepted"] / max(spec["draft_tokens"], 1)
             row["spec_mean_acceptance_length"] = 1 + spec["accepted"] / spec["drafts"]
+            positions = sorted((int(k[3:]), v) for k, v in spec.items() if k.startswith("pos"))
+            if positions:
+                row["spec_acceptance_per_position"] = [v / spec["drafts"] for _, v in positions]
         rows.append(row)
     return rows
 
