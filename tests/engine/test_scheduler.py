@@ -176,3 +176,23 @@ def test_cache_budget_from_device_memory():
         cache_budget_tokens(24 * gib, 22 * gib, 0.9, 10240, per_seq, 16)
     with pytest.raises(ValueError, match="must be in"):
         cache_budget_tokens(gib, 0, 1.5, 1, 0, 1)
+
+
+def test_requests_that_can_never_run_are_refused_or_ended(llm):
+    p = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    core = EngineCore(llm, SchedulerConfig(max_cached_tokens=20))
+    with pytest.raises(ValueError, match="does not fit the cache budget"):
+        core.add(core.make_sequences("word " * 30, p))
+    core = EngineCore(llm, SchedulerConfig(max_num_batched_tokens=8, enable_chunked_prefill=False))
+    with pytest.raises(ValueError, match="chunked prefill is off"):
+        core.add(core.make_sequences("word " * 30, p))
+    # a lone sequence that outgrows the cache ends with "length" instead of being preempted forever
+    core = EngineCore(llm, SchedulerConfig(max_cached_tokens=12))
+    seq = core.make_sequences("hi there", p)[0]
+    core.add([seq])
+    for _ in range(40):
+        if seq.finished:
+            break
+        core.step()
+    assert seq.finished and seq.finish_reason.value == "length" and len(seq.all_ids) <= 13
+    assert not core.scheduler.has_work() and core.kv._kv == {}

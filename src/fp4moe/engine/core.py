@@ -66,6 +66,8 @@ class EngineCore:
 
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.config.max_waiting} requests)")
         for seq in seqs:
+            self.scheduler.check_fits(seq)  # all or none
+        for seq in seqs:
             self.scheduler.add(seq)
             self.stats.prompt_tokens += len(seq.prompt_ids)
 
@@ -89,10 +91,14 @@ class EngineCore:
 
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule(self._release, self._on_admit)
+        outputs = [
+            StepOutput(seq, seq.output_ids[-1] if seq.output_ids else -1, "", True)
+            for seq in self.scheduler.cache_full
+        ]  # ended: the cache cannot hold them
+        self.scheduler.cache_full.clear()
         if not batch:
-            return []
+            return outputs
         self.stats.steps += 1
-        outputs = []
         results = self.llm.runner.run(batch, self.kv, self.states)
         if self.prefix_cache is not None:
             for seq, _ in batch:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from fp4moe.engine.sequence import Sequence
+from fp4moe.engine.sequence import FinishReason, Sequence
 
 
 class QueueFullError(RuntimeError):
@@ -42,14 +42,29 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.free_slots = list(range(config.max_num_seqs))
         self.num_preemptions = 0
+        self.cache_full: list[Sequence] = []  # ended because the cache cannot hold them (reported once)
 
     # predicate / action pairs
     def can_add(self) -> bool:
         return len(self.waiting) < self.config.max_waiting
 
+    def check_fits(self, seq: Sequence) -> None:
+        """A prompt that no schedule could ever run is refused up front instead of waiting forever."""
+        n = len(seq.all_ids)
+        if n >= self.config.max_cached_tokens:
+            raise ValueError(
+                f"prompt of {n} tokens does not fit the cache budget ({self.config.max_cached_tokens} tokens)"
+            )
+        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt of {n} tokens exceeds --max-num-batched-tokens {self.config.max_num_batched_tokens} "
+                "and chunked prefill is off"
+            )
+
     def add(self, seq: Sequence) -> None:
         if not self.can_add():
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        self.check_fits(seq)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -76,6 +91,11 @@ class Scheduler:
             victim = self.running.pop()
             self._release(victim, release)
             victim.num_cached = 0
+            if not self.running:  # alone and still too long for the cache: it can never continue
+                victim.finish_reason = FinishReason.LENGTH
+                self.cache_full.append(victim)
+                decoding = []
+                break
             self.waiting.appendleft(victim)
             self.num_preemptions += 1
             decoding = [s for s in self.running if s.num_cached == len(s.all_ids) - 1]
