@@ -196,3 +196,19 @@ def test_requests_that_can_never_run_are_refused_or_ended(llm):
         core.step()
     assert seq.finished and seq.finish_reason.value == "length" and len(seq.all_ids) <= 13
     assert not core.scheduler.has_work() and core.kv._kv == {}
+
+
+def test_cache_budget_is_never_exceeded(llm):
+    expected = _reference(llm, 10)
+    config = SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=24, max_cached_tokens=100)
+    core = EngineCore(llm, config)
+    p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    seqs = [core.make_sequences(x, p)[0] for x in PROMPTS]
+    core.add(seqs)
+    peak = 0
+    while any(not s.finished for s in seqs):
+        core.step()
+        peak = max(
+            peak, sum(len(k) for (k, _) in core.kv._kv.values()) // 1 and core.scheduler.cached_tokens()
+        )
+    assert peak <= 100 and [s.output_ids for s in seqs] == expected

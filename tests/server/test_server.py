@@ -346,3 +346,102 @@ def test_api_key_and_full_queue(checkpoints):
         assert 429 in statuses and 200 in statuses
     finally:
         srv.stop()
+
+
+def test_streamed_chat_logprobs_belong_to_their_tokens(client):
+    messages = [{"role": "user", "content": "Count with me."}]
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, logprobs=True, top_logprobs=2, **GREEDY
+    )
+    expected = [(t.token, round(t.logprob, 5)) for t in whole.choices[0].logprobs.content]
+    streamed = []
+    for chunk in client.chat.completions.create(
+        model="tiny", messages=messages, logprobs=True, top_logprobs=2, stream=True, **GREEDY
+    ):
+        for c in chunk.choices:
+            if c.logprobs and c.logprobs.content:
+                streamed += [(t.token, round(t.logprob, 5)) for t in c.logprobs.content]
+    assert streamed == expected and len(expected) == 12
+
+
+def test_completion_stream_logprobs(client):
+    chunks = [
+        c
+        for c in client.completions.create(model="tiny", prompt="x", stream=True, logprobs=1, **GREEDY)
+        if c.choices
+    ]
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices[0].logprobs) == 12
+
+
+def test_named_tool_choice_is_forced(client, scripted):
+    scripted(
+        "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>"
+    )  # the model only adds parameters
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        tools=TOOLS,
+        tool_choice=choice,
+        max_tokens=40,
+    )
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
+    name, args = None, ""
+    for chunk in client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        tools=TOOLS,
+        tool_choice=choice,
+        max_tokens=40,
+        stream=True,
+    ):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                name, args = name or tc.function.name, args + (tc.function.arguments or "")
+    assert name == "get_weather" and json.loads(args) == {"city": "Rome"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "fragment"),
+    [
+        ("/completions", {"prompt": "x", "logprobs": 5000}, "logprobs"),
+        ("/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/chat/completions", {"messages": [{"role": "user", "content": ["hi"]}]}, "content parts"),
+        (
+            "/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True},
+            "top_logprobs",
+        ),
+    ],
+)
+def test_more_bad_requests(server, path, body, fragment):
+    r = httpx.post(f"{server.base_url}{path}", json=body, timeout=60)
+    assert r.status_code == 400 and fragment in r.text, r.text
+
+
+def test_unknown_routes_and_model_lookup(server):
+    r = httpx.get(f"{server.base_url}/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert httpx.get(f"{server.base_url}/models/tiny").json()["id"] == "tiny"
+    assert httpx.get(f"{server.base_url}/models/other").status_code == 404
+
+
+def test_an_engine_failure_fails_only_its_requests(server, client, monkeypatch):
+    runner = server.engine.core.llm.runner
+    real = runner.run
+    calls = {"n": 0}
+
+    def broken(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run", broken)
+    r = httpx.post(f"{server.base_url}/completions", json={"prompt": "x", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 500 and "simulated kernel failure" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.root}/health").status_code == 200  # the engine thread survived
+    assert client.completions.create(model="tiny", prompt="x", **GREEDY).usage.completion_tokens == 12
+    core = server.engine.core
+    assert not core.scheduler.has_work() and core.kv._kv == {}

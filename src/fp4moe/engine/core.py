@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from fp4moe.engine.llm import LLM
@@ -25,6 +27,8 @@ class StepOutput:
     token_id: int
     delta: str
     finished: bool
+    logprob: object = None  # the SampleResult of this token when logprobs were asked for
+    error: str | None = None  # the engine failed this request (the server answers with an error)
 
 
 @dataclass
@@ -34,9 +38,10 @@ class EngineStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     steps: int = 0
-    ttft: list[float] = field(default_factory=list)  # drained by the metrics collector
-    itl: list[float] = field(default_factory=list)
-    e2e: list[float] = field(default_factory=list)
+    # latency samples, drained by the metrics collector (bounded: unscraped samples are dropped)
+    ttft: deque = field(default_factory=lambda: deque(maxlen=100_000))
+    itl: deque = field(default_factory=lambda: deque(maxlen=100_000))
+    e2e: deque = field(default_factory=lambda: deque(maxlen=100_000))
 
 
 class EngineCore:
@@ -121,7 +126,8 @@ class EngineCore:
                 self.stats.itl.append(now - seq.last_token_time)
             seq.last_token_time = now
             self.stats.generation_tokens += 1
-            outputs.append(StepOutput(seq, seq.output_ids[-1], seq.delta, seq.finished))
+            lp = seq.logprobs[-1] if seq.params.logprobs is not None and seq.logprobs else None
+            outputs.append(StepOutput(seq, seq.output_ids[-1], seq.delta, seq.finished, lp))
             if seq.finished:
                 self.scheduler.finish(seq, self._release)
                 self.stats.finished_requests += 1
@@ -161,7 +167,16 @@ class AsyncEngine:
         while not self._stop:
             with self._lock:
                 busy = self.core.scheduler.has_work()
-                outputs = self.core.step() if busy else []
+                try:
+                    outputs = self.core.step() if busy else []
+                except Exception as e:  # one bad step must not take the server down: fail what was running
+                    logging.getLogger("fp4moe").exception("engine step failed")
+                    failed = list(self.core.scheduler.running)
+                    for seq in failed:
+                        self.core.abort(seq)
+                    outputs = [
+                        StepOutput(seq, -1, "", True, error=f"{type(e).__name__}: {e}") for seq in failed
+                    ]
                 targets = [(self._queues.get(id(o.seq)), o) for o in outputs]
                 for o in outputs:
                     if o.finished:
@@ -173,6 +188,10 @@ class AsyncEngine:
             if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Finish in-flight requests (up to ``timeout`` seconds), then stop the thread."""

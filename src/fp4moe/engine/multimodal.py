@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+MAX_PIXELS = 32 * 1024 * 1024  # larger images are refused before decoding (decompression bombs)
+
 
 class ImageError(ValueError):
     pass
@@ -25,6 +27,8 @@ def load_image(source) -> np.ndarray:
     """An RGB uint8 array [H, W, 3] from a path, bytes, ``data:`` URL, PIL image or array.
     Remote URLs are refused (nothing is fetched)."""
     from PIL import Image, UnidentifiedImageError
+
+    Image.MAX_IMAGE_PIXELS = MAX_PIXELS // 2  # PIL raises DecompressionBombError past twice this
 
     if isinstance(source, np.ndarray):
         arr = source
@@ -48,6 +52,8 @@ def load_image(source) -> np.ndarray:
             else:
                 raise ImageError(f"unsupported image input of type {type(source).__name__}")
             arr = np.array(img.convert("RGB"))  # a writable copy
+        except Image.DecompressionBombError:
+            raise ImageError(f"image has too many pixels (more than {MAX_PIXELS})") from None
         except (UnidentifiedImageError, OSError, ValueError) as e:
             if isinstance(e, ImageError):
                 raise

@@ -26,8 +26,16 @@ class Snapshot:
     states: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (conv [C, K-1], recurrent [Hv, Dk, Dv])
 
 
-def prefix_key(tokens: list[int]) -> str:
-    return hashlib.sha256(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes()).hexdigest()
+def block_keys(tokens: list[int], block_size: int) -> list[str]:
+    """Chained hashes of the block-aligned prefixes: keys[k] identifies tokens[: (k + 1) * block_size].
+    One pass over the prompt (not one hash per prefix length)."""
+    keys, h = [], b""
+    data = torch.tensor(tokens, dtype=torch.int64).numpy().tobytes()
+    step = block_size * 8
+    for k in range(len(tokens) // block_size):
+        h = hashlib.sha256(h + data[k * step : (k + 1) * step]).digest()
+        keys.append(h.hex())
+    return keys
 
 
 class PrefixCache:
@@ -43,18 +51,22 @@ class PrefixCache:
         """Where a prompt's snapshot is taken: its last block boundary that leaves a token to compute."""
         return (prompt_len - 1) // self.block_size * self.block_size
 
+    def _key(self, prompt: list[int], p: int) -> str:
+        return block_keys(prompt[:p], self.block_size)[-1]
+
     def lookup(self, prompt: list[int]) -> Snapshot | None:
         self.queries += len(prompt)
-        for p in range(self.boundary(len(prompt)), 0, -self.block_size):
-            snap = self._entries.get(prefix_key(prompt[:p]))
+        keys = block_keys(prompt[: self.boundary(len(prompt))], self.block_size)
+        for key in reversed(keys):  # longest first
+            snap = self._entries.get(key)
             if snap is not None:
-                self._entries.move_to_end(prefix_key(prompt[:p]))
-                self.hits += p
+                self._entries.move_to_end(key)
+                self.hits += snap.length
                 return snap
         return None
 
     def contains(self, prompt: list[int], p: int) -> bool:
-        return prefix_key(prompt[:p]) in self._entries
+        return self._key(prompt, p) in self._entries
 
     def store(self, prompt: list[int], p: int, kv_cache, states, slot: int, num_layers: int) -> None:
         kv = {}
@@ -66,7 +78,7 @@ class PrefixCache:
             state = states._states.get((layer, slot))
             if state is not None:
                 rec[layer] = (state[0].clone(), state[1].clone())
-        self._entries[prefix_key(prompt[:p])] = Snapshot(p, kv, rec)
+        self._entries[self._key(prompt, p)] = Snapshot(p, kv, rec)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 

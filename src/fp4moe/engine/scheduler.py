@@ -73,6 +73,10 @@ class Scheduler:
     def cached_tokens(self) -> int:
         return sum(s.num_cached for s in self.running)
 
+    def reserved_tokens(self) -> int:
+        """Cache the running sequences will hold once their current tokens are all in (prefills included)."""
+        return sum(len(s.all_ids) for s in self.running)
+
     def _release(self, seq: Sequence, release) -> None:
         release(seq.slot)
         self.free_slots.append(seq.slot)
@@ -87,7 +91,7 @@ class Scheduler:
         batch: list[tuple[Sequence, int]] = []
         decoding = [s for s in self.running if s.num_cached == len(s.all_ids) - 1]
         # preempt (newest first) while the step's new tokens do not fit in the cache
-        while decoding and self.cached_tokens() + len(decoding) > cfg.max_cached_tokens:
+        while decoding and self.reserved_tokens() > cfg.max_cached_tokens:
             victim = self.running.pop()
             self._release(victim, release)
             victim.num_cached = 0
@@ -108,11 +112,8 @@ class Scheduler:
             remaining = len(seq.all_ids) - seq.num_cached
             if id(seq) in scheduled or remaining < 1 or budget < 1:
                 continue
-            n = (
-                min(remaining, budget)
-                if cfg.enable_chunked_prefill
-                else (remaining if remaining <= budget else 0)
-            )
+            chunkable = cfg.enable_chunked_prefill or bool(seq.output_ids)  # recomputes may always chunk
+            n = min(remaining, budget) if chunkable else (remaining if remaining <= budget else 0)
             n = _clip_to_snapshot(seq, n)
             if n > 0:
                 batch.append((seq, n))
@@ -120,12 +121,10 @@ class Scheduler:
         while self.waiting and self.free_slots and budget > 0:
             seq = self.waiting[0]
             remaining = len(seq.all_ids) - seq.num_cached
-            if (
-                self.cached_tokens() + sum(n for _, n in batch) + min(remaining, budget)
-                > cfg.max_cached_tokens
-            ):
-                break
-            if remaining > budget and not cfg.enable_chunked_prefill:
+            if self.reserved_tokens() + len(seq.all_ids) > cfg.max_cached_tokens:
+                break  # its whole prompt must fit, not just the first chunk
+            recompute = bool(seq.output_ids)  # preempted: may be longer than any one step now
+            if remaining > budget and not (cfg.enable_chunked_prefill or recompute):
                 break  # FIFO: wait for a step with room rather than let later requests pass
             self.waiting.popleft()
             seq.slot = self.free_slots.pop()

@@ -19,6 +19,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fp4moe.engine.core import AsyncEngine
 from fp4moe.engine.llm import PromptError
@@ -63,6 +64,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def _api_error(request: Request, exc: APIError):
         return JSONResponse(error_body(exc.message, exc.type, exc.status, exc.param), status_code=exc.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind, exc.status_code), status_code=exc.status_code)
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -88,7 +94,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200)
+        return Response(status_code=200 if engine.alive else 503)
 
     @app.get("/metrics")
     async def prometheus():
@@ -108,6 +114,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 }
             ],
         }
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str):
+        _check_model(model_id)
+        return (await models())["data"][0]
 
     def _check_model(name: str | None) -> None:
         if name and name != config.served_model_name:
@@ -149,31 +160,41 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             text = llm.apply_chat_template(messages, tools=tools, **(req.chat_template_kwargs or {}))
         except Exception as e:  # template errors are the caller's messages
             raise APIError(400, f"cannot apply the chat template: {e}") from None
-        max_tokens = req.max_completion_tokens or req.max_tokens or llm.max_model_len
+        max_tokens = next(
+            (v for v in (req.max_completion_tokens, req.max_tokens) if v is not None), llm.max_model_len
+        )
         top = req.top_logprobs if req.logprobs else None
         try:
             params = req.sampling_params(max_tokens, (top or 0) if req.logprobs else None)
         except ValueError as e:
             raise APIError(400, str(e)) from None
+        opened_think = text.rstrip().endswith("<think>")
+        forced = ""  # a named tool_choice starts the call in the prompt; the model writes its parameters
+        if isinstance(req.tool_choice, dict) and config.tool_call_parser:
+            forced = f"<tool_call>\n<function={req.tool_choice['function']['name']}>\n"
+            text += ("</think>\n\n" if opened_think else "") + forced
+            opened_think = False
         prompt = {"prompt": text, "multi_modal_data": {"image": images}} if images else text
         seqs, queue = await _start(prompt, params)
-        opened_think = text.rstrip().endswith("<think>")
-        make_parsers = lambda: (  # noqa: E731
-            ReasoningParser(opened_think) if config.reasoning_parser else None,
-            ToolCallParser(tools) if tools and config.tool_call_parser else None,
-        )
+
+        def make_parsers():
+            reasoning = ReasoningParser(opened_think) if config.reasoning_parser and not forced else None
+            tool = ToolCallParser(tools) if tools and config.tool_call_parser else None
+            return reasoning, tool, forced
+
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return StreamingResponse(
                 _chat_stream(rid, req, seqs, queue, make_parsers), media_type="text/event-stream"
             )
         try:
-            await _drain(queue, seqs)
+            await _drain(queue, seqs, request)
         finally:
             engine.abort([s for s in seqs if not s.finished])
         choices = []
         for i, seq in enumerate(seqs):
-            reasoning, content, calls = _parse_whole(seq.text, *make_parsers())
+            reasoning_parser, tool_parser, prefix = make_parsers()
+            reasoning, content, calls = _parse_whole(prefix + seq.text, reasoning_parser, tool_parser)
             message = {"role": "assistant", "content": content if (content or not calls) else None}
             if config.reasoning_parser:
                 message["reasoning_content"] = reasoning or None
@@ -202,6 +223,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         index = {id(s): i for i, s in enumerate(seqs)}
         parsers = [make_parsers() for _ in seqs]
         called = [False] * len(seqs)
+        pending = [p[2] for p in parsers]  # a forced tool-call start, parsed with the first delta
 
         def chunk(i, delta, finish=None, logprobs=None):
             body = {
@@ -219,17 +241,22 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             remaining = len(seqs)
             while remaining:
                 out = await queue.get()
+                if out.error:
+                    err = error_body(f"the engine failed this request: {out.error}", "internal_error", 500)
+                    yield f"data: {json.dumps(err)}\n\n"
+                    return
                 i = index[id(out.seq)]
-                texts = [out.delta]
+                texts = [pending[i] + out.delta]
+                pending[i] = ""
                 if out.finished:
                     texts.append(None)  # flush marker
                 for text in texts:
-                    delta = _stream_delta(text, *parsers[i])
+                    delta = _stream_delta(text, *parsers[i][:2])
                     if delta.get("tool_calls"):
                         called[i] = True
                     lp = None
-                    if req.logprobs and text is not None and out.seq.logprobs:
-                        lp = {"content": [_chat_logprob(llm.tokenizer, out.seq.logprobs[-1])]}
+                    if req.logprobs and text is not None and out.logprob is not None:
+                        lp = {"content": [_chat_logprob(llm.tokenizer, out.logprob)]}
                     if delta or lp:
                         yield chunk(i, delta, logprobs=lp)
                 if out.finished:
@@ -253,7 +280,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def completions(req: CompletionRequest, request: Request):
         _check_model(req.model)
         try:
-            params = req.sampling_params(req.max_tokens or llm.max_model_len, req.logprobs)
+            params = req.sampling_params(
+                llm.max_model_len if req.max_tokens is None else req.max_tokens, req.logprobs
+            )
         except ValueError as e:
             raise APIError(400, str(e)) from None
         seqs, queue = await _start(req.prompt, params)
@@ -263,7 +292,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 _completion_stream(rid, req, seqs, queue), media_type="text/event-stream"
             )
         try:
-            await _drain(queue, seqs)
+            await _drain(queue, seqs, request)
         finally:
             engine.abort([s for s in seqs if not s.finished])
         choices = [
@@ -291,11 +320,27 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             remaining = len(seqs)
             while remaining:
                 out = await queue.get()
+                if out.error:
+                    err = error_body(f"the engine failed this request: {out.error}", "internal_error", 500)
+                    yield f"data: {json.dumps(err)}\n\n"
+                    return
+                logprobs = None
+                if req.logprobs is not None and out.logprob is not None:
+                    r = out.logprob
+                    token = llm.tokenizer.decode([r.token_id])
+                    logprobs = {
+                        "tokens": [token],
+                        "token_logprobs": [r.logprob],
+                        "top_logprobs": [
+                            {llm.tokenizer.decode([t]): v for t, v in (r.top_logprobs or {}).items()}
+                        ],
+                        "text_offset": [len(out.seq.text) - len(out.delta)],
+                    }
                 choice = {
                     "index": index[id(out.seq)],
                     "text": out.delta,
                     "finish_reason": out.seq.finish_reason.value if out.finished else None,
-                    "logprobs": None,
+                    "logprobs": logprobs,
                 }
                 remaining -= out.finished
                 body = {
@@ -353,10 +398,18 @@ async def _fetch_images(images: list, max_bytes: int) -> list:
     return out
 
 
-async def _drain(queue: asyncio.Queue, seqs) -> None:
+async def _drain(queue: asyncio.Queue, seqs, request: Request) -> None:
+    """Wait for every sequence to finish; stop early (the caller aborts) if the client goes away."""
     remaining = len(seqs)
     while remaining:
-        out = await queue.get()
+        try:
+            out = await asyncio.wait_for(queue.get(), timeout=0.5)
+        except TimeoutError:
+            if await request.is_disconnected():
+                raise APIError(499, "client disconnected", "client_closed_request") from None
+            continue
+        if out.error:
+            raise APIError(500, f"the engine failed this request: {out.error}", "internal_error")
         remaining -= out.finished
 
 
@@ -409,6 +462,11 @@ def _prepare_messages(
         m = dict(m)
         if isinstance(m.get("content"), list):
             for part in m["content"]:
+                _check(
+                    isinstance(part, dict) and isinstance(part.get("type"), str),
+                    "message content parts must be objects with a type",
+                    "messages",
+                )
                 if part.get("type") == "image_url":
                     url = (
                         part["image_url"]["url"]

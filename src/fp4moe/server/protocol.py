@@ -59,7 +59,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -69,7 +69,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
     max_tokens: int | None = 16
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False
 
 
