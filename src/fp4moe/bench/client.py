@@ -149,7 +149,10 @@ async def _spec_counters(client: httpx.AsyncClient, root: str) -> dict[str, floa
         name = line.split("{")[0].split(" ")[0]
         if line.startswith("#") or not name:
             continue
-        value = float(line.rsplit(" ", 1)[1])
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (ValueError, IndexError):  # not Prometheus text: no counters
+            continue
         for key, names in SPEC_METRICS.items():
             if name in names:
                 out[key] = out.get(key, 0.0) + value
@@ -222,6 +225,9 @@ def summarize(rounds: list[RoundResult]) -> list[dict]:
             "prompt_tokens": statistics.median([q.prompt_tokens for q in reqs]) if reqs else 0,
             "ttft_s_median": statistics.median([q.ttft for q in reqs]) if reqs else float("nan"),
             "ttft_s_p90": _pct([q.ttft for q in reqs], 0.9),
+            "ttft_content_s_median": statistics.median([q.ttft_content or q.ttft for q in reqs])
+            if reqs
+            else float("nan"),
             "prefill_tps_median": statistics.median([q.prompt_tokens / q.ttft for q in reqs if q.ttft])
             if reqs
             else 0,

@@ -14,6 +14,7 @@ COLUMNS = [
     ("decode_tps_per_request_median", "per-request tok/s", "{:.1f}"),
     ("ttft_s_median", "TTFT p50 (s)", "{:.3f}"),
     ("ttft_s_p90", "TTFT p90 (s)", "{:.3f}"),
+    ("ttft_content_s_median", "first text p50 (s)", "{:.3f}"),
     ("prefill_tps_median", "prefill tok/s", "{:.0f}"),
     ("e2e_s_p50", "e2e p50 (s)", "{:.2f}"),
     ("e2e_s_p99", "e2e p99 (s)", "{:.2f}"),
