@@ -332,7 +332,7 @@ def test_api_key_and_full_queue(checkpoints):
         def run():
             try:
                 good.completions.create(
-                    model="tiny", prompt="x", max_tokens=60, extra_body={"ignore_eos": True}
+                    model="tiny", prompt="x", max_tokens=400, extra_body={"ignore_eos": True}
                 )
                 statuses.append(200)
             except openai.RateLimitError:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from fp4moe.engine.llm import LLM
 from fp4moe.engine.prefix_cache import PrefixCache
 from fp4moe.engine.sampler import SamplingParams
-from fp4moe.engine.scheduler import Scheduler, SchedulerConfig
+from fp4moe.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from fp4moe.engine.sequence import Sequence
 
 
@@ -67,8 +67,6 @@ class EngineCore:
 
     def add(self, seqs: list[Sequence]) -> None:
         if len(self.scheduler.waiting) + len(seqs) > self.scheduler.config.max_waiting:
-            from fp4moe.engine.scheduler import QueueFullError
-
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.config.max_waiting} requests)")
         for seq in seqs:
             self.scheduler.check_fits(seq)  # all or none
@@ -143,29 +141,56 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._inbox: deque = deque()  # ("add" | "abort", sequences), appended by the event loop
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="fp4moe-engine", daemon=True)
         self._thread.start()
 
     def submit(self, seqs: list[Sequence]) -> asyncio.Queue:
+        """Queue sequences for the engine without waiting for the current step (a lock-free inbox the engine
+        thread drains); raises QueueFullError / ValueError at once for requests it would refuse."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self.core.add(seqs)  # raises QueueFullError without side effects
-            for seq in seqs:
-                self._queues[id(seq)] = (loop, queue)
+        sched = self.core.scheduler
+        for seq in seqs:
+            sched.check_fits(seq)
+        pending = sum(len(item[1]) for item in list(self._inbox) if item[0] == "add")
+        if len(sched.waiting) + pending + len(seqs) > sched.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({sched.config.max_waiting} requests)")
+        for seq in seqs:
+            self._queues[id(seq)] = (loop, queue)
+        self._inbox.append(("add", seqs))
         self._wake.set()
         return queue
 
     def abort(self, seqs: list[Sequence]) -> None:
-        with self._lock:
-            for seq in seqs:
-                self.core.abort(seq)
-                self._queues.pop(id(seq), None)
+        for seq in seqs:
+            self._queues.pop(id(seq), None)
+        self._inbox.append(("abort", seqs))
+        self._wake.set()
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            kind, seqs = self._inbox.popleft()
+            if kind == "add":
+                try:
+                    self.core.add(seqs)
+                except (QueueFullError, ValueError) as e:  # raced past submit's checks
+                    for seq in seqs:
+                        target = self._queues.pop(id(seq), None)
+                        if target is not None:
+                            loop, queue = target
+                            loop.call_soon_threadsafe(
+                                queue.put_nowait, StepOutput(seq, -1, "", True, error=str(e))
+                            )
+            else:
+                for seq in seqs:
+                    self.core.abort(seq)
 
     def _loop(self) -> None:
         while not self._stop:
             with self._lock:
+                self._drain_inbox()
                 busy = self.core.scheduler.has_work()
                 try:
                     outputs = self.core.step() if busy else []
