@@ -198,6 +198,12 @@ def _add_generate(sub) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="draft this many tokens per step with the checkpoint's MTP head and verify them (0 = off)",
+    )
+    p.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "bfloat16", "float16", "float32"],
@@ -508,6 +514,7 @@ def cmd_generate(args) -> int:
         hf_overrides=overrides,
         limit_mm_per_prompt={"image": args.limit_mm_per_prompt},
         max_model_len=args.max_model_len,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     if args.image and "<|image_pad|>" not in args.prompt:
         content = [

@@ -48,6 +48,12 @@ class KVCache:
             return (k.float() * ks).to(dtype), (v.float() * vs).to(dtype)
         return k, v
 
+    def truncate(self, layer: int, slot: int, length: int) -> None:
+        """Keep the first ``length`` tokens of a slot's cache at one layer (speculative-decoding rollback)."""
+        entry = self._kv.get((layer, slot))
+        if entry is not None:
+            self._kv[(layer, slot)] = (entry[0][:length], entry[1][:length])
+
     def length(self, layer: int, slot: int) -> int:
         kv = self._kv.get((layer, slot))
         return 0 if kv is None else kv[0].shape[0]
@@ -88,3 +94,12 @@ class DeltaNetStates:
     def free(self, slot: int) -> None:
         for key in [k for k in self._states if k[1] == slot]:
             del self._states[key]
+
+    def snapshot(self, slot: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's state of one slot (tensors are replaced, never written in place, so no copy)."""
+        return {key[0]: value for key, value in self._states.items() if key[1] == slot}
+
+    def restore(self, slot: int, snapshot: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.free(slot)
+        for layer, value in snapshot.items():
+            self._states[(layer, slot)] = value

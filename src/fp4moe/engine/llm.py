@@ -51,6 +51,7 @@ class LLM:
         max_model_len: int | None = None,
         limit_mm_per_prompt: dict[str, int] | None = None,
         kv_cache_dtype: str = "auto",
+        num_speculative_tokens: int = 0,
     ):
         self.path = Path(model)
         self.device = torch.device(device)
@@ -76,6 +77,11 @@ class LLM:
         self.runner = ModelRunner(
             self.model, int(image_token) if image_token is not None else None, self.device, kv_cache_dtype
         )
+        self.speculator = None
+        if num_speculative_tokens:
+            from fp4moe.engine.spec_decode import MTPSpeculator
+
+            self.speculator = MTPSpeculator(self, num_speculative_tokens)
         self.eos_ids = self._eos_ids()
         self._seq_ids = itertools.count()
 
@@ -182,12 +188,27 @@ class LLM:
         if not seq.finished and len(seq.all_ids) >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH  # the context is full
 
+    def _spec_step(self, seqs: list[Sequence], kv: KVCache, states: DeltaNetStates) -> None:
+        spec = self.speculator
+        fresh = [s for s in seqs if s.num_cached == 0]
+        if fresh:
+            spec.prefill(fresh, kv, states)
+        for seq in seqs:
+            if seq in fresh:
+                continue
+            if len(seq.all_ids) + spec.k + 1 < self.max_model_len:
+                spec.step(seq, kv, states)
+            else:
+                spec.plain_step(seq, kv, states)
+            if not seq.finished and len(seq.all_ids) >= self.max_model_len:
+                seq.finish_reason = FinishReason.LENGTH
+
     def _run(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
         """Advance all sequences to completion, yielding the ones that got a token after each step."""
         kv, states = self._new_states()
         active = list(seqs)
         while active:
-            self._step(active, kv, states)
+            (self._spec_step if self.speculator is not None else self._step)(active, kv, states)
             yield active
             for seq in active:
                 if seq.finished:

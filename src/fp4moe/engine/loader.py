@@ -121,6 +121,11 @@ def load_model(
         dtype = getattr(torch, dtype)
     with torch.device("meta"):
         model = Qwen3_5MoeModel(args)
+        has_mtp = any(n.startswith("mtp.fc.") for n in reader.names())
+        if has_mtp:
+            from fp4moe.layers.mtp import MTPHead
+
+            model.mtp = MTPHead(args)
     if fmt is not None:
         for layer in model.layers:
             layer.mlp.experts.use_nvfp4()
@@ -143,6 +148,14 @@ def load_model(
     skip = {f"{m}.{sfx}" for _, (f, m) in quantized.items() for sfx in SUFFIXES[f]}
     for name in reader.names():
         role = arch.classify(name)
+        if role is arch.Role.MTP and has_mtp:
+            if name.startswith("mtp.layers.0."):
+                rest = name[len("mtp.layers.0.") :]
+                if not rest.startswith("mlp.experts."):
+                    state[f"mtp.layer.{_RENAMES.get(rest, rest)}"] = get(name)
+            else:
+                state[name] = get(name)
+            continue
         if role in (arch.Role.VISION, arch.Role.MTP, arch.Role.ROUTED_EXPERT) or name in skip:
             continue
         if name == f"{prefix}embed_tokens.weight":
@@ -161,6 +174,9 @@ def load_model(
     for idx in range(args.num_layers):
         for k, v in _experts_state(reader, fmt, f"{prefix}layers.{idx}.mlp.experts.", args, dtype).items():
             state[f"layers.{idx}.{k}"] = v.to(device)
+    if has_mtp:  # bf16 MTP experts, fused (Qwen3.6) or per-expert (Qwen3.5)
+        for k, v in _experts_state(reader, None, "mtp.layers.0.mlp.experts.", args, dtype).items():
+            state[f"mtp.layer.{k}"] = v.to(device)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise CheckpointError(f"{path}: tensors missing {missing[:5]} / unexpected {unexpected[:5]}")

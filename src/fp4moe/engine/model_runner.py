@@ -54,11 +54,9 @@ class ModelRunner:
         return embeds
 
     @torch.no_grad()
-    def run(
-        self, batch: list[tuple[Sequence, int]], kv: KVCache, states: DeltaNetStates
-    ) -> list[tuple[Sequence, torch.Tensor]]:
-        """Forward ``n`` uncached tokens of each (sequence, n); advances ``num_cached``; returns
-        (sequence, logits [V] on the CPU) for every sequence that now has all its tokens cached."""
+    def forward(self, batch: list[tuple[Sequence, int]], kv: KVCache, states: DeltaNetStates):
+        """Hidden states [T, H] of ``n`` uncached tokens of each (sequence, n), and each one's span in T.
+        Caches are updated; ``num_cached`` is left to the caller."""
         chunks = [seq.all_ids[seq.num_cached : seq.num_cached + n] for seq, n in batch]
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
         positions = torch.cat(
@@ -75,6 +73,15 @@ class ModelRunner:
         hidden = self.model(
             ids, positions.to(self.device), ctx, inputs_embeds=self._embeds(ids, batch, spans)
         )
+        return hidden, spans
+
+    @torch.no_grad()
+    def run(
+        self, batch: list[tuple[Sequence, int]], kv: KVCache, states: DeltaNetStates
+    ) -> list[tuple[Sequence, torch.Tensor]]:
+        """Forward ``n`` uncached tokens of each (sequence, n); advances ``num_cached``; returns
+        (sequence, logits [V] on the CPU) for every sequence that now has all its tokens cached."""
+        hidden, spans = self.forward(batch, kv, states)
         done = []
         for (seq, n), (_, end) in zip(batch, spans, strict=True):
             seq.num_cached += n

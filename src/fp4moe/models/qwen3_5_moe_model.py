@@ -114,6 +114,7 @@ class Qwen3_5MoeModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.eps)
         self.lm_head = Linear(args.hidden_size, args.vocab_size)
         self.rotary: Rotary | None = None
+        self.mtp = None  # an MTPHead when the checkpoint has mtp.* tensors (set by the loader)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens[input_ids]

@@ -1,0 +1,174 @@
+"""MTP speculative decoding on the reference engine: draft k tokens with the checkpoint's MTP head, verify
+all k+1 positions in one target forward, keep the longest agreeing prefix plus one token from the target.
+
+Greedy: a draft is accepted when it equals the token the target would pick (penalties included), so the
+output is identical to plain decoding. Sampling: standard speculative rejection sampling (accept draft d
+with probability min(1, p(d)/q(d)), else resample from max(0, p - q)), so the output distribution is the
+target's. Rollback is by recompute: the Gated DeltaNet states of the verified slot are put back and the
+accepted tokens are run again (attention caches are just truncated). The MTP head keeps its own KV cache
+over the (token, target hidden) pairs of every accepted position, caught up before each draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fp4moe.engine.context import StepContext
+from fp4moe.engine.sampler import SampleResult, SamplingParams, apply_penalties, filter_logits, sample
+from fp4moe.engine.sequence import Sequence
+
+
+@dataclass
+class SpecStats:
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.accepted / self.drafts if self.drafts else 1.0
+
+
+def _probs(logits: torch.Tensor, seq: Sequence, history: list[int]) -> torch.Tensor:
+    """The distribution the sampler draws from, for a sequence whose output so far is ``history``."""
+    processed = apply_penalties(logits.float().clone(), seq.prompt_ids, history, seq.params)
+    return filter_logits(processed, seq.params).softmax(-1)
+
+
+def _result(token: int, raw_logits: torch.Tensor, params: SamplingParams) -> SampleResult:
+    if params.logprobs is None:
+        return SampleResult(token)
+    lp = raw_logits.float().log_softmax(-1)
+    top = torch.topk(lp, params.logprobs) if params.logprobs else None
+    tops = {int(i): float(v) for v, i in zip(top.values, top.indices, strict=True)} if top is not None else {}
+    return SampleResult(token, float(lp[token]), tops)
+
+
+class MTPSpeculator:
+    def __init__(self, llm, num_speculative_tokens: int, drafter=None):
+        if llm.model.mtp is None:
+            raise ValueError(f"{llm.path} has no MTP head (no mtp.* tensors): use num_speculative_tokens=0")
+        if num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1 for speculative decoding")
+        self.llm, self.model, self.k = llm, llm.model, num_speculative_tokens
+        self.drafter = drafter or self._mtp_drafts  # tests may force acceptance or rejection
+        self.stats = SpecStats(accepted_per_position=[0] * num_speculative_tokens)
+
+    def _positions(self, seq: Sequence, start: int, n: int) -> torch.Tensor:
+        return torch.arange(start, start + n).expand(3, -1) + seq.rope_delta
+
+    @torch.no_grad()
+    def prefill(self, seqs: list[Sequence], kv, states) -> None:
+        """Target prefill of every prompt (flat), keeping all hidden states for the MTP head."""
+        runner = self.llm.runner
+        batch = [(s, len(s.all_ids) - s.num_cached) for s in seqs]
+        hidden, spans = runner.forward(batch, kv, states)
+        for (seq, n), (start, end) in zip(batch, spans, strict=True):
+            seq.num_cached += n
+            seq.hidden_tail, seq.mtp_cached = hidden[start:end], 0
+            self.llm.sample_into(seq, self.model.compute_logits(hidden[end - 1 : end])[0].cpu())
+
+    def _mtp_drafts(self, seq: Sequence, kv, states) -> tuple[list[int], list[torch.Tensor]]:
+        """Catch the MTP head up on the accepted positions, then draft k tokens; returns drafts and the
+        draft logits each was chosen from. The draft entries of the MTP cache are dropped afterwards."""
+        mtp, layer = self.model.mtp, self.model.mtp.layer_id
+        p = len(seq.all_ids) - 1  # position of the pending (sampled, uncached) token
+        ids = torch.tensor(seq.all_ids[seq.mtp_cached + 1 : p + 1], device=self.llm.device)
+        ctx = StepContext([len(ids)], [seq.mtp_cached], [seq.slot], kv, states)
+        h = mtp(
+            self.model,
+            ids,
+            seq.hidden_tail,
+            self._positions(seq, seq.mtp_cached + 1, len(ids)).to(self.llm.device),
+            ctx,
+        )
+        seq.mtp_cached = p
+        drafts, logits = [], []
+        history = list(seq.output_ids)
+        for j in range(self.k):
+            row = self.model.compute_logits(h[-1:])[0].cpu()
+            token = sample(row, seq.prompt_ids, history, seq.params, seq.generator).token_id
+            drafts.append(token)
+            logits.append(row)
+            history.append(token)
+            if j + 1 < self.k:  # feed the draft with the head's own hidden state
+                ctx = StepContext([1], [p + j], [seq.slot], kv, states)
+                ids = torch.tensor([token], device=self.llm.device)
+                h = mtp(self.model, ids, h[-1:], self._positions(seq, p + j + 1, 1).to(self.llm.device), ctx)
+        kv.truncate(layer, seq.slot, p)
+        return drafts, logits
+
+    def _verify(
+        self, seq: Sequence, drafts: list[int], draft_logits: list[torch.Tensor], target: torch.Tensor
+    ) -> list[int]:
+        """Tokens to append: the accepted drafts and one token from the target."""
+        history = list(seq.output_ids)
+        out = []
+        for j, d in enumerate(drafts):
+            if seq.params.greedy:
+                choice = sample(target[j], seq.prompt_ids, history, seq.params, None).token_id
+                if choice != d:
+                    return out + [choice]
+            else:
+                p = _probs(target[j], seq, history)
+                q = _probs(draft_logits[j], seq, history)
+                u = torch.rand((), generator=seq.generator)
+                if u * q[d] > p[d]:  # reject: resample from the residual
+                    residual = torch.clamp(p - q, min=0)
+                    residual = residual / residual.sum() if residual.sum() > 0 else p
+                    return out + [int(torch.multinomial(residual, 1, generator=seq.generator))]
+            out.append(d)
+            history.append(d)
+        bonus = sample(target[len(drafts)], seq.prompt_ids, history, seq.params, seq.generator).token_id
+        return out + [bonus]
+
+    @torch.no_grad()
+    def step(self, seq: Sequence, kv, states) -> int:
+        """One draft-and-verify round for a decoding sequence; returns the tokens it appended."""
+        model, device = self.model, self.llm.device
+        seq.delta = ""
+        p = len(seq.all_ids) - 1
+        drafts, draft_logits = self.drafter(seq, kv, states)
+        snapshot = states.snapshot(seq.slot)
+        tokens = [seq.all_ids[-1], *drafts]
+        ctx = StepContext([len(tokens)], [p], [seq.slot], kv, states)
+        hidden = model(
+            torch.tensor(tokens, device=device), self._positions(seq, p, len(tokens)).to(device), ctx
+        )
+        target = model.compute_logits(hidden).cpu()  # [k+1, V]
+        new = self._verify(seq, drafts, draft_logits, target)
+        accepted = len(new) - 1
+        self.stats.drafts += 1
+        self.stats.draft_tokens += len(drafts)
+        self.stats.accepted += accepted
+        for j in range(accepted):
+            self.stats.accepted_per_position[j] += 1
+        if accepted < len(drafts):  # roll back: restore DeltaNet states, drop the KV, recompute the kept part
+            states.restore(seq.slot, snapshot)
+            for layer in range(model.args.num_layers):
+                kv.truncate(layer, seq.slot, p)
+            ctx = StepContext([accepted + 1], [p], [seq.slot], kv, states)
+            kept = torch.tensor(tokens[: accepted + 1], device=device)
+            hidden = model(kept, self._positions(seq, p, accepted + 1).to(device), ctx)
+        seq.num_cached = p + accepted + 1
+        seq.hidden_tail = hidden[: accepted + 1]
+        for j, token in enumerate(new):
+            seq.delta += seq.append(_result(token, target[j], seq.params), self.llm.tokenizer)
+            if seq.finished:
+                break
+        return len(new)
+
+    @torch.no_grad()
+    def plain_step(self, seq: Sequence, kv, states) -> None:
+        """One ordinary decode step (near the end of the context), keeping the MTP head's inputs."""
+        hidden, _ = self.llm.runner.forward([(seq, 1)], kv, states)
+        seq.num_cached += 1
+        seq.hidden_tail = torch.cat([seq.hidden_tail, hidden])
+        self.llm.sample_into(seq, self.model.compute_logits(hidden)[0].cpu())
