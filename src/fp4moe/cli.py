@@ -288,6 +288,12 @@ def _add_serve(sub) -> None:
         help="with --device cuda: share of GPU memory for weights + caches; sizes the KV budget (default 0.9)",
     )
     p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="MTP speculative decoding: draft this many tokens per step and verify them (0 = off)",
+    )
+    p.add_argument(
         "--prefix-cache-entries", type=int, default=64, help="prefix snapshots kept, LRU (default 64)"
     )
     p.add_argument(
@@ -637,6 +643,7 @@ def cmd_serve(args) -> int:
         max_model_len=args.max_model_len,
         limit_mm_per_prompt=limits,
         kv_cache_dtype=args.kv_cache_dtype,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     from fp4moe.engine.prefix_cache import PrefixCache
 

@@ -116,3 +116,24 @@ def test_no_mtp_head_is_a_clear_error(checkpoints):
     with pytest.raises(ValueError, match="has no MTP head"):
         LLM(path, num_speculative_tokens=2)
     assert isinstance(MTPSpeculator, type)
+
+
+def test_continuous_batching_with_speculation_matches_sequential(path, reference):
+    from fp4moe.engine.core import EngineCore
+    from fp4moe.engine.scheduler import SchedulerConfig
+
+    for drafter in ("mtp", "oracle"):
+        llm = LLM(path, dtype="float32", num_speculative_tokens=2)
+        if drafter == "oracle":
+            llm.speculator.drafter = _oracle(llm, reference)
+        core = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16))
+        seqs = [core.make_sequences(p, GREEDY)[0] for p in PROMPTS]
+        core.add(seqs)
+        for _ in range(200):
+            if all(s.finished for s in seqs):
+                break
+            core.step()
+        assert [s.output_ids for s in seqs] == reference, drafter
+        assert core.kv._kv == {} and core.states._states == {}
+        if drafter == "oracle":
+            assert llm.speculator.stats.accepted > 0 and core.stats.steps < 40  # several tokens per step

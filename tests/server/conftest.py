@@ -43,8 +43,12 @@ class RunningServer:
         return total
 
 
-def start_server(path, api_key=None, prefix_cache=None, allowed_media_domains=(), **sched) -> RunningServer:
-    llm = LLM(path, dtype="float32", limit_mm_per_prompt={"image": 2})
+def start_server(
+    path, api_key=None, prefix_cache=None, allowed_media_domains=(), num_speculative_tokens=0, **sched
+) -> RunningServer:
+    llm = LLM(
+        path, dtype="float32", limit_mm_per_prompt={"image": 2}, num_speculative_tokens=num_speculative_tokens
+    )
     scheduler = SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 256, **sched})
     engine = AsyncEngine(EngineCore(llm, scheduler, prefix_cache=prefix_cache))
     config = ServerConfig(

@@ -271,3 +271,46 @@ def test_bench_reads_vllm_spec_decode_counters():
     row = summarize([RoundResult(16, 8, 0, 1, [ok], 1.0, spec)])[0]
     assert row["spec_acceptance_rate"] == 0.75 and row["spec_mean_acceptance_length"] == 2.5
     assert row["spec_acceptance_per_position"] == [0.9, 0.6]
+
+
+def test_server_with_mtp_reports_spec_decode_and_bench_reads_it(checkpoints, tmp_path, capsys):
+    from conftest import start_server
+    from fp4moe.models.tiny import CheckpointLayout
+
+    srv = start_server(checkpoints.bf16(CheckpointLayout.QWEN3_6), num_speculative_tokens=2)
+    try:
+        r = httpx.post(
+            f"{srv.base_url}/completions",
+            json={"prompt": "hi", "max_tokens": 8, "ignore_eos": True, "temperature": 0},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        assert srv.metric("fp4moe:spec_decode_num_drafts_total") > 0
+        assert srv.metric("fp4moe:spec_decode_num_draft_tokens_total") == 2 * srv.metric(
+            "fp4moe:spec_decode_num_drafts_total"
+        )
+        assert (
+            main(
+                [
+                    "bench",
+                    "--base-url",
+                    srv.base_url,
+                    "--pp",
+                    "16",
+                    "--tg",
+                    "4",
+                    "--concurrency",
+                    "1",
+                    "--runs",
+                    "1",
+                    "--out",
+                    str(tmp_path),
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
+        row = json.loads((tmp_path / "bench.json").read_text())["summary"][0]
+        assert "spec_acceptance_rate" in row and "spec_acceptance_per_position" in row
+    finally:
+        srv.stop()

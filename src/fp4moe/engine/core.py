@@ -14,6 +14,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from fp4moe.engine.llm import LLM
 from fp4moe.engine.prefix_cache import PrefixCache
 from fp4moe.engine.sampler import SamplingParams
@@ -92,6 +94,9 @@ class EngineCore:
         if boundary > seq.num_cached and not pc.contains(seq.prompt_ids, boundary):
             seq.stop_at = boundary
 
+    def _spec_batch(self, batch) -> list[Sequence]:
+        return run_spec_batch(self, batch)
+
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule(self._release, self._on_admit)
         outputs = [
@@ -102,7 +107,12 @@ class EngineCore:
         if not batch:
             return outputs
         self.stats.steps += 1
-        results = self.llm.runner.run(batch, self.kv, self.states)
+        spec = self.llm.speculator
+        if spec is None:
+            results = self.llm.runner.run(batch, self.kv, self.states)
+            progressed = [seq for seq, _ in results]
+        else:
+            results, progressed = [], self._spec_batch(batch)
         if self.prefix_cache is not None:
             for seq, _ in batch:
                 if getattr(seq, "stop_at", 0) and seq.num_cached == seq.stop_at:
@@ -117,13 +127,14 @@ class EngineCore:
                     seq.stop_at = 0
         for seq, logits in results:
             self.llm.sample_into(seq, logits)
+        for seq in progressed:
             now = time.monotonic()
             if seq.last_token_time is None:
                 self.stats.ttft.append(now - seq.arrival)
             else:
                 self.stats.itl.append(now - seq.last_token_time)
             seq.last_token_time = now
-            self.stats.generation_tokens += 1
+            self.stats.generation_tokens += getattr(seq, "new_tokens", 1)
             lp = seq.logprobs[-1] if seq.params.logprobs is not None and seq.logprobs else None
             outputs.append(StepOutput(seq, seq.output_ids[-1], seq.delta, seq.finished, lp))
             if seq.finished:
@@ -131,6 +142,41 @@ class EngineCore:
                 self.stats.finished_requests += 1
                 self.stats.e2e.append(now - seq.arrival)
         return outputs
+
+
+def run_spec_batch(core: EngineCore, batch) -> list[Sequence]:
+    """Run a scheduled batch with MTP speculative decoding: prefill chunks in one flat forward (their hidden
+    states kept for the MTP head), then a draft-and-verify round for every decoding sequence."""
+    spec, llm = core.llm.speculator, core.llm
+    decoding = [
+        s
+        for s, n in batch
+        if n == 1 and s.num_cached == len(s.all_ids) - 1 and getattr(s, "hidden_tail", None) is not None
+    ]
+    prefill = [(s, n) for s, n in batch if s not in decoding]
+    progressed = []
+    if prefill:
+        hidden, spans = llm.runner.forward(prefill, core.kv, core.states)
+        for (seq, n), (start, end) in zip(prefill, spans, strict=True):
+            if seq.num_cached == 0 or getattr(seq, "hidden_tail", None) is None:
+                # fresh (or restored from a prefix snapshot: the MTP head starts after the restored part)
+                seq.hidden_tail, seq.mtp_cached = hidden[start:end][:0], seq.num_cached
+            seq.hidden_tail = torch.cat([seq.hidden_tail, hidden[start:end]])
+            seq.num_cached += n
+            if seq.num_cached == len(seq.all_ids):
+                llm.sample_into(seq, llm.model.compute_logits(hidden[end - 1 : end])[0].cpu())
+                seq.new_tokens = 1
+                progressed.append(seq)
+    for seq in decoding:
+        if len(seq.all_ids) + spec.k + 1 < llm.max_model_len:
+            before = len(seq.output_ids)
+            spec.step(seq, core.kv, core.states)
+            seq.new_tokens = len(seq.output_ids) - before
+        else:
+            spec.plain_step(seq, core.kv, core.states)
+            seq.new_tokens = 1
+        progressed.append(seq)
+    return progressed
 
 
 class AsyncEngine:

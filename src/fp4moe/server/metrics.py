@@ -55,6 +55,21 @@ class Metrics:
         self.prefix_hits = Counter(
             "fp4moe:prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels, registry=r
         )
+        self.spec = {
+            key: Counter(f"fp4moe:spec_decode_num_{key}", help_, labels, registry=r)
+            for key, help_ in (
+                ("drafts", "Draft-and-verify rounds."),
+                ("draft_tokens", "Tokens drafted by the MTP head."),
+                ("accepted_tokens", "Drafted tokens the target accepted."),
+            )
+        }
+        self.spec_per_pos = Counter(
+            "fp4moe:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafts by position in the draft.",
+            [*labels, "position"],
+            registry=r,
+        )
+        self._spec_seen: dict[str, int] = {}
         self.ttft = Histogram(
             "fp4moe:time_to_first_token_seconds",
             "Time to first token.",
@@ -100,6 +115,21 @@ class Metrics:
             ):
                 counter.labels(m).inc(value - self._seen[key])
                 self._seen[key] = value
+            spec = core.llm.speculator
+            if spec is not None:
+                values = {
+                    "drafts": spec.stats.drafts,
+                    "draft_tokens": spec.stats.draft_tokens,
+                    "accepted_tokens": spec.stats.accepted,
+                }
+                values |= {f"pos{i}": v for i, v in enumerate(spec.stats.accepted_per_position)}
+                for key, value in values.items():
+                    delta = value - self._spec_seen.get(key, 0)
+                    self._spec_seen[key] = value
+                    if key.startswith("pos"):
+                        self.spec_per_pos.labels(m, key[3:]).inc(delta)
+                    else:
+                        self.spec[key].labels(m).inc(delta)
             for hist, samples in ((self.ttft, stats.ttft), (self.itl, stats.itl), (self.e2e, stats.e2e)):
                 for v in samples:
                     hist.labels(m).observe(v)
