@@ -137,3 +137,34 @@ def test_continuous_batching_with_speculation_matches_sequential(path, reference
         assert core.kv._kv == {} and core.states._states == {}
         if drafter == "oracle":
             assert llm.speculator.stats.accepted > 0 and core.stats.steps < 40  # several tokens per step
+
+
+def test_speculation_with_prefix_caching_and_fp8_kv(path, reference):
+    from fp4moe.engine.core import EngineCore
+    from fp4moe.engine.prefix_cache import PrefixCache
+    from fp4moe.engine.scheduler import SchedulerConfig
+
+    def serve(llm, prompts, prefix_cache=None):
+        core = EngineCore(
+            llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32), prefix_cache=prefix_cache
+        )
+        outs = []
+        for prompt in prompts:  # one after the other, so later ones can hit the prefix cache
+            seq = core.make_sequences(prompt, GREEDY)[0]
+            core.add([seq])
+            while not seq.finished:
+                core.step()
+            outs.append(seq.output_ids)
+        return outs, core
+
+    llm = LLM(path, dtype="float32", num_speculative_tokens=2)
+    llm.speculator.drafter = _oracle(llm, reference)
+    pc = PrefixCache(block_size=8)
+    outs, _ = serve(llm, [PROMPTS[1], PROMPTS[1], PROMPTS[0]], pc)
+    assert outs == [reference[1], reference[1], reference[0]] and pc.hits > 0
+    fp8_plain = [
+        o.outputs[0].token_ids
+        for o in LLM(path, dtype="float32", kv_cache_dtype="fp8").generate(PROMPTS, GREEDY)
+    ]
+    fp8_spec = LLM(path, dtype="float32", kv_cache_dtype="fp8", num_speculative_tokens=2)
+    assert [o.outputs[0].token_ids for o in fp8_spec.generate(PROMPTS, GREEDY)] == fp8_plain
