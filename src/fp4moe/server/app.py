@@ -263,15 +263,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                     remaining -= 1
                     yield chunk(i, {}, "tool_calls" if called[i] else out.seq.finish_reason.value)
             if req.stream_options and req.stream_options.include_usage:
-                body = {
-                    "id": rid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": _usage(seqs),
-                }
-                yield f"data: {json.dumps(body)}\n\n"
+                yield _usage_event(rid, "chat.completion.chunk", created, model, seqs)
             yield "data: [DONE]\n\n"
         finally:  # client gone (the task is cancelled) or done: free whatever is left
             engine.abort([s for s in seqs if not s.finished])
@@ -352,15 +344,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 }
                 yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
             if req.stream_options and req.stream_options.include_usage:
-                body = {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": _usage(seqs),
-                }
-                yield f"data: {json.dumps(body)}\n\n"
+                yield _usage_event(rid, "text_completion", created, model, seqs)
             yield "data: [DONE]\n\n"
         finally:
             engine.abort([s for s in seqs if not s.finished])
@@ -411,6 +395,19 @@ async def _drain(queue: asyncio.Queue, seqs, request: Request) -> None:
         if out.error:
             raise APIError(500, f"the engine failed this request: {out.error}", "internal_error")
         remaining -= out.finished
+
+
+def _usage_event(rid: str, obj: str, created: int, model: str, seqs) -> str:
+    """The final stream event carrying ``usage`` (stream_options.include_usage)."""
+    body = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": _usage(seqs),
+    }
+    return f"data: {json.dumps(body)}\n\n"
 
 
 def _usage(seqs) -> dict:
