@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from fixtures import no_eos
-from fp4moe.engine.cache import DeltaNetStates, KVCache
 from fp4moe.engine.context import StepContext
 from fp4moe.engine.llm import LLM
 from fp4moe.engine.loader import load_model
+from fp4moe.engine.model_runner import ModelRunner
 from fp4moe.engine.sampler import SamplingParams
 from fp4moe.models.tiny import CheckpointLayout
 from fp4moe.quantize.dequant import dequantized_state_dict
@@ -19,21 +19,8 @@ ATOL = 1e-4
 LENGTHS = (5, 100, 17)  # 100 > the Gated DeltaNet chunk of 64
 
 
-def _states(model):
-    a = model.args
-    conv = (
-        2 * a.linear_num_key_heads * a.linear_key_head_dim
-        + a.linear_num_value_heads * a.linear_value_head_dim
-    )
-    return DeltaNetStates(
-        conv,
-        a.conv_kernel,
-        a.linear_num_value_heads,
-        a.linear_key_head_dim,
-        a.linear_value_head_dim,
-        model.embed_tokens.dtype,
-        torch.device("cpu"),
-    )
+def _caches(model):
+    return ModelRunner(model, None, torch.device("cpu")).new_caches()
 
 
 def _prompts(seed=0, lengths=LENGTHS):
@@ -46,7 +33,7 @@ def _flat_prefill(model, prompts):
     ids = torch.cat(prompts)
     pos = torch.cat([torch.arange(len(p)) for p in prompts])
     ctx = StepContext(
-        [len(p) for p in prompts], [0] * len(prompts), list(range(len(prompts))), KVCache(), _states(model)
+        [len(p) for p in prompts], [0] * len(prompts), list(range(len(prompts))), *_caches(model)
     )
     return model.compute_logits(model(ids, pos, ctx)), ctx
 

@@ -122,9 +122,14 @@ def sample(
     else:
         probs = filter_logits(processed, p).softmax(-1)
         token = int(torch.multinomial(probs, 1, generator=generator))
+    return sample_result(token, raw, p)
+
+
+def sample_result(token: int, raw_logits: torch.Tensor, p: SamplingParams) -> SampleResult:
+    """The chosen token with its raw-model logprob and the top ``p.logprobs`` (when asked for)."""
     if p.logprobs is None:
         return SampleResult(token)
-    logprobs = raw.log_softmax(-1)
+    logprobs = raw_logits.float().log_softmax(-1)
     top = torch.topk(logprobs, p.logprobs) if p.logprobs else None
     top_dict = (
         {int(i): float(v) for v, i in zip(top.values, top.indices, strict=True)} if top is not None else {}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp4moe.engine.context import StepContext
-from fp4moe.engine.sampler import SampleResult, SamplingParams, apply_penalties, filter_logits, sample
+from fp4moe.engine.sampler import apply_penalties, filter_logits, sample, sample_result
 from fp4moe.engine.sequence import Sequence
 
 
@@ -42,15 +42,6 @@ def _probs(logits: torch.Tensor, seq: Sequence, history: list[int]) -> torch.Ten
     return filter_logits(processed, seq.params).softmax(-1)
 
 
-def _result(token: int, raw_logits: torch.Tensor, params: SamplingParams) -> SampleResult:
-    if params.logprobs is None:
-        return SampleResult(token)
-    lp = raw_logits.float().log_softmax(-1)
-    top = torch.topk(lp, params.logprobs) if params.logprobs else None
-    tops = {int(i): float(v) for v, i in zip(top.values, top.indices, strict=True)} if top is not None else {}
-    return SampleResult(token, float(lp[token]), tops)
-
-
 class MTPSpeculator:
     def __init__(self, llm, num_speculative_tokens: int, drafter=None):
         if llm.model.mtp is None:
@@ -60,9 +51,6 @@ class MTPSpeculator:
         self.llm, self.model, self.k = llm, llm.model, num_speculative_tokens
         self.drafter = drafter or self._mtp_drafts  # tests may force acceptance or rejection
         self.stats = SpecStats(accepted_per_position=[0] * num_speculative_tokens)
-
-    def _positions(self, seq: Sequence, start: int, n: int) -> torch.Tensor:
-        return torch.arange(start, start + n).expand(3, -1) + seq.rope_delta
 
     @torch.no_grad()
     def prefill(self, seqs: list[Sequence], kv, states) -> None:
@@ -86,7 +74,7 @@ class MTPSpeculator:
             self.model,
             ids,
             seq.hidden_tail,
-            self._positions(seq, seq.mtp_cached + 1, len(ids)).to(self.llm.device),
+            seq.positions(seq.mtp_cached + 1, seq.mtp_cached + 1 + len(ids)).to(self.llm.device),
             ctx,
         )
         seq.mtp_cached = p
@@ -101,7 +89,7 @@ class MTPSpeculator:
             if j + 1 < self.k:  # feed the draft with the head's own hidden state
                 ctx = StepContext([1], [p + j], [seq.slot], kv, states)
                 ids = torch.tensor([token], device=self.llm.device)
-                h = mtp(self.model, ids, h[-1:], self._positions(seq, p + j + 1, 1).to(self.llm.device), ctx)
+                h = mtp(self.model, ids, h[-1:], seq.positions(p + j + 1, p + j + 2).to(self.llm.device), ctx)
         kv.truncate(layer, seq.slot, p)
         return drafts, logits
 
@@ -139,9 +127,7 @@ class MTPSpeculator:
         snapshot = states.snapshot(seq.slot)
         tokens = [seq.all_ids[-1], *drafts]
         ctx = StepContext([len(tokens)], [p], [seq.slot], kv, states)
-        hidden = model(
-            torch.tensor(tokens, device=device), self._positions(seq, p, len(tokens)).to(device), ctx
-        )
+        hidden = model(torch.tensor(tokens, device=device), seq.positions(p, p + len(tokens)).to(device), ctx)
         target = model.compute_logits(hidden).cpu()  # [k+1, V]
         new = self._verify(seq, drafts, draft_logits, target)
         accepted = len(new) - 1
@@ -156,11 +142,11 @@ class MTPSpeculator:
                 kv.truncate(layer, seq.slot, p)
             ctx = StepContext([accepted + 1], [p], [seq.slot], kv, states)
             kept = torch.tensor(tokens[: accepted + 1], device=device)
-            hidden = model(kept, self._positions(seq, p, accepted + 1).to(device), ctx)
+            hidden = model(kept, seq.positions(p, p + accepted + 1).to(device), ctx)
         seq.num_cached = p + accepted + 1
         seq.hidden_tail = hidden[: accepted + 1]
         for j, token in enumerate(new):
-            seq.delta += seq.append(_result(token, target[j], seq.params), self.llm.tokenizer)
+            seq.delta += seq.append(sample_result(token, target[j], seq.params), self.llm.tokenizer)
             if seq.finished:
                 break
         return len(new)

@@ -27,7 +27,7 @@ from fp4moe.engine.multimodal import ImageError
 from fp4moe.engine.scheduler import QueueFullError
 from fp4moe.server.metrics import Metrics
 from fp4moe.server.parsers.reasoning import ReasoningParser
-from fp4moe.server.parsers.tool_calls import ToolCallParser
+from fp4moe.server.parsers.tool_calls import ToolCallParser, openai_tool_calls
 from fp4moe.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 
@@ -242,8 +242,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             while remaining:
                 out = await queue.get()
                 if out.error:
-                    err = error_body(f"the engine failed this request: {out.error}", "internal_error", 500)
-                    yield f"data: {json.dumps(err)}\n\n"
+                    yield _error_event(out.error)
                     return
                 i = index[id(out.seq)]
                 texts = [pending[i] + out.delta]
@@ -313,8 +312,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             while remaining:
                 out = await queue.get()
                 if out.error:
-                    err = error_body(f"the engine failed this request: {out.error}", "internal_error", 500)
-                    yield f"data: {json.dumps(err)}\n\n"
+                    yield _error_event(out.error)
                     return
                 logprobs = None
                 if req.logprobs is not None and out.logprob is not None:
@@ -395,6 +393,12 @@ async def _drain(queue: asyncio.Queue, seqs, request: Request) -> None:
         if out.error:
             raise APIError(500, f"the engine failed this request: {out.error}", "internal_error")
         remaining -= out.finished
+
+
+def _error_event(error: str) -> str:
+    """A stream event telling the client the engine failed its request (the stream then ends)."""
+    body = error_body(f"the engine failed this request: {error}", "internal_error", 500)
+    return f"data: {json.dumps(body)}\n\n"
 
 
 def _usage_event(rid: str, obj: str, created: int, model: str, seqs) -> str:
@@ -519,14 +523,7 @@ def _parse_whole(text: str, reasoning_parser, tool_parser) -> tuple[str | None, 
     calls = []
     if tool_parser is not None:
         c = tool_parser.feed(content).content + tool_parser.finish().content
-        calls = [
-            {
-                "id": x["id"],
-                "type": "function",
-                "function": {"name": x["name"], "arguments": json.dumps(x["arguments"], ensure_ascii=False)},
-            }
-            for x in tool_parser.calls
-        ]
+        calls = openai_tool_calls(tool_parser.calls)
         content = c.strip() if calls else c
     return reasoning, content, calls
 

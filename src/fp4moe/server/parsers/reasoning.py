@@ -19,7 +19,7 @@ class ReasoningDelta:
     content: str = ""
 
 
-def _partial_tag_suffix(text: str, tag: str) -> int:
+def partial_tag_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -49,7 +49,7 @@ class ReasoningParser:
         if self.in_reasoning:
             i = text.find(CLOSE)
             if i < 0:
-                keep = _partial_tag_suffix(text, CLOSE)
+                keep = partial_tag_suffix(text, CLOSE)
                 out.reasoning, self._pending = text[: len(text) - keep], text[len(text) - keep :]
                 return out
             out.reasoning, text = text[:i], text[i + len(CLOSE) :]

@@ -21,6 +21,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from fp4moe.server.parsers.reasoning import partial_tag_suffix
+
 START, END = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>")
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
@@ -98,7 +100,7 @@ class ToolCallParser:
             if not self._in_call:
                 i = self._buffer.find(START)
                 if i < 0:
-                    keep = _partial(self._buffer, START)
+                    keep = partial_tag_suffix(self._buffer, START)
                     out.content += self._buffer[: len(self._buffer) - keep]
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     return out
@@ -147,23 +149,21 @@ class ToolCallParser:
         return out
 
 
-def _partial(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
 def parse_tool_calls(text: str, tools: list[dict] | None = None) -> tuple[str, list[dict]]:
     """(content, OpenAI tool_calls) of a whole output."""
     parser = ToolCallParser(tools)
     content = parser.feed(text).content + parser.finish().content
-    calls = [
+    calls = openai_tool_calls(parser.calls)
+    return content.strip() if calls else content, calls
+
+
+def openai_tool_calls(calls: list[dict]) -> list[dict]:
+    """Completed calls ({"id", "name", "arguments"}) as OpenAI ``tool_calls`` (arguments as a JSON string)."""
+    return [
         {
             "id": c["id"],
             "type": "function",
             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
         }
-        for c in parser.calls
+        for c in calls
     ]
-    return content.strip() if calls else content, calls
