@@ -1,7 +1,12 @@
+import os
+
 import pytest
 import torch
 
-from fixtures import Checkpoints
+if not torch.cuda.is_available():  # GPU kernels are checked on the CPU through Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from fixtures import Checkpoints  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

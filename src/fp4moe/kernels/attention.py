@@ -1,0 +1,214 @@
+"""Gated attention on a paged KV cache.
+
+- ``qk_norm_rope_store``: per token and head, the zero-centred RMSNorm of q/k, rotary on the first R dims
+  (rotate-half within them), and the write of k/v into their cache pages (bf16, or fp8-e4m3 with one scale
+  per layer and tensor); q goes to a [T, H, D] buffer.
+- ``paged_decode_attention``: one query token per sequence over its pages, split along the sequence
+  (flash-decoding) so that batch 1 fills the GPU; one program per (sequence, KV head, split) handles the
+  whole GQA group. A second kernel merges the splits and applies the output gate sigmoid(gate).
+References: ``layers.attention`` (``attend``) and ``engine.cache.KVCache`` (fp8 encoding)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4moe.kernels import INTERPRET, next_pow2, uint8_view
+from fp4moe.kernels.tl_helpers import fp8e4m3_bytes, round_bf16
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    qkv_ptr, stride_t, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_map_ptr,
+    kv_scale_ptr, eps,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    j = tl.program_id(1)
+    row = qkv_ptr + t.to(tl.int64) * stride_t
+    d = tl.arange(0, D)
+    is_q = j < H
+    if is_q:
+        base = row + j * 2 * D
+        w_ptr = qn_ptr
+    else:
+        base = row + H * 2 * D + (j - H) * D
+        w_ptr = kn_ptr
+    x = tl.load(base + d).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    xn = round_bf16(x * rstd * (1.0 + tl.load(w_ptr + d).to(tl.float32)))
+    half = R // 2
+    partner = tl.where(d < half, d + half, d - half)
+    xp = tl.load(base + partner).to(tl.float32)
+    xpn = round_bf16(xp * rstd * (1.0 + tl.load(w_ptr + partner).to(tl.float32)))
+    rotated = tl.where(d < half, -xpn, xpn)
+    in_rot = d < R
+    cos = tl.load(cos_ptr + t * R + d, mask=in_rot, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * R + d, mask=in_rot, other=0.0).to(tl.float32)
+    out = round_bf16(tl.where(in_rot, xn * cos + rotated * sin, xn))
+    if is_q:
+        tl.store(q_out_ptr + (t.to(tl.int64) * H + j) * D + d, out.to(q_out_ptr.dtype.element_ty))
+    else:
+        kh = j - H
+        slot = tl.load(slot_map_ptr + t).to(tl.int64)  # page * page_size + offset
+        dst = (slot * HKV + kh) * D + d
+        v = tl.load(row + H * 2 * D + HKV * D + kh * D + d).to(tl.float32)
+        if FP8:
+            ks = tl.load(kv_scale_ptr)
+            vs = tl.load(kv_scale_ptr + 1)
+            kq = fp8e4m3_bytes(tl.clamp(out / ks, -448.0, 448.0))
+            vq = fp8e4m3_bytes(tl.clamp(v / vs, -448.0, 448.0))
+            tl.store(k_cache_ptr + dst, kq)
+            tl.store(v_cache_ptr + dst, vq)
+        else:
+            tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty))
+            tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty))
+
+
+def qk_norm_rope_store(
+    qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, slot_mapping, kv_scales, eps, dims, q_out=None
+):
+    """qkv [T, H*2D + 2*Hkv*D] (q|gate per head, then k, then v); cos/sin [T, R]; caches
+    [pages, page_size, Hkv, D]; slot_mapping [T] -> q [T, H, D] (k/v written into the caches)."""
+    h, hkv, d = dims
+    t = qkv.shape[0]
+    if q_out is None:
+        q_out = torch.empty(t, h, d, dtype=qkv.dtype, device=qkv.device)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    _qk_norm_rope_kernel[(t, h + hkv)](
+        qkv, qkv.stride(0), cos, sin, q_norm, k_norm, q_out, uint8_view(k_cache), uint8_view(v_cache),
+        slot_mapping, kv_scales, eps, H=h, HKV=hkv, D=d, R=cos.shape[-1], FP8=fp8,
+    )  # fmt: skip
+    return q_out
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, stride_bt, seq_lens_ptr, kv_scale_ptr,
+    part_o_ptr, part_ml_ptr, sm_scale, split_len,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+    PAGE: tl.constexpr, NSPLIT: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    heads = kh * G + g
+    q = tl.load(
+        q_ptr + (b.to(tl.int64) * H + heads[:, None]) * D + d[None, :], mask=g[:, None] < G, other=0.0
+    )
+    q = q.to(tl.bfloat16)
+    m_i = tl.full((GP,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((GP,), dtype=tl.float32)
+    acc = tl.zeros((GP, D), dtype=tl.float32)
+    start = sp * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if FP8:
+        ks = tl.load(kv_scale_ptr)
+        vs = tl.load(kv_scale_ptr + 1)
+    offs = tl.arange(0, PAGE)
+    for p0 in range(start, end, PAGE):
+        page = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + p0 // PAGE).to(tl.int64)
+        valid = p0 + offs < end
+        kv_off = ((page * PAGE + offs[:, None]) * HKV + kh) * D + d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0)
+        v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0)
+        if FP8:
+            k = round_bf16(k.to(tl.float8e4nv, bitcast=True).to(tl.float32) * ks).to(tl.bfloat16)
+            v = round_bf16(v.to(tl.float8e4nv, bitcast=True).to(tl.float32) * vs).to(tl.bfloat16)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
+        s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
+        m_i = m_new
+    part = (b.to(tl.int64) * H + heads) * NSPLIT + sp
+    tl.store(part_o_ptr + part[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
+    tl.store(part_ml_ptr + part * 2, m_i, mask=g < G)
+    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g < G)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr, part_ml_ptr, qkv_ptr, stride_t, out_ptr,
+    H: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, NSP)
+    d = tl.arange(0, D)
+    base = (b.to(tl.int64) * H + h) * NSPLIT
+    m = tl.load(part_ml_ptr + (base + s) * 2, mask=s < NSPLIT, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s < NSPLIT, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(l > 0, tl.exp(m - m_max), 0.0)
+    o = tl.load(
+        part_o_ptr + (base + s)[:, None] * D + d[None, :],
+        mask=(s[:, None] < NSPLIT) & (l[:, None] > 0),
+        other=0.0,
+    )
+    out = round_bf16(tl.sum(o * w[:, None], 0) / tl.sum(l * w, 0))
+    gate = tl.load(qkv_ptr + b.to(tl.int64) * stride_t + h * 2 * D + D + d).to(tl.float32)
+    y = round_bf16(out * round_bf16(tl.sigmoid(gate)))
+    tl.store(out_ptr + (b.to(tl.int64) * H + h) * D + d, y.to(out_ptr.dtype.element_ty))
+
+
+def split_len_for(max_len: int, page: int, min_split: int = 512, max_splits: int = 128) -> int:
+    """Tokens per split: at least ``min_split``, at most ``max_splits`` splits, whole pages."""
+    split = max(min_split, -(-max_len // max_splits))
+    return -(-split // page) * page
+
+
+def paged_decode_attention(
+    q,
+    qkv,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    kv_scales,
+    max_len: int,
+    dims,
+    out=None,
+    buffers=None,
+    min_split: int = 512,
+):
+    """q [B, H, D] (one token per sequence, already in the cache), qkv [B, ...] (its gate half),
+    block_table [B, pages], seq_lens [B] (tokens incl. this one) -> [B, H*D] = attn * sigmoid(gate).
+    ``max_len`` bounds seq_lens (fixes the split grid, so the launch is graph-capturable)."""
+    h, hkv, d = dims
+    b = q.shape[0]
+    page = k_cache.shape[1]
+    split = split_len_for(max_len, page, min_split)
+    nsplit = -(-max_len // split)
+    if buffers is None:
+        buffers = (
+            torch.empty(b * h * nsplit, d, dtype=torch.float32, device=q.device),
+            torch.empty(b * h * nsplit, 2, dtype=torch.float32, device=q.device),
+        )
+    part_o, part_ml = buffers
+    if out is None:
+        out = torch.empty(b, h * d, dtype=q.dtype, device=q.device)
+    g = h // hkv
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    _decode_split_kernel[(b, hkv, nsplit)](
+        q, uint8_view(k_cache), uint8_view(v_cache), block_table, block_table.stride(0), seq_lens, kv_scales,
+        part_o, part_ml, d**-0.5, split,
+        H=h, HKV=hkv, D=d, G=g, GP=max(16, next_pow2(g)), PAGE=page, NSPLIT=nsplit, FP8=fp8, DOT_F32=INTERPRET,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    _decode_merge_kernel[(b, h)](
+        part_o, part_ml, qkv, qkv.stride(0), out, H=h, D=d, NSPLIT=nsplit, NSP=next_pow2(nsplit)
+    )
+    return out

@@ -1,0 +1,78 @@
+"""Router: fp32 softmax over the experts, top-k, renormalised weights -- one program per token. The same
+program applies SiLU(gate) * up of the shared expert, whose projections come out of the same fused GEMM
+as the router logits (columns [E, E + 2S) of ``proj``). Reference: ``router_reference`` (the engine's
+``SparseMoE.route``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fp4moe.kernels import next_pow2
+from fp4moe.kernels.tl_helpers import round_bf16
+
+
+@triton.jit
+def _router_kernel(
+    proj_ptr,
+    stride_p,
+    ids_ptr,
+    w_ptr,
+    shared_ptr,
+    E,
+    S,
+    EP: tl.constexpr,
+    TOPK: tl.constexpr,
+    KP: tl.constexpr,
+    SP: tl.constexpr,
+):
+    t = tl.program_id(0)
+    row = proj_ptr + t.to(tl.int64) * stride_p
+    offs = tl.arange(0, EP)
+    logits = tl.load(row + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, 0))
+    p = p / tl.sum(p, 0)
+    kk = tl.arange(0, KP)
+    top_w = tl.zeros((KP,), dtype=tl.float32)
+    top_i = tl.zeros((KP,), dtype=tl.int32)
+    for j in tl.static_range(TOPK):
+        m = tl.max(p, 0)
+        idx = tl.min(tl.where(p == m, offs, EP), 0)
+        top_w = tl.where(kk == j, m, top_w)
+        top_i = tl.where(kk == j, idx, top_i)
+        p = tl.where(offs == idx, -1.0, p)
+    top_w = top_w / tl.sum(top_w, 0)
+    tl.store(ids_ptr + t * TOPK + kk, top_i, mask=kk < TOPK)
+    tl.store(w_ptr + t * TOPK + kk, top_w, mask=kk < TOPK)
+    if S > 0:
+        so = tl.arange(0, SP)
+        gate = tl.load(row + E + so, mask=so < S, other=0.0).to(tl.float32)
+        up = tl.load(row + E + S + so, mask=so < S, other=0.0).to(tl.float32)
+        act = round_bf16(gate * tl.sigmoid(gate))
+        tl.store(shared_ptr + t * S + so, round_bf16(act * up).to(shared_ptr.dtype.element_ty), mask=so < S)
+
+
+def route(proj: torch.Tensor, num_experts: int, top_k: int, shared_inter: int = 0, out=None):
+    """proj [T, >= E + 2S] -> (topk_ids [T, k] int32, topk_weights [T, k] fp32, shared act [T, S])."""
+    t = proj.shape[0]
+    if out is None:
+        dev = proj.device
+        out = (
+            torch.empty(t, top_k, dtype=torch.int32, device=dev),
+            torch.empty(t, top_k, dtype=torch.float32, device=dev),
+            torch.empty(t, max(shared_inter, 1), dtype=proj.dtype, device=dev),
+        )
+    ids, weights, shared = out
+    _router_kernel[(t,)](
+        proj, proj.stride(0), ids, weights, shared, num_experts, shared_inter,
+        EP=next_pow2(num_experts), TOPK=top_k, KP=next_pow2(top_k), SP=next_pow2(max(shared_inter, 1)),
+    )  # fmt: skip
+    return ids, weights, shared
+
+
+def router_reference(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return ids, weights / weights.sum(-1, keepdim=True)

@@ -1,0 +1,90 @@
+"""Residual add + zero-centred RMSNorm in one pass, and the MoE combine (sum of the k weighted expert
+outputs + sigmoid-gated shared expert + residual) followed by the next layer's norm. One program per token.
+References: ``layers.norm.rms_norm_zero_centred`` and ``layers.moe.SparseMoE``."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4moe.kernels import next_pow2
+from fp4moe.kernels.tl_helpers import round_bf16
+
+
+@triton.jit
+def _norm(h, w_ptr, offs, mask, N, eps):
+    var = tl.sum(h * h, 0) / N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return round_bf16(h * tl.rsqrt(var + eps) * (1.0 + w))
+
+
+@triton.jit
+def _add_norm_kernel(
+    h_ptr, add_ptr, w_ptr, h_out_ptr, x_out_ptr, N, eps, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    h = tl.load(h_ptr + t * N + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ADD:
+        h = round_bf16(h + tl.load(add_ptr + t * N + offs, mask=mask, other=0.0).to(tl.float32))
+        tl.store(h_out_ptr + t * N + offs, h.to(h_out_ptr.dtype.element_ty), mask=mask)
+    x = _norm(h, w_ptr, offs, mask, N, eps)
+    tl.store(x_out_ptr + t * N + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(h, add, weight, eps, h_out=None, x_out=None):
+    """h_out = h + add (skipped when add is None); x_out = rmsnorm(h_out) * (1 + weight). Rows of N."""
+    t, n = h.shape
+    h_out = h if add is None else (torch.empty_like(h) if h_out is None else h_out)
+    x_out = torch.empty_like(h) if x_out is None else x_out
+    _add_norm_kernel[(t,)](
+        h,
+        h if add is None else add,
+        weight,
+        h_out,
+        x_out,
+        n,
+        eps,
+        HAS_ADD=add is not None,
+        BLOCK=next_pow2(n),
+    )
+    return h_out, x_out
+
+
+@triton.jit
+def _combine_kernel(
+    h_ptr, y_ptr, shared_ptr, proj_ptr, stride_p, gate_col, w_ptr, h_out_ptr, x_out_ptr, N, eps,
+    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    routed = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        routed += tl.load(y_ptr + (t * TOPK + j) * N + offs, mask=mask, other=0.0)
+    mlp = round_bf16(routed)
+    if HAS_SHARED:
+        g = tl.load(proj_ptr + t * stride_p + gate_col).to(tl.float32)
+        s = tl.load(shared_ptr + t * N + offs, mask=mask, other=0.0).to(tl.float32)
+        mlp = round_bf16(mlp + round_bf16(round_bf16(tl.sigmoid(g)) * s))
+    h = round_bf16(tl.load(h_ptr + t * N + offs, mask=mask, other=0.0).to(tl.float32) + mlp)
+    tl.store(h_out_ptr + t * N + offs, h.to(h_out_ptr.dtype.element_ty), mask=mask)
+    x = _norm(h, w_ptr, offs, mask, N, eps)
+    tl.store(x_out_ptr + t * N + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_combine(h, y, top_k, shared, proj, gate_col, next_weight, eps, h_out=None, x_out=None):
+    """h_out = h + sum_k y[t*k + j] + sigmoid(proj[t, gate_col]) * shared[t]; x_out = next norm of h_out.
+    ``shared`` None: no shared expert. y [T*k, N] fp32 (already weighted)."""
+    t, n = h.shape
+    h_out = torch.empty_like(h) if h_out is None else h_out
+    x_out = torch.empty_like(h) if x_out is None else x_out
+    has_shared = shared is not None
+    _combine_kernel[(t,)](
+        h, y, shared if has_shared else h, proj if has_shared else h, proj.stride(0) if has_shared else 0,
+        gate_col, next_weight, h_out, x_out, n, eps,
+        TOPK=top_k, HAS_SHARED=has_shared, BLOCK=next_pow2(n),
+    )  # fmt: skip
+    return h_out, x_out

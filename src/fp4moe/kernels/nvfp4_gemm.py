@@ -1,0 +1,352 @@
+"""NVFP4 weight-only (W4A16) GEMMs: the routed experts of an MoE layer, grouped by expert, and a dense
+NVFP4 linear (one "expert", every row).
+
+Weights stay packed ([E, N, K/2] uint8, two E2M1 codes per byte, even element in the low nibble),
+with FP8-E4M3 block scales per 16 along K and one FP32 decode scale per projection. A program dequantizes
+one [BN, BK] weight tile in registers -- code -> fp16 bits -> fp32, times its block scale, exactly
+representable in bf16 -- multiplies it with up to BM activation rows on the tensor cores, and applies the
+decode scale once to the fp32 accumulator. Rows are (token, expert) pairs sorted by expert; a block table
+says which expert and which run of sorted pairs each program row-block covers (``align``).
+
+Gate/up programs compute the gate rows n and the up rows I + n of one expert together and store
+silu(gate) * up; down programs multiply by the pair's routing weight. References: ``moe_reference``,
+``linear_reference`` (the engine's CPU path through ``formats.nvfp4``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4moe.formats import nvfp4
+from fp4moe.kernels import INTERPRET, next_pow2, uint8_view
+from fp4moe.kernels.tl_helpers import round_bf16
+
+
+@triton.jit
+def _dequant_tile(w_ptrs, s_ptrs, mask, BN: tl.constexpr, BK: tl.constexpr):
+    """Packed codes [BN, BK/2] and block scales [BN, BK/16] -> [BN, BK] bf16 (code value * block scale)."""
+    packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.uint16)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK))  # even k from the low nibble
+    bits = ((codes & 8) << 12) | ((codes & 7) << 9)  # E2M1 -> fp16 with the exponent 14 too small
+    vals = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    scales = tl.load(s_ptrs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+    w = tl.reshape(vals, (BN, BK // 16, 16)) * scales[:, :, None]
+    return tl.reshape(w, (BN, BK)).to(tl.bfloat16)
+
+
+@triton.jit
+def _w4a16_kernel(
+    a_ptr,
+    stride_am,
+    w_ptr,
+    s_ptr,
+    d_ptr,
+    out_ptr,
+    stride_om,
+    order_ptr,
+    blk_expert_ptr,
+    blk_start_ptr,
+    blk_count_ptr,
+    nblk_ptr,
+    topw_ptr,
+    M,
+    N,
+    K,
+    TOPK,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_de,
+    DENSE: tl.constexpr,
+    GATED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = tl.arange(0, BM)
+    if DENSE:
+        e = pid_b * 0
+        count = tl.minimum(M - pid_b * BM, BM)
+        rows = pid_b * BM + offs_m
+        mask_m = offs_m < count
+        pairs = rows
+    else:
+        if pid_b >= tl.load(nblk_ptr):
+            return
+        e = tl.load(blk_expert_ptr + pid_b)
+        start = tl.load(blk_start_ptr + pid_b)
+        count = tl.load(blk_count_ptr + pid_b)
+        mask_m = offs_m < count
+        pairs = tl.load(order_ptr + start + offs_m, mask=mask_m, other=0)
+        rows = pairs // TOPK if GATED else pairs
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    offs_kh = tl.arange(0, BK // 2)
+    offs_ks = tl.arange(0, BK // 16)
+    offs_k = tl.arange(0, BK)
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = s_ptr + e.to(tl.int64) * stride_se
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(
+            a_ptr + rows[:, None].to(tl.int64) * stride_am + (k0 + offs_k)[None, :],
+            mask=mask_m[:, None],
+            other=0.0,
+        ).to(tl.bfloat16)
+        w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 // 2 + offs_kh)[None, :]
+        s_ptrs = s_base + offs_n[:, None] * stride_sn + (k0 // 16 + offs_ks)[None, :]
+        w = _dequant_tile(w_ptrs, s_ptrs, mask_n[:, None], BN, BK)
+        if DOT_F32:
+            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
+        else:
+            acc += tl.dot(a, tl.trans(w))
+        if GATED:
+            wu = _dequant_tile(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n[:, None], BN, BK)
+            if DOT_F32:
+                acc_up += tl.dot(a.to(tl.float32), tl.trans(wu.to(tl.float32)))
+            else:
+                acc_up += tl.dot(a, tl.trans(wu))
+    if GATED:  # the CPU path rounds gate, up and silu(gate) to bf16 on the way; so do we
+        gate = round_bf16(acc * tl.load(d_ptr + e * stride_de))
+        up = round_bf16(acc_up * tl.load(d_ptr + e * stride_de + 1))
+        act = round_bf16(gate * tl.sigmoid(gate))
+        y = act * up
+    else:
+        y = acc * tl.load(d_ptr + e * stride_de)
+        if WEIGHTED:
+            topw = round_bf16(tl.load(topw_ptr + pairs, mask=mask_m, other=0.0))
+            y = round_bf16(y) * topw[:, None]
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, round_bf16(y).to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ---- routing: (token, expert) pairs sorted by expert, and the block table --------------------------------
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr,
+    TK,
+    order_ptr,
+    blk_expert_ptr,
+    blk_start_ptr,
+    blk_count_ptr,
+    nblk_ptr,
+    MAXB,
+    E: tl.constexpr,
+    BM: tl.constexpr,
+    CH: tl.constexpr,
+):
+    """One program: stable counting sort of the pairs by expert, then the block table."""
+    experts = tl.arange(0, E)
+    counts = tl.zeros((E,), dtype=tl.int32)
+    for c0 in range(0, TK, CH):
+        offs = c0 + tl.arange(0, CH)
+        ids = tl.load(ids_ptr + offs, mask=offs < TK, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
+    starts = tl.cumsum(counts, 0) - counts
+    running = tl.zeros((E,), dtype=tl.int32)
+    for c0 in range(0, TK, CH):
+        offs = c0 + tl.arange(0, CH)
+        ids = tl.load(ids_ptr + offs, mask=offs < TK, other=-1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        within = tl.cumsum(onehot, 0) - onehot
+        pos = tl.sum(onehot * (within + (starts + running)[None, :]), 1)
+        tl.store(order_ptr + pos, offs, mask=offs < TK)
+        running += tl.sum(onehot, 0)
+    nb = (counts + BM - 1) // BM
+    bstart = tl.cumsum(nb, 0) - nb
+    total = tl.sum(nb, 0)
+    tl.store(nblk_ptr, total)
+    for b0 in range(0, MAXB, CH):
+        b = b0 + tl.arange(0, CH)
+        inside = (b[:, None] >= bstart[None, :]) & (b[:, None] < (bstart + nb)[None, :])
+        e = tl.sum(tl.where(inside, experts[None, :], 0), 1)
+        j = b - tl.sum(tl.where(inside, bstart[None, :], 0), 1)
+        start = tl.sum(tl.where(inside, starts[None, :], 0), 1) + j * BM
+        cnt = tl.minimum(tl.sum(tl.where(inside, counts[None, :], 0), 1) - j * BM, BM)
+        valid = b < total
+        tl.store(blk_expert_ptr + b, tl.where(valid, e, 0), mask=b < MAXB)
+        tl.store(blk_start_ptr + b, tl.where(valid, start, 0), mask=b < MAXB)
+        tl.store(blk_count_ptr + b, tl.where(valid, cnt, 0), mask=b < MAXB)
+
+
+def max_blocks(num_pairs: int, num_experts: int, bm: int) -> int:
+    return num_pairs // bm + min(num_pairs, num_experts)
+
+
+class Routing:
+    """Pairs sorted by expert and the block table, in device tensors (static shapes: graph-capturable)."""
+
+    def __init__(self, order, blk_expert, blk_start, blk_count, nblk, bm: int):
+        self.order, self.blk_expert, self.blk_start, self.blk_count, self.nblk = (
+            order,
+            blk_expert,
+            blk_start,
+            blk_count,
+            nblk,
+        )
+        self.bm = bm
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routing:
+    """topk_ids [T, k] -> Routing. One program for small batches (decode); torch sorting otherwise."""
+    tk = topk_ids.numel()
+    maxb = max_blocks(tk, num_experts, bm)
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int32)
+    if tk <= 4096:
+        order = torch.empty(tk, dtype=torch.int32, device=dev)
+        blk = torch.empty(3, maxb, dtype=torch.int32, device=dev)
+        nblk = torch.empty(1, dtype=torch.int32, device=dev)
+        _align_kernel[(1,)](
+            flat, tk, order, blk[0], blk[1], blk[2], nblk, maxb, E=next_pow2(num_experts), BM=bm, CH=32
+        )
+        return Routing(order, blk[0], blk[1], blk[2], nblk, bm)
+    return align_reference(topk_ids, num_experts, bm)
+
+
+def align_reference(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routing:
+    """The same tables with torch ops (used for prefill-sized batches, and as the reference)."""
+    flat = topk_ids.reshape(-1).long()
+    tk = flat.numel()
+    dev = flat.device
+    maxb = max_blocks(tk, num_experts, bm)
+    order = torch.sort(flat, stable=True).indices.to(torch.int32)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+    starts = torch.cumsum(counts, 0) - counts
+    nb = (counts + bm - 1) // bm
+    bend = torch.cumsum(nb, 0)
+    b = torch.arange(maxb, device=dev)
+    e = torch.searchsorted(bend, b, right=True).clamp(max=num_experts - 1)
+    j = b - (bend[e] - nb[e])
+    total = bend[-1]
+    valid = b < total
+    start = torch.where(valid, starts[e] + j * bm, 0)
+    cnt = torch.where(valid, torch.minimum(counts[e] - j * bm, torch.tensor(bm, device=dev)), 0)
+    return Routing(
+        order,
+        torch.where(valid, e, 0).to(torch.int32),
+        start.to(torch.int32),
+        cnt.to(torch.int32),
+        total.reshape(1).to(torch.int32),
+        bm,
+    )
+
+
+# ---- launchers ----------------------------------------------------------------------------------------
+
+
+def block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Rows per expert block: 16 (the smallest tensor-core tile) for decode, up to 64 for prefill."""
+    per_expert = num_tokens * top_k / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+
+
+def _tiles(bm: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, stages) for a row block of ``bm``: narrow N tiles and long K tiles for decode."""
+    if bm <= 16:
+        return (32 if n <= 1024 else 64), min(256, k), 4, 4
+    return 64, min(128, k), 4, 3
+
+
+def moe_gate_up(x, packed, scales, decode, routing: Routing, top_k: int, out=None, tiles=None):
+    """x [T, H] bf16; packed [E, 2I, H/2]; -> silu(gate) * up per pair [T*k, I] (rows = pair index)."""
+    e, two_i, _ = packed.shape
+    inter, hidden = two_i // 2, x.shape[1]
+    tk = x.shape[0] * top_k
+    bm = routing.bm
+    bn, bk, warps, stages = tiles or _tiles(bm, inter, hidden)
+    if out is None:
+        out = torch.empty(tk, inter, dtype=x.dtype, device=x.device)
+    grid = (routing.blk_expert.numel(), triton.cdiv(inter, bn))
+    s = uint8_view(scales)
+    _w4a16_kernel[grid](
+        x, x.stride(0), packed, s, decode, out, out.stride(0),
+        routing.order, routing.blk_expert, routing.blk_start, routing.blk_count, routing.nblk, decode,
+        0, inter, hidden, top_k,
+        packed.stride(0), packed.stride(1), s.stride(0), s.stride(1), decode.stride(0),
+        DENSE=False, GATED=True, WEIGHTED=False, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def moe_down(act, packed, scales, decode, routing: Routing, topk_weights, out=None, tiles=None):
+    """act [T*k, I] (pair rows); packed [E, H, I/2] -> weight * down(act) per pair [T*k, H] (fp32)."""
+    e, hidden, _ = packed.shape
+    inter = act.shape[1]
+    bm = routing.bm
+    bn, bk, warps, stages = tiles or _tiles(bm, hidden, inter)
+    if out is None:
+        out = torch.empty(act.shape[0], hidden, dtype=torch.float32, device=act.device)
+    grid = (routing.blk_expert.numel(), triton.cdiv(hidden, bn))
+    s = uint8_view(scales)
+    _w4a16_kernel[grid](
+        act, act.stride(0), packed, s, decode, out, out.stride(0),
+        routing.order, routing.blk_expert, routing.blk_start, routing.blk_count, routing.nblk,
+        topk_weights.reshape(-1),
+        0, hidden, inter, 1,
+        packed.stride(0), packed.stride(1), s.stride(0), s.stride(1), decode.stride(0) if decode.ndim else 0,
+        DENSE=False, GATED=False, WEIGHTED=True, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def nvfp4_linear(x, packed, scales, decode, out=None):
+    """Dense NVFP4 linear: x [M, K] bf16, packed [N, K/2], scales [N, K/16], decode 0-D -> [M, N] bf16."""
+    m, k = x.shape
+    n = packed.shape[0]
+    bm = 16 if m <= 16 else 64
+    bn, bk, warps, stages = _tiles(bm, n, k)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    s = uint8_view(scales)
+    d = decode.reshape(1)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _w4a16_kernel[grid](
+        x, x.stride(0), packed, s, d, out, out.stride(0),
+        d, d, d, d, d, d,
+        m, n, k, 1,
+        0, packed.stride(0), 0, s.stride(0), 0,
+        DENSE=True, GATED=False, WEIGHTED=False, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+# ---- references ---------------------------------------------------------------------------------------
+
+
+def linear_reference(x, packed, scales, decode):
+    return torch.nn.functional.linear(x, nvfp4.dequantize_modelopt(packed, scales, decode, x.dtype))
+
+
+def moe_reference(x, gu_packed, gu_scales, gu_decode, d_packed, d_scales, d_decode, topk_ids, topk_weights):
+    """sum_k w * down(silu(gate x) * up x) per token, experts dequantized by formats.nvfp4 [T, H] fp32."""
+    inter = gu_packed.shape[1] // 2
+    out = torch.zeros(x.shape[0], d_packed.shape[1], dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            gate = nvfp4.dequantize_modelopt(
+                gu_packed[e, :inter], gu_scales[e, :inter], gu_decode[e, 0], x.dtype
+            )
+            up = nvfp4.dequantize_modelopt(
+                gu_packed[e, inter:], gu_scales[e, inter:], gu_decode[e, 1], x.dtype
+            )
+            down = nvfp4.dequantize_modelopt(d_packed[e], d_scales[e], d_decode[e], x.dtype)
+            h = torch.nn.functional.silu(x[t] @ gate.T) * (x[t] @ up.T)
+            out[t] += (h @ down.T).float() * topk_weights[t, j].float()
+    return out

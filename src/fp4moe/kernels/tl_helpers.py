@@ -1,0 +1,31 @@
+"""Small Triton device functions shared by the kernels."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32: mirrors where the CPU path holds a
+    bf16 intermediate. Done on the bits, because Triton's interpreter truncates in its casts."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16(x):
+    """fp32 x as bf16, rounded to nearest-even (exact after round_bf16)."""
+    return round_bf16(x).to(tl.bfloat16)
+
+
+@triton.jit
+def fp8e4m3_bytes(x):
+    """fp32 x (already within +-448) as float8-e4m3 bytes, rounded to nearest-even on the fp32 side (adding
+    and removing 1.5 * 2^(spacing + 23) rounds to the e4m3 grid) so the cast itself is exact: the
+    interpreter's own cast loses the carry into the exponent (126 -> 64)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    e = ((bits >> 23) & 0xFF).to(tl.int32) - 127
+    spacing = tl.maximum(e, -6) - 3
+    magic = (((spacing + 150) << 23) | 0x400000).to(tl.uint32).to(tl.float32, bitcast=True)
+    return ((x + magic) - magic).to(tl.float8e4nv).to(tl.uint8, bitcast=True)

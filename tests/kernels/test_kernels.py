@@ -1,0 +1,233 @@
+"""Each GPU kernel against its torch reference: on CUDA when there is one, else on the CPU under Triton's
+interpreter (tests/conftest.py sets TRITON_INTERPRET). Fresh random inputs per case, bf16 activations.
+
+Tolerances: relative L2 error 2e-2 for bf16 outputs -- the kernels keep the CPU path's bf16 roundings at
+the same places but accumulate in a different order and skip a few intermediate roundings (e.g. the
+decode scale is applied to the fp32 accumulator rather than to each bf16 weight), so single elements differ
+by a bf16 ulp; a wrong index or scale gives errors of order 1. Integer outputs (routing tables) are exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fp4moe.engine.cache import DeltaNetStates, KVCache  # noqa: E402
+from fp4moe.engine.context import StepContext  # noqa: E402
+from fp4moe.formats import nvfp4  # noqa: E402
+from fp4moe.kernels import attention as attn_k  # noqa: E402
+from fp4moe.kernels import gdn_decode as gdn_k  # noqa: E402
+from fp4moe.kernels import moe_router, norm  # noqa: E402
+from fp4moe.kernels import nvfp4_gemm as gemm  # noqa: E402
+from fp4moe.layers.attention import GatedAttention  # noqa: E402
+from fp4moe.layers.deltanet import GatedDeltaNet  # noqa: E402
+from fp4moe.layers.norm import rms_norm_zero_centred  # noqa: E402
+from fp4moe.layers.rope import RopeConfig, Rotary  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BF16 = torch.bfloat16
+RTOL = 2e-2
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return float((a - b).norm() / b.norm())
+
+
+def quantized(shape, gen, per=None):
+    """Random weights [.., N, K] quantized with one global scale per [N, K] matrix (or per ``per`` rows)."""
+    w = torch.randn(*shape, generator=gen) * torch.rand(*shape[:-2], 1, 1, generator=gen).add(0.5)
+    q = nvfp4.quantize(w)
+    return q.packed.to(DEV), q.block_scales.to(DEV), (1.0 / q.global_scale).float().to(DEV)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 16, 4), (7, 16, 4), (40, 32, 8)])
+def test_align_matches_torch_sorting(tokens, experts, top_k):
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(DEV)
+    for bm in (16, 32):
+        a, b = gemm.align(ids, experts, bm), gemm.align_reference(ids, experts, bm)
+        assert int(a.nblk) == int(b.nblk)
+        for x, y in zip(
+            (a.order, a.blk_expert, a.blk_start, a.blk_count),
+            (b.order, b.blk_expert, b.blk_start, b.blk_count),
+        ):
+            assert torch.equal(x.int().cpu(), y.int().cpu())
+        covered = sorted(
+            int(p) for blk in range(int(a.nblk)) for p in a.order[a.blk_start[blk] :][: a.blk_count[blk]]
+        )
+        assert covered == list(range(tokens * top_k))  # every pair exactly once
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_moe_experts_match_the_dequantized_reference(tokens):
+    gen = torch.Generator().manual_seed(100 + tokens)
+    e, h, i, k = 8, 64, 32, 3
+    gp, gs, gd = quantized((e * 2, i, h), gen)
+    gp, gs, gd = gp.view(e, 2 * i, h // 2), gs.view(e, 2 * i, h // 16), gd.view(e, 2).contiguous()
+    dp, ds, dd = quantized((e, h, i), gen)
+    x = torch.randn(tokens, h, generator=gen).to(BF16).to(DEV)
+    ids, w = moe_router.router_reference(torch.randn(tokens, e, generator=gen).to(DEV), k)
+    routing = gemm.align(ids, e, 16 if tokens <= 16 else 64)
+    act = gemm.moe_gate_up(x, gp, gs, gd, routing, k)
+    out = gemm.moe_down(act, dp, ds, dd, routing, w).view(tokens, k, h).sum(1)
+    ref = gemm.moe_reference(x.double(), gp, gs, gd.double(), dp, ds, dd.double(), ids, w.double())
+    assert rel(out, ref) < RTOL
+
+
+@pytest.mark.parametrize("m", [1, 20, 100])
+def test_dense_nvfp4_linear(m):
+    gen = torch.Generator().manual_seed(m)
+    p, s, d = quantized((96, 128), gen)
+    x = torch.randn(m, 128, generator=gen).to(BF16).to(DEV)
+    assert rel(gemm.nvfp4_linear(x, p, s, d), gemm.linear_reference(x.double(), p, s, d.double())) < RTOL
+
+
+def test_router_and_shared_activation():
+    gen = torch.Generator().manual_seed(3)
+    t, e, k, s = 9, 32, 8, 24
+    proj = torch.randn(t, e + 2 * s + 1, generator=gen).to(BF16).to(DEV)
+    ids, w, shared = moe_router.route(proj, e, k, s)
+    ref_ids, ref_w = moe_router.router_reference(proj[:, :e], k)
+    # equal bf16 logits may come in either order (torch.topk leaves ties unordered): compare as sets
+    order, ref_order = ids.long().sort(-1), ref_ids.sort(-1)
+    assert torch.equal(order.values.cpu(), ref_order.values.cpu())
+    torch.testing.assert_close(
+        w.gather(1, order.indices), ref_w.gather(1, ref_order.indices), rtol=1e-5, atol=1e-6
+    )
+    g, u = proj[:, e : e + s], proj[:, e + s : e + 2 * s]
+    assert rel(shared, torch.nn.functional.silu(g) * u) < RTOL
+
+
+def test_add_norm_and_moe_combine():
+    gen = torch.Generator().manual_seed(4)
+    t, n, k = 5, 96, 4
+    h, a = (torch.randn(t, n, generator=gen).to(BF16).to(DEV) for _ in range(2))
+    w = (0.1 * torch.randn(n, generator=gen)).to(BF16).to(DEV)
+    h_out, x = norm.add_rms_norm(h, a, w, 1e-6)
+    assert rel(h_out, h + a) < 1e-2 and rel(x, rms_norm_zero_centred(h + a, w, 1e-6)) < RTOL
+    _, x0 = norm.add_rms_norm(h, None, w, 1e-6)
+    assert rel(x0, rms_norm_zero_centred(h, w, 1e-6)) < RTOL
+    y = torch.randn(t * k, n, generator=gen).to(DEV)
+    shared = torch.randn(t, n, generator=gen).to(BF16).to(DEV)
+    proj = torch.randn(t, 7, generator=gen).to(BF16).to(DEV)
+    h2, x2 = norm.moe_combine(h, y, k, shared, proj, 6, w, 1e-6)
+    ref = h.float() + y.view(t, k, n).sum(1) + torch.sigmoid(proj[:, 6:7].float()) * shared.float()
+    assert rel(h2, ref) < RTOL and rel(x2, rms_norm_zero_centred(ref.to(BF16), w, 1e-6)) < RTOL
+
+
+def _gdn_layer(gen, hk=2, hv=4, dk=16, dv=32, hidden=64):
+    layer = GatedDeltaNet(hidden, hk, hv, dk, dv, 4, 1e-6, layer_id=0)
+    for p in layer.parameters():
+        p.data = (torch.randn(p.shape, generator=gen) * 0.2).to(BF16)
+    layer.A_log.data = torch.rand(hv, generator=gen).log().float()
+    layer.dt_bias.data = torch.rand(hv, generator=gen).float()
+    return layer.to(DEV)
+
+
+def test_gdn_decode_matches_the_layer_step_by_step():
+    gen = torch.Generator().manual_seed(5)
+    layer = _gdn_layer(gen)
+    hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.k_dim, layer.v_dim
+    b, steps = 3, 6
+    states = DeltaNetStates(layer.conv_dim, 4, hv, dk, dv, BF16, DEV)
+    ring = torch.randn(5, 4, layer.conv_dim).to(BF16).to(DEV)  # stale garbage: must never be read
+    state = torch.randn(5, hv, dk, dv).to(DEV)
+    slots = torch.tensor([3, 0, 4], dtype=torch.int32, device=DEV)
+    w_in = torch.cat(
+        [layer.in_proj_qkv.weight, layer.in_proj_z.weight, layer.in_proj_b.weight, layer.in_proj_a.weight]
+    )
+    for step in range(steps):
+        x = torch.randn(b, 64, generator=gen).to(BF16).to(DEV)
+        ctx = StepContext([1] * b, [step] * b, slots.tolist(), KVCache(), states)
+        ref = layer(x, ctx)
+        core = gdn_k.gdn_decode(
+            x @ w_in.T, layer.conv1d_weight.view(layer.conv_dim, 4), ring, state, slots,
+            torch.full((b,), step, dtype=torch.int32, device=DEV), layer.A_log, layer.dt_bias, layer.norm_weight,
+            layer.eps, (hk, hv, dk, dv),
+        )  # fmt: skip
+        assert rel(layer.out_proj(core), ref) < RTOL, step
+    for i, slot in enumerate(slots.tolist()):
+        assert rel(state[slot], states.get(0, slot)[1]) < 1e-2, i
+
+
+def _attention_layer(gen, h=4, hkv=2, d=32, hidden=64):
+    layer = GatedAttention(hidden, h, hkv, d, 1e-6, layer_id=0)
+    for p in layer.parameters():
+        p.data = (torch.randn(p.shape, generator=gen) * 0.2).to(BF16)
+    return layer.to(DEV)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_paged_attention_matches_the_layer(kv_dtype):
+    gen = torch.Generator().manual_seed(6)
+    layer = _attention_layer(gen)
+    h, hkv, d, page = 4, 2, 32, 16
+    rope = Rotary(RopeConfig(head_dim=d, mrope_section=(2, 1, 1)), DEV)
+    lengths = [1, 37, 80]  # prompt lengths; then one decode step each
+    kv = KVCache(kv_dtype)
+    states = DeltaNetStates(8, 4, 1, 4, 4, BF16, DEV)
+    cache_dtype = torch.float8_e4m3fn if kv_dtype == "fp8" else BF16
+    pages = 24
+    k_cache = torch.randn(pages, page, hkv, d).to(cache_dtype).to(DEV)
+    v_cache = torch.randn(pages, page, hkv, d).to(cache_dtype).to(DEV)
+    perm = torch.randperm(pages, generator=gen)
+    table = torch.zeros(len(lengths), 8, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(lengths):
+        need = -(-(n + 1) // page)
+        table[s, :need] = perm[used : used + need]
+        used += need
+    table = table.to(DEV)
+    w_qkv = torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight])
+    kv_scales = torch.ones(2, device=DEV)
+
+    def slot_map(s, positions):
+        return (table[s, positions // page].long() * page + positions % page).to(torch.int32)
+
+    for s, n in enumerate(lengths):  # prefill: reference forward; kernel writes the same keys/values
+        x = torch.randn(n, 64, generator=gen).to(BF16).to(DEV)
+        pos = torch.arange(n, device=DEV)
+        cos, sin = rope.cos_sin(pos, BF16)
+        layer(x, cos, sin, StepContext([n], [0], [s], kv, states))
+        if kv_dtype == "fp8":
+            kv_scales = torch.stack(kv.scales[0]).float().to(DEV)
+        attn_k.qk_norm_rope_store(
+            x @ w_qkv.T, cos, sin, layer.q_norm.weight, layer.k_norm.weight, k_cache, v_cache,
+            slot_map(s, pos), kv_scales, 1e-6, (h, hkv, d),
+        )  # fmt: skip
+    x = torch.randn(len(lengths), 64, generator=gen).to(BF16).to(DEV)
+    pos = torch.tensor(lengths, device=DEV)
+    cos, sin = rope.cos_sin(pos, BF16)
+    ref = layer(x, cos, sin, StepContext([1] * len(lengths), lengths, list(range(len(lengths))), kv, states))
+    qkv = x @ w_qkv.T
+    slots = torch.cat([slot_map(s, pos[s : s + 1]) for s in range(len(lengths))])
+    q = attn_k.qk_norm_rope_store(
+        qkv,
+        cos,
+        sin,
+        layer.q_norm.weight,
+        layer.k_norm.weight,
+        k_cache,
+        v_cache,
+        slots,
+        kv_scales,
+        1e-6,
+        (h, hkv, d),
+    )
+    out = attn_k.paged_decode_attention(
+        q,
+        qkv,
+        k_cache,
+        v_cache,
+        table,
+        (pos + 1).to(torch.int32),
+        kv_scales,
+        max_len=128,
+        dims=(h, hkv, d),
+        min_split=32,
+    )
+    assert rel(layer.o_proj(out), ref) < RTOL
