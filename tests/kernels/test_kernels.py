@@ -54,6 +54,7 @@ def test_align_matches_torch_sorting(tokens, experts, top_k):
         for x, y in zip(
             (a.order, a.blk_expert, a.blk_start, a.blk_count),
             (b.order, b.blk_expert, b.blk_start, b.blk_count),
+            strict=True,
         ):
             assert torch.equal(x.int().cpu(), y.int().cpu())
         covered = sorted(

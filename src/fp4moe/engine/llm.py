@@ -52,6 +52,9 @@ class LLM:
         limit_mm_per_prompt: dict[str, int] | None = None,
         kv_cache_dtype: str = "auto",
         num_speculative_tokens: int = 0,
+        max_num_seqs: int = 256,
+        gpu_memory_utilization: float = 0.9,
+        cuda_graphs: bool = True,
     ):
         self.path = Path(model)
         self.device = torch.device(device)
@@ -74,9 +77,17 @@ class LLM:
         self.max_model_len = max_model_len or limit
         self.tokenizer = self._load_tokenizer()
         image_token = self.config.get("image_token_id")
-        self.runner = ModelRunner(
-            self.model, int(image_token) if image_token is not None else None, self.device, kv_cache_dtype
-        )
+        image_token = int(image_token) if image_token is not None else None
+        if self.device.type == "cuda":  # paged caches, fused decode kernels, CUDA graphs
+            from fp4moe.engine.cuda_runner import CudaModelRunner
+
+            self.runner = CudaModelRunner(
+                self.model, image_token, self.device, kv_cache_dtype, max_num_seqs=max_num_seqs,
+                max_model_len=self.max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                cuda_graphs=cuda_graphs,
+            )  # fmt: skip
+        else:
+            self.runner = ModelRunner(self.model, image_token, self.device, kv_cache_dtype)
         self.speculator = None
         if num_speculative_tokens:
             from fp4moe.engine.spec_decode import MTPSpeculator

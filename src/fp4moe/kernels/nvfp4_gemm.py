@@ -61,6 +61,7 @@ def _w4a16_kernel(
     stride_sn,
     stride_de,
     DENSE: tl.constexpr,
+    W_BF16: tl.constexpr,
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
     BM: tl.constexpr,
@@ -101,15 +102,23 @@ def _w4a16_kernel(
             mask=mask_m[:, None],
             other=0.0,
         ).to(tl.bfloat16)
-        w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 // 2 + offs_kh)[None, :]
-        s_ptrs = s_base + offs_n[:, None] * stride_sn + (k0 // 16 + offs_ks)[None, :]
-        w = _dequant_tile(w_ptrs, s_ptrs, mask_n[:, None], BN, BK)
+        if W_BF16:  # the all-bf16 model through the same kernel (for comparison)
+            w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
+            s_ptrs = w_ptrs
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+        else:
+            w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 // 2 + offs_kh)[None, :]
+            s_ptrs = s_base + offs_n[:, None] * stride_sn + (k0 // 16 + offs_ks)[None, :]
+            w = _dequant_tile(w_ptrs, s_ptrs, mask_n[:, None], BN, BK)
         if DOT_F32:
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             acc += tl.dot(a, tl.trans(w))
         if GATED:
-            wu = _dequant_tile(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n[:, None], BN, BK)
+            if W_BF16:
+                wu = tl.load(w_ptrs + N * stride_wn, mask=mask_n[:, None], other=0.0)
+            else:
+                wu = _dequant_tile(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n[:, None], BN, BK)
             if DOT_F32:
                 acc_up += tl.dot(a.to(tl.float32), tl.trans(wu.to(tl.float32)))
             else:
@@ -261,7 +270,8 @@ def _tiles(bm: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 
 def moe_gate_up(x, packed, scales, decode, routing: Routing, top_k: int, out=None, tiles=None):
-    """x [T, H] bf16; packed [E, 2I, H/2]; -> silu(gate) * up per pair [T*k, I] (rows = pair index)."""
+    """x [T, H] bf16; packed [E, 2I, H/2] (or bf16 [E, 2I, H], scales unused) -> silu(gate) * up per pair
+    [T*k, I] (rows = pair index)."""
     e, two_i, _ = packed.shape
     inter, hidden = two_i // 2, x.shape[1]
     tk = x.shape[0] * top_k
@@ -276,7 +286,7 @@ def moe_gate_up(x, packed, scales, decode, routing: Routing, top_k: int, out=Non
         routing.order, routing.blk_expert, routing.blk_start, routing.blk_count, routing.nblk, decode,
         0, inter, hidden, top_k,
         packed.stride(0), packed.stride(1), s.stride(0), s.stride(1), decode.stride(0),
-        DENSE=False, GATED=True, WEIGHTED=False, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
+        DENSE=False, W_BF16=packed.dtype == torch.bfloat16, GATED=True, WEIGHTED=False, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -298,7 +308,7 @@ def moe_down(act, packed, scales, decode, routing: Routing, topk_weights, out=No
         topk_weights.reshape(-1),
         0, hidden, inter, 1,
         packed.stride(0), packed.stride(1), s.stride(0), s.stride(1), decode.stride(0) if decode.ndim else 0,
-        DENSE=False, GATED=False, WEIGHTED=True, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
+        DENSE=False, W_BF16=packed.dtype == torch.bfloat16, GATED=False, WEIGHTED=True, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -320,7 +330,7 @@ def nvfp4_linear(x, packed, scales, decode, out=None):
         d, d, d, d, d, d,
         m, n, k, 1,
         0, packed.stride(0), 0, s.stride(0), 0,
-        DENSE=True, GATED=False, WEIGHTED=False, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
+        DENSE=True, W_BF16=False, GATED=False, WEIGHTED=False, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -350,3 +360,24 @@ def moe_reference(x, gu_packed, gu_scales, gu_decode, d_packed, d_scales, d_deco
             h = torch.nn.functional.silu(x[t] @ gate.T) * (x[t] @ up.T)
             out[t] += (h @ down.T).float() * topk_weights[t, j].float()
     return out
+
+
+def moe_experts(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``layers.moe.RoutedExperts`` on the GPU: sum_k w * down(silu(gate x) * up x) [T, H] in fp32."""
+    t, k = topk_ids.shape
+    return moe_pairs(experts, x, topk_ids, topk_weights).view(t, k, -1).sum(1)
+
+
+def moe_pairs(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Each (token, expert) pair's weighted output [T*k, H] fp32 (pair = token * k + j)."""
+    t, k = topk_ids.shape
+    routing = align(topk_ids, experts.num_experts, block_m(t, k, experts.num_experts))
+    if experts.quantized:
+        gu = (experts.gate_up_packed, experts.gate_up_scales, experts.gate_up_decode)
+        dn = (experts.down_packed, experts.down_scales, experts.down_decode)
+    else:
+        ones = experts.unit_scales()
+        gu = (experts.gate_up_proj, experts.gate_up_proj, ones[0])
+        dn = (experts.down_proj, experts.down_proj, ones[1])
+    act = moe_gate_up(x, *gu, routing, k)
+    return moe_down(act, *dn, routing, topk_weights.float())

@@ -46,6 +46,16 @@ class GatedAttention(nn.Module):
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -> torch.Tensor:
     """Causal GQA for one sequence: q [n, H, D] at positions num_cached.., k/v [num_cached + n, Hkv, D]."""
     n, heads, dim = q.shape
+    if num_cached == 0 and k.shape[0] == n:  # a fresh prompt: plain causal (flash kernels on the GPU)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
+            scale=dim**-0.5,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)
     rep = heads // k.shape[1]
     k = k.repeat_interleave(rep, dim=1)
     v = v.repeat_interleave(rep, dim=1)

@@ -64,6 +64,24 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out, state
 
 
+def _fla_chunk():
+    """flash-linear-attention's chunked kernel (GPU prefill), or None where fla-core is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def _fla_rule(q, k, v, g, beta, state):
+    """The chunked rule through fla (q already scaled, so scale=1); same signature as ours."""
+    o, final = _fla_chunk()(
+        q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=state[None].contiguous(),
+        output_final_state=True,
+    )  # fmt: skip
+    return o[0], final[0]
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(
         self,
@@ -111,6 +129,8 @@ class GatedDeltaNet(nn.Module):
             q = q * self.k_dim**-0.5
             v = v.float().view(n, self.num_v_heads, self.v_dim)
             rule = delta_rule_recurrent if n == 1 else delta_rule_chunked
+            if n > 1 and x.is_cuda and _fla_chunk() is not None:
+                rule = _fla_rule
             o, new_rec = rule(q, k, v, g[start:end], beta[start:end].float(), rec_state)
             ctx.deltanet.set(self.layer_id, slot, new_conv, new_rec)
             core[start:end] = o.to(x.dtype)

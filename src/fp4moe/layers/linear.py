@@ -1,7 +1,7 @@
 """Linear layers whose weight is either dense (bf16/fp32) or NVFP4 (packed codes + scales, kept packed).
 
-The CPU path dequantizes NVFP4 with the torch reference (fp4moe.formats.nvfp4) at each call; GPU kernels
-that dequantize in registers are a separate piece of work.
+The CPU path dequantizes NVFP4 with the torch reference (fp4moe.formats.nvfp4) at each call; on CUDA the
+W4A16 kernel (fp4moe.kernels.nvfp4_gemm) dequantizes in registers.
 """
 
 from __future__ import annotations
@@ -49,4 +49,11 @@ class Linear(nn.Module):
         return self.nvfp4.dequantize(dtype) if self.nvfp4 is not None else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.nvfp4 is not None and x.is_cuda:  # W4A16 kernel: the weight stays packed
+            from fp4moe.kernels.nvfp4_gemm import nvfp4_linear
+
+            q = self.nvfp4
+            return nvfp4_linear(x.reshape(-1, x.shape[-1]), q.packed, q.block_scales, q.decode_scale).view(
+                *x.shape[:-1], -1
+            )
         return F.linear(x, self.dense_weight(x.dtype))

@@ -54,8 +54,22 @@ class RoutedExperts(nn.Module):
         down = nvfp4.dequantize_modelopt(self.down_packed[e], self.down_scales[e], self.down_decode[e], dtype)
         return gate_up, down
 
+    def unit_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode scales of 1 for bf16 experts run through the grouped GPU kernel."""
+        if getattr(self, "_ones", None) is None or self._ones[0].device != self.gate_up_proj.device:
+            dev = self.gate_up_proj.device
+            self._ones = (
+                torch.ones(self.num_experts, 2, device=dev),
+                torch.ones(self.num_experts, device=dev),
+            )
+        return self._ones
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids/weights [T, k] -> sum_k w * down(silu(gate x) * up x), [T, H]."""
+        if x.is_cuda and x.dtype == torch.bfloat16:  # grouped Triton kernels, weights kept packed
+            from fp4moe.kernels.nvfp4_gemm import moe_experts
+
+            return moe_experts(self, x, topk_ids, topk_weights).to(x.dtype)
         out = torch.zeros_like(x)
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)

@@ -1,0 +1,257 @@
+"""The GPU model runner: preallocated paged caches, a fused decode step, and CUDA graphs of it.
+
+Prefill, chunked prefill and speculative verification run the model's own modules (their GPU branches:
+flash attention, flash-linear-attention's chunked delta rule, the grouped NVFP4 expert kernels) over the
+paged caches. A step in which every sequence decodes one token runs ``decode_forward`` instead: per layer
+one fused projection GEMM (cuBLAS), one fused Gated DeltaNet kernel or the q/k-norm-rope-store + split-KV
+attention kernels, the output GEMM, add+norm, the fused router/shared-expert GEMM, router, align, the two
+grouped NVFP4 expert GEMMs, the shared-expert down GEMM, and combine+next norm -- no host syncs, static
+shapes, so the whole step is captured once per batch-size bucket and replayed.
+
+The projections sharing an input are concatenated once at start-up (qkv|z|b|a of Gated DeltaNet, q|k|v of
+attention, router|shared gate|shared up|shared gate-scalar of the MoE), and the modules' own weights become
+views into them: no extra memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp4moe.engine.model_runner import ModelRunner
+from fp4moe.engine.paged_cache import PagedKVCache, SlotStates
+from fp4moe.engine.sequence import Sequence
+from fp4moe.layers.rope import Rotary
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class FusedLinear:
+    """Several Linears over the same input as one GEMM (dense parts concatenated; NVFP4 parts run apart)."""
+
+    def __init__(self, linears: list):
+        self.sizes = [lin.out_features for lin in linears]
+        self.linears = linears
+        self.weight = None
+        if all(lin.nvfp4 is None for lin in linears):
+            self.weight = torch.cat([lin.weight.data for lin in linears])
+            start = 0
+            for lin, n in zip(linears, self.sizes, strict=True):
+                lin.weight = nn.Parameter(self.weight[start : start + n], requires_grad=False)
+                start += n
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.linear(x, self.weight)
+        return torch.cat([lin(x) for lin in self.linears], dim=-1)
+
+
+class CudaModelRunner(ModelRunner):
+    def __init__(
+        self,
+        model,
+        image_token_id: int | None,
+        device: torch.device,
+        kv_cache_dtype: str = "auto",
+        *,
+        max_num_seqs: int = 64,
+        max_model_len: int = 8192,
+        num_pages: int | None = None,
+        page_size: int = 64,
+        gpu_memory_utilization: float = 0.9,
+        cuda_graphs: bool = True,
+    ):
+        super().__init__(model, image_token_id, device, kv_cache_dtype)
+        a = model.args
+        self.args, self.max_num_seqs, self.max_model_len = a, max_num_seqs, max_model_len
+        self.scratch = max_num_seqs  # slot (and page) that padded batch rows write into
+        layers = model.layers
+        self.attn_ids = [i for i, layer in enumerate(layers) if layer.is_attention]
+        self.gdn_ids = [i for i, layer in enumerate(layers) if not layer.is_attention]
+        kv_layers = self.attn_ids + ([model.mtp.layer_id] if model.mtp is not None else [])
+        dtype = model.embed_tokens.dtype
+        conv_dim = (
+            2 * a.linear_num_key_heads * a.linear_key_head_dim
+            + a.linear_num_value_heads * a.linear_value_head_dim
+        )
+        self.states = SlotStates(
+            self.gdn_ids, max_num_seqs + 1, conv_dim, a.conv_kernel, a.linear_num_value_heads,
+            a.linear_key_head_dim, a.linear_value_head_dim, dtype, device,
+        )  # fmt: skip
+        if num_pages is None:
+            num_pages = self._pages_from_memory(len(kv_layers), page_size, gpu_memory_utilization)
+        self.kv = PagedKVCache(
+            kv_layers, num_pages + 1, page_size, a.num_kv_heads, a.head_dim, max_num_seqs + 1, max_model_len,
+            kv_cache_dtype, dtype, device,
+        )  # fmt: skip
+        self.kv.reserve(self.scratch, 1)
+        if model.rotary is None:
+            model.rotary = Rotary(a.rope, device)
+        self._fuse()
+        self.cuda_graphs = cuda_graphs
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        n = max(b for b in GRAPH_BATCH_SIZES if b <= max(max_num_seqs, 1)) if max_num_seqs >= 1 else 1
+        self.max_graph_batch = n
+        self.buf_ids = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        self.buf_pos = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        self.buf_slots = torch.full((max_num_seqs,), self.scratch, dtype=torch.int32, device=device)
+
+    # ---- set-up -------------------------------------------------------------------------------------
+
+    def _pages_from_memory(self, kv_layers: int, page_size: int, utilization: float) -> int:
+        """Pages that fit in utilization x total memory after the weights, states and an activation
+        reserve (a prefill chunk of 8K tokens measured ~3 GB at full size; 4 GiB kept)."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        a = self.args
+        per_page = (
+            2
+            * kv_layers
+            * page_size
+            * a.num_kv_heads
+            * a.head_dim
+            * (1 if self.kv_cache_dtype == "fp8" else 2)
+        )
+        budget = int(utilization * total) - used - (4 << 30)
+        want = (self.max_num_seqs * -(-self.max_model_len // page_size)) + 1
+        if budget < per_page * 16:
+            raise RuntimeError(f"not enough GPU memory for a KV cache: {budget / 2**30:.1f} GiB left")
+        return int(min(want, budget // per_page))
+
+    def _fuse(self) -> None:
+        self.fused = []
+        for layer in self.model.layers:
+            if layer.is_attention:
+                m = layer.self_attn
+                mix = FusedLinear([m.q_proj, m.k_proj, m.v_proj])
+            else:
+                m = layer.linear_attn
+                mix = FusedLinear([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
+            moe = layer.mlp
+            router = FusedLinear([moe.gate, moe.shared_gate_proj, moe.shared_up_proj, moe.shared_expert_gate])
+            self.fused.append((mix, router))
+
+    def new_caches(self):
+        return self.kv, self.states
+
+    # ---- module path (prefill, chunks, verification) ------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, batch: list[tuple[Sequence, int]], kv, states):
+        for seq, n in batch:
+            states.positions[seq.slot] = seq.num_cached
+            states.next_positions[seq.slot] = seq.num_cached + n
+        return super().forward(batch, kv, states)
+
+    @torch.no_grad()
+    def run(self, batch: list[tuple[Sequence, int]], kv, states):
+        decode = all(n == 1 for _, n in batch) and len(batch) <= self.max_num_seqs
+        decode = decode and all(s.image_embeds is None or s.num_cached >= len(s.prompt_ids) for s, _ in batch)
+        if not decode or kv is not self.kv:
+            return super().run(batch, kv, states)
+        seqs = [s for s, _ in batch]
+        logits = self.decode_logits(
+            [s.slot for s in seqs], [s.all_ids[s.num_cached] for s in seqs], [s.num_cached for s in seqs]
+        )
+        for s in seqs:
+            s.num_cached += 1
+        logits = logits.float().cpu()
+        return [(s, logits[i]) for i, s in enumerate(seqs)]
+
+    # ---- fused decode -------------------------------------------------------------------------------
+
+    def decode_logits(self, slots: list[int], tokens, positions: list[int]) -> torch.Tensor:
+        """One decode token for each slot (token at ``positions``); returns logits [B, V] (GPU, bf16)."""
+        b = len(slots)
+        for slot, pos in zip(slots, positions, strict=True):
+            self.kv.reserve(slot, pos + 1)
+        self.buf_slots.fill_(self.scratch)
+        self.buf_pos.zero_()
+        self.buf_slots[:b] = torch.tensor(slots, dtype=torch.int32)
+        self.buf_pos[:b] = torch.tensor(positions, dtype=torch.int32)
+        if isinstance(tokens, torch.Tensor):
+            self.buf_ids[:b] = tokens
+        else:
+            self.buf_ids[:b] = torch.tensor(tokens, dtype=torch.long)
+        bucket = next((g for g in GRAPH_BATCH_SIZES if g >= b), None)
+        if self.cuda_graphs and bucket is not None and bucket <= self.max_num_seqs:
+            graph, out = self._graph(bucket)
+            graph.replay()
+            logits = out[:b]
+        else:
+            logits = self.decode_forward(b)
+        for slot, pos in zip(slots, positions, strict=True):
+            self.kv.advance(slot, pos + 1)
+        return logits
+
+    def _graph(self, b: int):
+        if b not in self.graphs:
+            self.decode_forward(b)  # compiles the kernels outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.decode_forward(b)
+            self.graphs[b] = (graph, out)
+        return self.graphs[b]
+
+    def capture(self, batch_sizes=None) -> None:
+        """Capture the decode graphs ahead of serving (else each bucket is captured on first use)."""
+        for b in batch_sizes or [g for g in GRAPH_BATCH_SIZES if g <= self.max_num_seqs]:
+            self._graph(b)
+
+    def decode_forward(self, b: int) -> torch.Tensor:
+        """The decode step over the first ``b`` rows of the static buffers -> logits [b, V] (bf16)."""
+        from fp4moe.kernels import attention as attn_k
+        from fp4moe.kernels import gdn_decode as gdn_k
+        from fp4moe.kernels import moe_router, norm
+        from fp4moe.kernels import nvfp4_gemm as gemm
+
+        model, a, kv, st = self.model, self.args, self.kv, self.states
+        ids, pos, slots = self.buf_ids[:b], self.buf_pos[:b], self.buf_slots[:b]
+        table = kv.block_table.index_select(0, slots)
+        page = kv.page_size
+        slot_map = (table.gather(1, (pos // page).long().unsqueeze(1)).squeeze(1) * page + pos % page).to(
+            torch.int32
+        )
+        seq_lens = pos + 1
+        cos, sin = model.rotary.cos_sin(pos.long(), model.embed_tokens.dtype)
+        h = model.embed_tokens[ids]
+        layers = model.layers
+        _, x = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, a.eps)
+        e, k, s_inter = a.num_experts, a.top_k, a.shared_intermediate_size
+        for i, layer in enumerate(layers):
+            mix, router = self.fused[i]
+            proj = mix(x)
+            if layer.is_attention:
+                m = layer.self_attn
+                li = kv.index[i]
+                dims = (m.num_heads, m.num_kv_heads, m.head_dim)
+                q = attn_k.qk_norm_rope_store(
+                    proj, cos, sin, m.q_norm.weight, m.k_norm.weight, kv.k[li], kv.v[li], slot_map,
+                    kv.scale_t[li], m.q_norm.eps, dims,
+                )  # fmt: skip
+                core = attn_k.paged_decode_attention(
+                    q, proj, kv.k[li], kv.v[li], table, seq_lens, kv.scale_t[li], kv.max_len, dims
+                )
+                out = m.o_proj(core)
+            else:
+                m = layer.linear_attn
+                gi = st.index[i]
+                core = gdn_k.gdn_decode(
+                    proj, m.conv1d_weight.view(m.conv_dim, -1), st.ring[gi], st.rec[gi], slots, pos,
+                    m.A_log, m.dt_bias, m.norm_weight, m.eps, (m.num_k_heads, m.num_v_heads, m.k_dim, m.v_dim),
+                )  # fmt: skip
+                out = m.out_proj(core)
+            h, x = norm.add_rms_norm(h, out, layer.post_attention_layernorm.weight, a.eps)
+            moe = layer.mlp
+            rp = router(x)
+            topk_ids, topk_w, shared_act = moe_router.route(rp, e, k, s_inter)
+            routed = gemm.moe_pairs(moe.experts, x, topk_ids, topk_w)
+            shared = moe.shared_down_proj(shared_act)
+            next_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
+            h, x = norm.moe_combine(h, routed, k, shared, rp, e + 2 * s_inter, next_w, a.eps)
+        return model.lm_head(x)

@@ -1,0 +1,178 @@
+"""The GPU engine's caches, preallocated once: paged attention keys/values and Gated DeltaNet state slots.
+
+Both speak the interface of the CPU caches (``engine.cache``), so the module forward (prefill, chunked
+prefill, speculative verification) runs on them unchanged, and add the device tensors the fused decode
+kernels read: per attention layer k/v pages [pages, page_size, Hkv, D] (bf16, or fp8-e4m3 with one scale per
+layer and tensor, set from the first keys/values written as in the CPU cache) and a block table
+[slots, max_pages]; per Gated DeltaNet layer a conv-input ring [slots, K, C] indexed by position mod K and
+an fp32 recurrent state [slots, Hv, Dk, Dv]. A slot's ring and state are valid up to its position; position
+0 reads as zeros, so freed slots need no clearing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4moe.engine.cache import KVCache
+
+
+class CacheFull(RuntimeError):
+    pass
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        layer_ids: list[int],
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_slots: int,
+        max_len: int,
+        dtype: str,
+        act_dtype: torch.dtype,
+        device: torch.device,
+    ):
+        if dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv cache dtype must be 'auto' or 'fp8', got {dtype!r}")
+        self.fp8 = dtype == "fp8"
+        store = torch.float8_e4m3fn if self.fp8 else act_dtype
+        self.page_size, self.max_len, self.device = page_size, max_len, device
+        self.index = {layer: i for i, layer in enumerate(layer_ids)}
+        shape = (len(layer_ids), num_pages, page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=store, device=device)
+        self.v = torch.zeros(shape, dtype=store, device=device)
+        self.scale_t = torch.ones(len(layer_ids), 2, dtype=torch.float32, device=device)
+        self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.max_pages = -(-max_len // page_size)
+        self.block_table = torch.zeros(max_slots, self.max_pages, dtype=torch.int32, device=device)
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._pages: dict[int, list[int]] = {}
+        self._len: dict[tuple[int, int], int] = {}
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def reserve(self, slot: int, length: int) -> None:
+        """Make sure the slot has pages for ``length`` tokens."""
+        if length > self.max_len:
+            raise CacheFull(f"sequence of {length} tokens exceeds max_model_len {self.max_len}")
+        pages = self._pages.setdefault(slot, [])
+        need = -(-length // self.page_size) - len(pages)
+        if need > len(self._free):
+            raise CacheFull(f"KV cache full: need {need} pages, {len(self._free)} free")
+        if need > 0:
+            new = [self._free.pop() for _ in range(need)]
+            self.block_table[slot, len(pages) : len(pages) + need] = torch.tensor(new, dtype=torch.int32)
+            pages.extend(new)
+
+    def rows(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """Flat row index (page * page_size + offset) of the slot's positions [start, end)."""
+        pos = torch.arange(start, end, device=self.device)
+        return self.block_table[slot, pos // self.page_size].long() * self.page_size + pos % self.page_size
+
+    def _set_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if layer not in self.scales:
+            scales = tuple(
+                torch.clamp(x.abs().amax().float() * KVCache.HEADROOM / 448.0, min=1e-8) for x in (k, v)
+            )
+            self.scales[layer] = scales
+            self.scale_t[self.index[layer]] = torch.stack(scales)
+
+    def append(
+        self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU cache's contract: add k/v [n, Hkv, D]; return all of the slot's k/v [L, Hkv, D]."""
+        start = self.length(layer, slot)
+        end = start + k.shape[0]
+        self.reserve(slot, end)
+        i = self.index[layer]
+        kc, vc = self.k[i].view(-1, *k.shape[1:]), self.v[i].view(-1, *k.shape[1:])
+        if self.fp8:
+            self._set_scales(layer, k, v)
+            ks, vs = self.scales[layer]
+            k8, v8 = (
+                torch.clamp(x.float() / s, -448.0, 448.0).to(torch.float8_e4m3fn)
+                for x, s in ((k, ks), (v, vs))
+            )
+            kc[self.rows(slot, start, end)], vc[self.rows(slot, start, end)] = k8, v8
+        else:
+            kc[self.rows(slot, start, end)], vc[self.rows(slot, start, end)] = k, v
+        self._len[(layer, slot)] = end
+        rows = self.rows(slot, 0, end)
+        if self.fp8:
+            ks, vs = self.scales[layer]
+            return (kc[rows].float() * ks).to(k.dtype), (vc[rows].float() * vs).to(k.dtype)
+        return kc[rows], vc[rows]
+
+    def advance(self, slot: int, length: int) -> None:
+        """After a fused decode step wrote position length-1 of every layer."""
+        for layer in self.index:
+            self._len[(layer, slot)] = length
+
+    def truncate(self, layer: int, slot: int, length: int) -> None:
+        if (layer, slot) in self._len:
+            self._len[(layer, slot)] = min(self._len[(layer, slot)], length)
+
+    def length(self, layer: int, slot: int) -> int:
+        return self._len.get((layer, slot), 0)
+
+    def free(self, slot: int) -> None:
+        self._free.extend(reversed(self._pages.pop(slot, [])))
+        for key in [key for key in self._len if key[1] == slot]:
+            del self._len[key]
+
+
+class SlotStates:
+    """Gated DeltaNet states in slots; ``positions[slot]`` is how many tokens the slot has consumed (set by
+    the runner before a step, with ``next_positions`` the count after it)."""
+
+    def __init__(
+        self,
+        layer_ids: list[int],
+        max_slots: int,
+        conv_dim: int,
+        conv_kernel: int,
+        num_v_heads: int,
+        k_dim: int,
+        v_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.index = {layer: i for i, layer in enumerate(layer_ids)}
+        self.kc, self.dtype, self.device = conv_kernel, dtype, device
+        self.ring = torch.zeros(len(layer_ids), max_slots, conv_kernel, conv_dim, dtype=dtype, device=device)
+        self.rec = torch.zeros(len(layer_ids), max_slots, num_v_heads, k_dim, v_dim, device=device)
+        self.positions: dict[int, int] = {}
+        self.next_positions: dict[int, int] = {}
+
+    def _ring_rows(self, end: int) -> tuple[list[int], list[bool]]:
+        """Ring entries holding positions end-K+1 .. end-1 (oldest first), and which of them exist."""
+        pos = [end - j for j in range(self.kc - 1, 0, -1)]
+        return [p % self.kc for p in pos], [p >= 0 for p in pos]
+
+    def get(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i, pos = self.index[layer], self.positions.get(slot, 0)
+        rows, valid = self._ring_rows(pos)
+        conv = self.ring[i, slot, rows].T.clone()  # [C, K-1]
+        conv[:, [not ok for ok in valid]] = 0
+        rec = self.rec[i, slot] if pos > 0 else torch.zeros_like(self.rec[i, slot])
+        return conv, rec
+
+    def set(self, layer: int, slot: int, conv: torch.Tensor, rec: torch.Tensor) -> None:
+        i, end = self.index[layer], self.next_positions[slot]
+        rows, _ = self._ring_rows(end)
+        self.ring[i, slot, rows] = conv.T.to(self.dtype)
+        self.rec[i, slot] = rec
+
+    def free(self, slot: int) -> None:
+        self.positions.pop(slot, None)
+        self.next_positions.pop(slot, None)
+
+    def snapshot(self, slot: int):
+        return self.ring[:, slot].clone(), self.rec[:, slot].clone()
+
+    def restore(self, slot: int, snapshot) -> None:
+        self.ring[:, slot], self.rec[:, slot] = snapshot
