@@ -1,0 +1,457 @@
+"""GPU engine benchmark (issue 4): decode tok/s vs the memory-bandwidth roofline, prefill vs tensor-core peak.
+
+    python benchmarks/decode.py --out results.json            # on one GPU (the H200)
+
+1. Correctness gate: a tiny random qwen3_5_moe (bf16, and its NVFP4 quantization) generates greedily on the
+   CPU reference path and on the GPU engine (paged cache, fused kernels, CUDA graphs): tokens must be
+   identical and the chosen tokens' logprobs within 0.05 nats (bf16 noise), else the script stops.
+2. The full-size Qwen3.5-35B-A3B text model with random weights built on the GPU (routed experts NVFP4,
+   the rest bf16; and all-bf16 for comparison).
+3. Decode steps at batch B and context C (each sequence its own slot, pages and context; caches filled
+   with random data -- step time does not depend on the values): median step time over graph replays
+   (kernels only) and over engine steps (host work included), tok/s, bytes the step must move, GB/s and
+   % of the roofline. Bytes: every non-expert weight once (embedding: B rows), the distinct experts the
+   step touches (expected number under uniform routing: E(1-(1-k/E)^B) per layer), keys/values of every
+   context token, and the Gated DeltaNet states read and written. Roofline = bytes / measured copy bandwidth.
+4. Prefill of one 8K prompt: TFLOP/s (2 x active weights x tokens + causal attention) vs measured bf16 peak.
+5. A per-kernel breakdown of one batch-1 decode step (torch profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+FULL = dict(
+    num_hidden_layers=40,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+    hidden_size=2048,
+    vocab_size=248320,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=262144,
+    rope_parameters=dict(
+        rope_type="default",
+        rope_theta=1e7,
+        partial_rotary_factor=0.25,
+        mrope_section=[11, 11, 10],
+        mrope_interleaved=True,
+    ),
+)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ---- 1. correctness gate ------------------------------------------------------------------------------
+
+
+def correctness_gate() -> dict:
+    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.models.tiny import TinySpec, write_tiny_checkpoint
+    from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = write_tiny_checkpoint(Path(tmp) / "bf16", spec=TinySpec(with_vision=False))
+        dst = Path(tmp) / "nvfp4"
+        quantize(src, dst, QuantizeOptions(num_samples=8, seq_len=64, overwrite=True))
+        gen = torch.Generator().manual_seed(0)
+        prompts = [
+            {"prompt_token_ids": torch.randint(0, 1000, (n,), generator=gen).tolist()}
+            for n in (1, 7, 60, 130, 33)
+        ]
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+        for name, path in (("bf16", src), ("nvfp4", dst)):
+            for kv in ("auto", "fp8"):
+                ref = LLM(path, dtype="bfloat16", device="cpu", kv_cache_dtype=kv).generate(prompts, params)
+                gpu_llm = LLM(
+                    path,
+                    dtype="bfloat16",
+                    device="cuda",
+                    kv_cache_dtype=kv,
+                    max_num_seqs=8,
+                    max_model_len=1024,
+                )
+                got = gpu_llm.generate(prompts, params)
+                same = all(
+                    r.outputs[0].token_ids == g.outputs[0].token_ids for r, g in zip(ref, got, strict=True)
+                )
+                diff = max(
+                    abs(a.logprob - b.logprob)
+                    for r, g in zip(ref, got, strict=True)
+                    for a, b in zip(r.outputs[0].logprobs, g.outputs[0].logprobs, strict=False)
+                )
+                graphs = sorted(gpu_llm.runner.graphs)
+                result[f"{name}/{kv}"] = dict(tokens_identical=same, max_logprob_diff=diff, graphs=graphs)
+                log(
+                    f"gate {name:5s} kv={kv:4s}: tokens identical {same}, max |dlogprob| {diff:.4f}, graphs {graphs}"
+                )
+                if not same or diff > 0.05 or not graphs:
+                    raise SystemExit(f"correctness gate failed for {name}/{kv}: {result[f'{name}/{kv}']}")
+    return result
+
+
+# ---- 2. full-size synthetic model -----------------------------------------------------------------------
+
+
+def build_model(quantized: bool, device):
+    from fp4moe.formats import nvfp4
+    from fp4moe.layers.rope import Rotary
+    from fp4moe.models.qwen3_5_moe_model import ModelArgs, Qwen3_5MoeModel
+
+    args = ModelArgs.from_text_config(FULL)
+    with torch.device("meta"):
+        model = Qwen3_5MoeModel(args)
+    if quantized:
+        for layer in model.layers:
+            layer.mlp.experts.use_nvfp4()
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.dtype == torch.uint8:
+            t.random_(0, 256, generator=gen)
+        elif t.dtype == nvfp4.FP8_DTYPE:
+            t.copy_((torch.rand(t.shape, device=device, generator=gen) * 2 + 0.5).to(t.dtype))
+        elif name.endswith("decode"):
+            t.fill_(2e-3)
+        elif "A_log" in name or "dt_bias" in name:
+            t.data = torch.rand(t.shape, device=device, generator=gen).float()
+        elif name.endswith("norm_weight"):  # Gated DeltaNet's output norm: a plain weight
+            t.data = torch.ones(t.shape, device=device, dtype=torch.bfloat16)
+        elif "norm" in name:
+            t.data = torch.zeros(t.shape, device=device, dtype=torch.bfloat16)
+        else:
+            t.data = (torch.randn(t.shape, device=device, generator=gen) * 0.02).to(torch.bfloat16)
+    model.rotary = Rotary(args.rope, device)
+    return model.eval()
+
+
+def weight_bytes(model) -> tuple[int, int, int]:
+    """(non-expert bytes incl. lm_head, embedding bytes, bytes of one expert across gate_up+down)."""
+    experts = model.layers[0].mlp.experts
+    tensors = [t for t in list(experts.parameters()) + list(experts.buffers()) if t is not None]
+    per_expert = sum(t[0].numel() * t.element_size() for t in tensors if t.ndim == 3)
+    total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    expert_total = sum(
+        t.numel() * t.element_size()
+        for layer in model.layers
+        for t in list(layer.mlp.experts.parameters()) + list(layer.mlp.experts.buffers())
+    )
+    embed = model.embed_tokens.numel() * model.embed_tokens.element_size()
+    return total - expert_total - embed, embed, per_expert
+
+
+def step_bytes(model, b: int, ctx: int, kv_elem: int) -> dict:
+    a = model.args
+    dense, embed, per_expert = weight_bytes(model)
+    distinct = a.num_experts * (1 - (1 - a.top_k / a.num_experts) ** b)
+    experts = a.num_layers * distinct * per_expert
+    n_attn = sum(t == "full_attention" for t in a.layer_types)
+    kv = b * (ctx + 1) * n_attn * 2 * a.num_kv_heads * a.head_dim * kv_elem
+    conv_dim = (
+        2 * a.linear_num_key_heads * a.linear_key_head_dim
+        + a.linear_num_value_heads * a.linear_value_head_dim
+    )
+    state = (
+        (a.num_layers - n_attn)
+        * b
+        * (
+            2 * a.linear_num_value_heads * a.linear_key_head_dim * a.linear_value_head_dim * 4
+            + a.conv_kernel * conv_dim * 2
+        )
+    )
+    emb = b * a.hidden_size * 2
+    return dict(
+        weights=dense,
+        experts=experts,
+        kv=kv,
+        states=state,
+        embed=emb,
+        total=dense + experts + kv + state + emb,
+    )
+
+
+# ---- 3. decode timing --------------------------------------------------------------------------------------
+
+
+def time_decode(model, b: int, ctx: int, kv_dtype: str, steps: int = 30) -> dict:
+    from fp4moe.engine.cuda_runner import CudaModelRunner
+
+    dev = model.embed_tokens.device
+    page = 64
+    pages = b * (-(-(ctx + steps + 8) // page)) + 1
+    runner = CudaModelRunner(
+        model,
+        None,
+        dev,
+        kv_dtype,
+        max_num_seqs=b,
+        max_model_len=ctx + steps + 64,
+        num_pages=pages,
+        page_size=page,
+    )
+    kv, st = runner.kv, runner.states
+    if kv.fp8:
+        kv.k.view(torch.uint8).random_(0, 0x70)
+        kv.v.view(torch.uint8).random_(0, 0x70)
+    else:
+        kv.k.normal_()
+        kv.v.normal_()
+    st.rec.normal_(std=0.01)
+    st.ring.normal_()
+    slots = list(range(b))
+    for s in slots:
+        kv.reserve(s, ctx + steps + 1)
+    tokens = torch.randint(0, model.args.vocab_size, (b,), device=dev)
+    positions = [ctx] * b
+    logits = runner.decode_logits(slots, tokens, positions)  # capture
+    torch.cuda.synchronize()
+    graph, _ = runner.graphs[next(g for g in sorted(runner.graphs) if g >= b)]
+    replay = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        replay.append(start.elapsed_time(end) / 1e3)
+    engine = []
+    for i in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        logits = runner.decode_logits(slots, tokens, [ctx + i] * b)
+        tokens = logits.argmax(-1)
+        end.record()
+        end.synchronize()
+        engine.append(start.elapsed_time(end) / 1e3)
+    finite = bool(torch.isfinite(logits.float()).all())
+    del runner
+    torch.cuda.empty_cache()
+    return dict(replay_s=statistics.median(replay), engine_s=statistics.median(engine), finite=finite)
+
+
+def copy_bandwidth(dev) -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        y.copy_(x)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * x.numel() / statistics.median(times)
+
+
+def matmul_peak(dev) -> float:
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * 8192**3 / statistics.median(times)
+
+
+# ---- 4. prefill ---------------------------------------------------------------------------------------------
+
+
+def time_prefill(model, tokens: int) -> dict:
+    from fp4moe.engine.context import StepContext
+    from fp4moe.engine.cuda_runner import CudaModelRunner
+
+    dev = model.embed_tokens.device
+    runner = CudaModelRunner(
+        model,
+        None,
+        dev,
+        "auto",
+        max_num_seqs=1,
+        max_model_len=tokens + 64,
+        num_pages=tokens // 64 + 4,
+        cuda_graphs=False,
+    )
+
+    def run(n):
+        runner.kv.free(0)
+        runner.states.positions[0], runner.states.next_positions[0] = 0, n
+        ids = torch.randint(0, model.args.vocab_size, (n,), device=dev)
+        ctx = StepContext([n], [0], [0], runner.kv, runner.states)
+        h = model(ids, torch.arange(n, device=dev), ctx)
+        return model.compute_logits(h[-1:])
+
+    run(256)
+    run(tokens)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        out = run(tokens)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    a = model.args
+    dense, embed, _ = weight_bytes(model)
+    lm_head = a.vocab_size * a.hidden_size * 2
+    active = (dense - lm_head) / 2 + a.num_layers * a.top_k * 3 * a.hidden_size * a.moe_intermediate_size
+    n_attn = sum(t == "full_attention" for t in a.layer_types)
+    flops = (
+        2 * active * tokens + n_attn * 2 * a.num_heads * a.head_dim * tokens * tokens
+    )  # QK^T + PV, causal half
+    t = statistics.median(times)
+    return dict(
+        seconds=t,
+        tokens_per_s=tokens / t,
+        flops=flops,
+        tflops=flops / t / 1e12,
+        finite=bool(torch.isfinite(out).all()),
+    )
+
+
+def kernel_breakdown(model, b: int = 1, ctx: int = 1024) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from fp4moe.engine.cuda_runner import CudaModelRunner
+
+    dev = model.embed_tokens.device
+    runner = CudaModelRunner(
+        model,
+        None,
+        dev,
+        "auto",
+        max_num_seqs=b,
+        max_model_len=ctx + 128,
+        num_pages=b * (ctx // 64 + 4) + 1,
+        cuda_graphs=False,
+    )
+    for s in range(b):
+        runner.kv.reserve(s, ctx + 2)
+    runner.buf_slots[:b] = torch.arange(b, device=dev, dtype=torch.int32)
+    runner.buf_pos[:b] = ctx
+    for _ in range(3):
+        runner.decode_forward(b)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.decode_forward(b)
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows.append(dict(kernel=ev.key[:90], calls=ev.count, us=t))
+    rows.sort(key=lambda r: -r["us"])
+    del runner
+    return rows[:25]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="decode-results.json", help="where to write the JSON results")
+    ap.add_argument("--batches", default="1,16,64", help="decode batch sizes")
+    ap.add_argument("--contexts", default="1024,32768", help="decode context lengths")
+    ap.add_argument(
+        "--bf16-batches", default="1,16,64", help="batch sizes for the all-bf16 model (context 1K)"
+    )
+    ap.add_argument("--prefill", type=int, default=8192, help="prefill prompt length (0: skip)")
+    ap.add_argument(
+        "--skip-gate", action="store_true", help="skip the correctness gate (not for reported runs)"
+    )
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    dev = torch.device("cuda")
+    out = dict(
+        date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), torch=torch.__version__
+    )
+    if not args.skip_gate:
+        out["gate"] = correctness_gate()
+    bw = copy_bandwidth(dev)
+    peak = matmul_peak(dev)
+    out.update(copy_bandwidth=bw, matmul_peak=peak)
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    rows = []
+    for quantized in (True, False):
+        model = build_model(quantized, dev)
+        name = "nvfp4" if quantized else "bf16"
+        log(f"built {name} model: {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+        if quantized:
+            out["breakdown_b1"] = kernel_breakdown(model)
+            for r in out["breakdown_b1"][:12]:
+                log(f"  {r['us']:8.1f} us  x{r['calls']:3d}  {r['kernel']}")
+        batches = [int(x) for x in (args.batches if quantized else args.bf16_batches).split(",") if x]
+        contexts = [int(x) for x in args.contexts.split(",")] if quantized else [1024]
+        for kv_dtype in ("auto", "fp8") if quantized else ("auto",):
+            for ctx in contexts:
+                for b in batches:
+                    if kv_dtype == "fp8" and ctx == 1024 and b != 1:
+                        continue
+                    t = time_decode(model, b, ctx, kv_dtype)
+                    nbytes = step_bytes(model, b, ctx, 1 if kv_dtype == "fp8" else 2)
+                    roof = nbytes["total"] / bw
+                    row = dict(model=name, kv=kv_dtype, batch=b, context=ctx, **t, bytes=nbytes)
+                    row.update(
+                        tok_s=b / t["engine_s"], tok_s_replay=b / t["replay_s"], gbs=nbytes["total"] / t["replay_s"] / 1e9,
+                        roofline_tok_s=b / roof, pct_roofline=roof / t["replay_s"], pct_roofline_engine=roof / t["engine_s"],
+                    )  # fmt: skip
+                    rows.append(row)
+                    log(
+                        f"{name:5s} kv={kv_dtype:4s} B={b:3d} ctx={ctx:6d}: {row['tok_s']:8.1f} tok/s engine, "
+                        f"{row['tok_s_replay']:8.1f} graph, {row['gbs']:6.0f} GB/s, {row['pct_roofline']:.1%} of roofline "
+                        f"({row['roofline_tok_s']:.0f} tok/s), finite {t['finite']}"
+                    )
+        if args.prefill and quantized:
+            p = time_prefill(model, args.prefill)
+            p["pct_peak"] = p["flops"] / p["seconds"] / peak
+            out["prefill"] = p
+            log(
+                f"prefill {args.prefill}: {p['tokens_per_s']:.0f} tok/s, {p['tflops']:.0f} TFLOP/s = {p['pct_peak']:.1%} of peak"
+            )
+        del model
+        torch.cuda.empty_cache()
+    out["decode"] = rows
+    Path(args.out).write_text(json.dumps(out, indent=2, default=float))
+    log(
+        "\n| model | kv | batch | context | tok/s (engine) | tok/s (graph) | GB/s | roofline tok/s | % roofline |"
+    )
+    log("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        log(
+            f"| {r['model']} | {r['kv']} | {r['batch']} | {r['context']} | {r['tok_s']:.0f} | {r['tok_s_replay']:.0f} | "
+            f"{r['gbs']:.0f} | {r['roofline_tok_s']:.0f} | {r['pct_roofline']:.0%} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
