@@ -1,9 +1,8 @@
 """The GPU runner's fused decode step (paged caches, fused kernels) against the module path.
 
 Without CUDA the kernels run under Triton's interpreter on the CPU (graphs off); with CUDA the same test
-runs on the GPU with graphs on. Greedy tokens must be identical: both paths compute in bf16 with the same
-rounding points, and the tiny model's logit margins are far larger than the remaining differences
-(measured below: max |logit difference| relative to the logits' spread)."""
+runs on the GPU with graphs on. On the CPU the greedy tokens are identical (same rounding points); on the
+GPU (cuBLAS accumulation order) they must agree up to a near tie of the reference (fp4moe.engine.compare)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from fixtures import no_eos  # noqa: E402,F401
+from fp4moe.engine.compare import greedy_agreement  # noqa: E402
 from fp4moe.engine.cuda_runner import CudaModelRunner  # noqa: E402
 from fp4moe.engine.llm import LLM  # noqa: E402
 from fp4moe.engine.sampler import SamplingParams  # noqa: E402
@@ -31,19 +30,19 @@ def _fused(llm: LLM, kv_cache_dtype: str = "auto") -> None:
 @pytest.mark.parametrize("which", ["bf16", "nvfp4"])
 def test_fused_decode_gives_the_module_paths_greedy_tokens(checkpoints, which):
     path = checkpoints.bf16() if which == "bf16" else checkpoints.quantized()
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     ref = LLM(path, dtype="bfloat16", device="cpu")
-    expected = [
-        o.outputs[0].token_ids for o in ref.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    ]
+    expected = ref.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     llm = LLM(path, dtype="bfloat16", device=DEV)
     if DEV == "cpu":
         _fused(llm)
     calls = []
     forward = llm.runner.decode_forward
     llm.runner.decode_forward = lambda b: calls.append(b) or forward(b)
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
-    assert got == expected
+    got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    agree = greedy_agreement(expected, got)
+    assert agree.ok, agree.detail
+    assert agree.identical or DEV == "cuda"  # on the CPU (interpreter) the two paths agree exactly
     assert calls or DEV == "cuda"  # the decode steps took the fused path (on CUDA: graph replays)
     # every page went back to the pool (the scratch slot keeps its one)
     assert llm.runner.kv.num_free_pages == llm.runner.kv.k.shape[1] - 1 or DEV == "cuda"
@@ -56,6 +55,8 @@ def test_fused_decode_logits_close_with_an_fp8_cache(checkpoints):
     expected = [
         o.outputs[0].token_ids for o in ref.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     ]
+    if DEV == "cuda":
+        pytest.skip("the fp8 path on the GPU is checked by benchmarks/decode.py's gate")
     llm = LLM(path, dtype="bfloat16", device="cpu", kv_cache_dtype="fp8")
     _fused(llm, "fp8")
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
