@@ -164,9 +164,13 @@ def _decode_merge_kernel(
     tl.store(out_ptr + (b.to(tl.int64) * H + h) * D + d, y.to(out_ptr.dtype.element_ty))
 
 
-def split_len_for(max_len: int, page: int, min_split: int = 512, max_splits: int = 128) -> int:
-    """Tokens per split: at least ``min_split``, at most ``max_splits`` splits, whole pages."""
-    split = max(min_split, -(-max_len // max_splits))
+def split_len_for(
+    max_len: int, page: int, programs: int, min_split: int | None = None, max_splits: int = 128
+) -> int:
+    """Tokens per split, whole pages: enough splits that (sequences x KV heads x splits) covers the GPU
+    about twice (264 programs), at most ``max_splits`` (the merge holds them all in registers)."""
+    want = min(max_splits, max(1, -(-264 // programs)))
+    split = max(min_split or page, -(-max_len // want))
     return -(-split // page) * page
 
 
@@ -182,7 +186,7 @@ def paged_decode_attention(
     dims,
     out=None,
     buffers=None,
-    min_split: int = 512,
+    min_split: int | None = None,
 ):
     """q [B, H, D] (one token per sequence, already in the cache), qkv [B, ...] (its gate half),
     block_table [B, pages], seq_lens [B] (tokens incl. this one) -> [B, H*D] = attn * sigmoid(gate).
@@ -190,7 +194,7 @@ def paged_decode_attention(
     h, hkv, d = dims
     b = q.shape[0]
     page = k_cache.shape[1]
-    split = split_len_for(max_len, page, min_split)
+    split = split_len_for(max_len, page, b * hkv, min_split)
     nsplit = -(-max_len // split)
     if buffers is None:
         buffers = (

@@ -39,18 +39,19 @@ def _gdn_decode_kernel(
     proj_ptr, stride_p, conv_w_ptr, ring_ptr, stride_rs, stride_rk, state_ptr, stride_ss,
     slot_ptr, pos_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, stride_o,
     z_off, b_off, a_off, eps,
-    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr,
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
+    vb = tl.program_id(2)
     kh = h // (HV // HK)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     pos = tl.load(pos_ptr + b)
     row = proj_ptr + b.to(tl.int64) * stride_p
     ring = ring_ptr + slot * stride_rs
     dk = tl.arange(0, DK)
-    dv = tl.arange(0, DV)
-    first = h % (HV // HK) == 0  # one writer for the shared q/k inputs
+    dv = vb * BV + tl.arange(0, BV)
+    first = (h % (HV // HK) == 0) & (vb == 0)  # one writer for the shared q/k inputs
     q = _conv_channel(row, ring, stride_rk, conv_w_ptr, kh * DK + dk, pos, KC, first)
     k = _conv_channel(row, ring, stride_rk, conv_w_ptr, HK * DK + kh * DK + dk, pos, KC, first)
     v = _conv_channel(row, ring, stride_rk, conv_w_ptr, 2 * HK * DK + h * DV + dv, pos, KC, True)
@@ -68,6 +69,9 @@ def _gdn_decode_kernel(
     state = state + k[:, None] * u[None, :]
     tl.store(s_ptrs, state)
     o = round_bf16(tl.sum(state * q[:, None], 0))
+    if BV < DV:  # the gated norm needs the whole head: a second kernel applies it
+        tl.store(out_ptr + b.to(tl.int64) * stride_o + h * DV + dv, o.to(out_ptr.dtype.element_ty))
+        return
     normed = round_bf16(o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps))
     w = tl.load(norm_w_ptr + dv).to(tl.float32)
     z = tl.load(row + z_off + h * DV + dv).to(tl.float32)
@@ -75,7 +79,37 @@ def _gdn_decode_kernel(
     tl.store(out_ptr + b.to(tl.int64) * stride_o + h * DV + dv, round_bf16(y).to(out_ptr.dtype.element_ty))
 
 
-def gdn_decode(proj, conv_w, ring, state, slots, positions, a_log, dt_bias, norm_w, eps, dims, out=None):
+@triton.jit
+def _gated_norm_kernel(
+    o_ptr, proj_ptr, stride_p, z_off, norm_w_ptr, out_ptr, eps, HV: tl.constexpr, DV: tl.constexpr
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    dv = tl.arange(0, DV)
+    o = tl.load(o_ptr + (b.to(tl.int64) * HV + h) * DV + dv).to(tl.float32)
+    normed = round_bf16(o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps))
+    w = tl.load(norm_w_ptr + dv).to(tl.float32)
+    z = tl.load(proj_ptr + b.to(tl.int64) * stride_p + z_off + h * DV + dv).to(tl.float32)
+    y = round_bf16(w * normed) * (z * tl.sigmoid(z))
+    tl.store(out_ptr + (b.to(tl.int64) * HV + h) * DV + dv, round_bf16(y).to(out_ptr.dtype.element_ty))
+
+
+def gdn_decode(
+    proj,
+    conv_w,
+    ring,
+    state,
+    slots,
+    positions,
+    a_log,
+    dt_bias,
+    norm_w,
+    eps,
+    dims,
+    out=None,
+    v_splits=None,
+    num_warps=None,
+):
     """proj [B, conv_dim + Hv*Dv + 2*Hv] (fused in_proj output: qkv | z | b | a), conv_w [C, KC],
     ring [slots, KC, C], state [slots, Hv, Dk, Dv] fp32, slots/positions [B] int32 -> [B, Hv*Dv].
     ``dims`` = (Hk, Hv, Dk, Dv)."""
@@ -84,10 +118,18 @@ def gdn_decode(proj, conv_w, ring, state, slots, positions, a_log, dt_bias, norm
     conv_dim = 2 * hk * dk + hv * dv
     if out is None:
         out = torch.empty(b, hv * dv, dtype=proj.dtype, device=proj.device)
-    _gdn_decode_kernel[(b, hv)](
+    if v_splits is None:  # enough programs to fill the GPU at small batch
+        v_splits = 4 if b * hv < 256 and dv >= 64 else 1
+    if num_warps is None:
+        num_warps = 4
+    raw = out if v_splits == 1 else torch.empty_like(out)
+    z_off = conv_dim
+    _gdn_decode_kernel[(b, hv, v_splits)](
         proj, proj.stride(0), conv_w, ring, ring.stride(0), ring.stride(1), state, state.stride(0),
-        slots, positions, a_log, dt_bias, norm_w, out, out.stride(0),
-        conv_dim, conv_dim + hv * dv, conv_dim + hv * dv + hv, eps,
-        HK=hk, HV=hv, DK=dk, DV=dv, KC=conv_w.shape[-1], num_warps=8 if dk * dv >= 8192 else 4,
+        slots, positions, a_log, dt_bias, norm_w, raw, raw.stride(0),
+        z_off, conv_dim + hv * dv, conv_dim + hv * dv + hv, eps,
+        HK=hk, HV=hv, DK=dk, DV=dv, KC=conv_w.shape[-1], BV=dv // v_splits, num_warps=num_warps,
     )  # fmt: skip
+    if v_splits > 1:
+        _gated_norm_kernel[(b, hv)](raw, proj, proj.stride(0), z_off, norm_w, out, eps, HV=hv, DV=dv)
     return out

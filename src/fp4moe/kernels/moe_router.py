@@ -54,7 +54,9 @@ def _router_kernel(
         tl.store(shared_ptr + t * S + so, round_bf16(act * up).to(shared_ptr.dtype.element_ty), mask=so < S)
 
 
-def route(proj: torch.Tensor, num_experts: int, top_k: int, shared_inter: int = 0, out=None):
+def route(
+    proj: torch.Tensor, num_experts: int, top_k: int, shared_inter: int = 0, out=None, num_warps: int = 1
+):
     """proj [T, >= E + 2S] -> (topk_ids [T, k] int32, topk_weights [T, k] fp32, shared act [T, S])."""
     t = proj.shape[0]
     if out is None:
@@ -68,6 +70,7 @@ def route(proj: torch.Tensor, num_experts: int, top_k: int, shared_inter: int = 
     _router_kernel[(t,)](
         proj, proj.stride(0), ids, weights, shared, num_experts, shared_inter,
         EP=next_pow2(num_experts), TOPK=top_k, KP=next_pow2(top_k), SP=next_pow2(max(shared_inter, 1)),
+        num_warps=num_warps,
     )  # fmt: skip
     return ids, weights, shared
 

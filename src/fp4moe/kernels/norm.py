@@ -34,7 +34,7 @@ def _add_norm_kernel(
     tl.store(x_out_ptr + t * N + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(h, add, weight, eps, h_out=None, x_out=None):
+def add_rms_norm(h, add, weight, eps, h_out=None, x_out=None, num_warps: int = 8):
     """h_out = h + add (skipped when add is None); x_out = rmsnorm(h_out) * (1 + weight). Rows of N."""
     t, n = h.shape
     h_out = h if add is None else (torch.empty_like(h) if h_out is None else h_out)
@@ -48,6 +48,7 @@ def add_rms_norm(h, add, weight, eps, h_out=None, x_out=None):
         n,
         eps,
         HAS_ADD=add is not None,
+        num_warps=num_warps,
         BLOCK=next_pow2(n),
     )
     return h_out, x_out
@@ -75,7 +76,9 @@ def _combine_kernel(
     tl.store(x_out_ptr + t * N + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
 
 
-def moe_combine(h, y, top_k, shared, proj, gate_col, next_weight, eps, h_out=None, x_out=None):
+def moe_combine(
+    h, y, top_k, shared, proj, gate_col, next_weight, eps, h_out=None, x_out=None, num_warps: int = 8
+):
     """h_out = h + sum_k y[t*k + j] + sigmoid(proj[t, gate_col]) * shared[t]; x_out = next norm of h_out.
     ``shared`` None: no shared expert. y [T*k, N] fp32 (already weighted)."""
     t, n = h.shape
@@ -85,6 +88,6 @@ def moe_combine(h, y, top_k, shared, proj, gate_col, next_weight, eps, h_out=Non
     _combine_kernel[(t,)](
         h, y, shared if has_shared else h, proj if has_shared else h, proj.stride(0) if has_shared else 0,
         gate_col, next_weight, h_out, x_out, n, eps,
-        TOPK=top_k, HAS_SHARED=has_shared, BLOCK=next_pow2(n),
+        TOPK=top_k, HAS_SHARED=has_shared, BLOCK=next_pow2(n), num_warps=num_warps,
     )  # fmt: skip
     return h_out, x_out

@@ -206,7 +206,7 @@ class Routing:
         self.bm = bm
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routing:
+def align(topk_ids: torch.Tensor, num_experts: int, bm: int, ch: int = 32, num_warps: int = 4) -> Routing:
     """topk_ids [T, k] -> Routing. One program for small batches (decode); torch sorting otherwise."""
     tk = topk_ids.numel()
     maxb = max_blocks(tk, num_experts, bm)
@@ -217,7 +217,18 @@ def align(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routing:
         blk = torch.empty(3, maxb, dtype=torch.int32, device=dev)
         nblk = torch.empty(1, dtype=torch.int32, device=dev)
         _align_kernel[(1,)](
-            flat, tk, order, blk[0], blk[1], blk[2], nblk, maxb, E=next_pow2(num_experts), BM=bm, CH=32
+            flat,
+            tk,
+            order,
+            blk[0],
+            blk[1],
+            blk[2],
+            nblk,
+            maxb,
+            E=next_pow2(num_experts),
+            BM=bm,
+            CH=ch,
+            num_warps=num_warps,
         )
         return Routing(order, blk[0], blk[1], blk[2], nblk, bm)
     return align_reference(topk_ids, num_experts, bm)

@@ -1,0 +1,138 @@
+"""Configuration sweep for the decode kernels at the full-size shapes (hidden 2048, 256 experts top-8 with
+I = 512, Gated DeltaNet 16/32 heads of 128): median time per launch (triton.testing.do_bench, rotating
+nothing -- weights far exceed L2 at batch >= 16; at batch 1 the 8 experts' 13.6 MB fit in L2, so the batch-1
+MoE numbers are an upper bound) and GB/s over the bytes each launch must move. Prints the best configs.
+
+    python benchmarks/tune_kernels.py
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+
+from fp4moe.kernels import gdn_decode as gdn_k
+from fp4moe.kernels import moe_router, norm
+from fp4moe.kernels import nvfp4_gemm as gemm
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e-3
+
+
+def best(rows, label, top=3):
+    rows.sort(key=lambda r: r[0])
+    for t, cfg, gbs in rows[:top]:
+        print(f"{label} {cfg}: {t * 1e6:7.1f} us {'' if gbs is None else f'{gbs:6.0f} GB/s'}", flush=True)
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    e, h, i, k = 256, 2048, 512, 8
+    # experts: several copies so that repeated launches do not just read L2
+    gu_p = torch.randint(0, 256, (e, 2 * i, h // 2), dtype=torch.uint8, device=dev)
+    gu_s = (torch.rand(e, 2 * i, h // 16, device=dev) + 0.5).to(torch.float8_e4m3fn)
+    gu_d = torch.full((e, 2), 2e-3, device=dev)
+    dn_p = torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8, device=dev)
+    dn_s = (torch.rand(e, h, i // 16, device=dev) + 0.5).to(torch.float8_e4m3fn)
+    dn_d = torch.full((e,), 2e-3, device=dev)
+    per_gu = 2 * i * h // 2 + 2 * i * h // 16
+    per_dn = h * i // 2 + h * i // 16
+    for t in (1, 16, 64):
+        ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)]).to(torch.int32)
+        w = torch.rand(t, k, device=dev)
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+        routing = gemm.align(ids, e, 16)
+        distinct = ids.unique().numel()
+        act = gemm.moe_gate_up(x, gu_p, gu_s, gu_d, routing, k)
+        for op, kk, nbytes in (("gate_up", h, distinct * per_gu), ("down", i, distinct * per_dn)):
+            rows = []
+            for tiles in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (2, 4)):
+                if tiles[1] > kk:
+                    continue
+                if op == "gate_up":
+                    fn = lambda tiles=tiles: gemm.moe_gate_up(x, gu_p, gu_s, gu_d, routing, k, tiles=tiles)  # noqa: E731
+                else:
+                    fn = lambda tiles=tiles: gemm.moe_down(act, dn_p, dn_s, dn_d, routing, w, tiles=tiles)  # noqa: E731
+                try:
+                    s = bench(fn)
+                except Exception as exc:
+                    print(f"skip {op} {tiles}: {type(exc).__name__}")
+                    continue
+                rows.append((s, tiles, nbytes / s / 1e9))
+            best(rows, f"T={t:3d} {op:7s} tiles=")
+        rows = []
+        for ch, warps in itertools.product((8, 32, 64), (1, 2, 4, 8)):
+            rows.append(
+                (
+                    bench(lambda ch=ch, warps=warps: gemm.align(ids, e, 16, ch=ch, num_warps=warps)),
+                    (ch, warps),
+                    None,
+                )
+            )
+        best(rows, f"T={t:3d} align (ch, warps)=")
+        proj = torch.randn(t, e + 2 * 512 + 1, device=dev, dtype=torch.bfloat16)
+        rows = [
+            (bench(lambda nw=nw: moe_router.route(proj, e, k, 512, num_warps=nw)), nw, None)
+            for nw in (1, 2, 4, 8)
+        ]
+        best(rows, f"T={t:3d} router warps=")
+        hh = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+        y = torch.randn(t * k, h, device=dev)
+        wn = torch.zeros(h, device=dev, dtype=torch.bfloat16)
+        rows = [
+            (
+                bench(lambda nw=nw: norm.moe_combine(hh, y, k, hh, proj, e + 1024, wn, 1e-6, num_warps=nw)),
+                nw,
+                None,
+            )
+            for nw in (2, 4, 8, 16)
+        ]
+        best(rows, f"T={t:3d} combine warps=")
+        rows = [
+            (bench(lambda nw=nw: norm.add_rms_norm(hh, hh, wn, 1e-6, num_warps=nw)), nw, None)
+            for nw in (2, 4, 8, 16)
+        ]
+        best(rows, f"T={t:3d} add_norm warps=")
+        # Gated DeltaNet decode: state bytes read + written dominate
+        hk, hv, dk, dv = 16, 32, 128, 128
+        conv_dim = 2 * hk * dk + hv * dv
+        gproj = torch.randn(t, conv_dim + hv * dv + 2 * hv, device=dev, dtype=torch.bfloat16)
+        conv_w = torch.randn(conv_dim, 4, device=dev, dtype=torch.bfloat16)
+        ring = torch.randn(t, 4, conv_dim, device=dev, dtype=torch.bfloat16)
+        state = torch.randn(t, hv, dk, dv, device=dev) * 0.01
+        slots = torch.arange(t, device=dev, dtype=torch.int32)
+        pos = torch.full((t,), 100, device=dev, dtype=torch.int32)
+        ones = torch.ones(hv, device=dev)
+        nw_ = torch.ones(dv, device=dev, dtype=torch.bfloat16)
+        sbytes = t * hv * dk * dv * 4 * 2
+        rows = []
+        for vs, warps in itertools.product((1, 2, 4, 8), (2, 4, 8, 16)):
+            fn = lambda vs=vs, warps=warps: gdn_k.gdn_decode(  # noqa: E731
+                gproj,
+                conv_w,
+                ring,
+                state,
+                slots,
+                pos,
+                ones,
+                ones,
+                nw_,
+                1e-6,
+                (hk, hv, dk, dv),
+                v_splits=vs,
+                num_warps=warps,
+            )
+            try:
+                s = bench(fn)
+            except Exception as exc:
+                print(f"skip gdn {vs, warps}: {type(exc).__name__}")
+                continue
+            rows.append((s, (vs, warps), sbytes / s / 1e9))
+        best(rows, f"T={t:3d} gdn (v_splits, warps)=")
+
+
+if __name__ == "__main__":
+    main()
