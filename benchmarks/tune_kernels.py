@@ -1,3 +1,4 @@
+# ruff: noqa: B023  (each lambda is called at once, inside the loop)
 """Configuration sweep for the decode kernels at the full-size shapes (hidden 2048, 256 experts top-8 with
 I = 512, Gated DeltaNet 16/32 heads of 128): median time per launch (triton.testing.do_bench, rotating
 nothing -- weights far exceed L2 at batch >= 16; at batch 1 the 8 experts' 13.6 MB fit in L2, so the batch-1

@@ -129,7 +129,8 @@ def _gdn_layer(gen, hk=2, hv=4, dk=16, dv=32, hidden=64):
     return layer.to(DEV)
 
 
-def test_gdn_decode_matches_the_layer_step_by_step():
+@pytest.mark.parametrize("v_splits", [1, 2])
+def test_gdn_decode_matches_the_layer_step_by_step(v_splits):
     gen = torch.Generator().manual_seed(5)
     layer = _gdn_layer(gen)
     hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.k_dim, layer.v_dim
