@@ -149,7 +149,7 @@ def test_gdn_decode_matches_the_layer_step_by_step(v_splits):
         core = gdn_k.gdn_decode(
             x @ w_in.T, layer.conv1d_weight.view(layer.conv_dim, 4), ring, state, slots,
             torch.full((b,), step, dtype=torch.int32, device=DEV), layer.A_log, layer.dt_bias, layer.norm_weight,
-            layer.eps, (hk, hv, dk, dv),
+            layer.eps, (hk, hv, dk, dv), v_splits=v_splits,
         )  # fmt: skip
         assert rel(layer.out_proj(core), ref) < RTOL, step
     for i, slot in enumerate(slots.tolist()):
