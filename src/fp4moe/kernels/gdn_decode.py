@@ -118,10 +118,10 @@ def gdn_decode(
     conv_dim = 2 * hk * dk + hv * dv
     if out is None:
         out = torch.empty(b, hv * dv, dtype=proj.dtype, device=proj.device)
-    if v_splits is None:  # enough programs to fill the GPU at small batch
-        v_splits = 4 if b * hv < 256 and dv >= 64 else 1
+    if v_splits is None:  # enough programs to fill the GPU at small batch (H200 sweep: tune_kernels.py)
+        v_splits = max(1, min(8, 256 // (b * hv), dv // 16))
     if num_warps is None:
-        num_warps = 4
+        num_warps = 8 if v_splits >= 8 else 4
     raw = out if v_splits == 1 else torch.empty_like(out)
     z_off = conv_dim
     _gdn_decode_kernel[(b, hv, v_splits)](

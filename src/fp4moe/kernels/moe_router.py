@@ -55,10 +55,17 @@ def _router_kernel(
 
 
 def route(
-    proj: torch.Tensor, num_experts: int, top_k: int, shared_inter: int = 0, out=None, num_warps: int = 1
+    proj: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    shared_inter: int = 0,
+    out=None,
+    num_warps: int | None = None,
 ):
     """proj [T, >= E + 2S] -> (topk_ids [T, k] int32, topk_weights [T, k] fp32, shared act [T, S])."""
     t = proj.shape[0]
+    if num_warps is None:  # H200 sweep (benchmarks/tune_kernels.py)
+        num_warps = 8 if t <= 8 else 4 if t <= 32 else 2
     if out is None:
         dev = proj.device
         out = (

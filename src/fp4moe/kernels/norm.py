@@ -34,9 +34,10 @@ def _add_norm_kernel(
     tl.store(x_out_ptr + t * N + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(h, add, weight, eps, h_out=None, x_out=None, num_warps: int = 8):
+def add_rms_norm(h, add, weight, eps, h_out=None, x_out=None, num_warps: int | None = None):
     """h_out = h + add (skipped when add is None); x_out = rmsnorm(h_out) * (1 + weight). Rows of N."""
     t, n = h.shape
+    num_warps = num_warps or (16 if t <= 8 else 8)  # H200 sweep (benchmarks/tune_kernels.py)
     h_out = h if add is None else (torch.empty_like(h) if h_out is None else h_out)
     x_out = torch.empty_like(h) if x_out is None else x_out
     _add_norm_kernel[(t,)](
@@ -77,11 +78,22 @@ def _combine_kernel(
 
 
 def moe_combine(
-    h, y, top_k, shared, proj, gate_col, next_weight, eps, h_out=None, x_out=None, num_warps: int = 8
+    h,
+    y,
+    top_k,
+    shared,
+    proj,
+    gate_col,
+    next_weight,
+    eps,
+    h_out=None,
+    x_out=None,
+    num_warps: int | None = None,
 ):
     """h_out = h + sum_k y[t*k + j] + sigmoid(proj[t, gate_col]) * shared[t]; x_out = next norm of h_out.
     ``shared`` None: no shared expert. y [T*k, N] fp32 (already weighted)."""
     t, n = h.shape
+    num_warps = num_warps or (16 if t >= 64 else 4)
     h_out = torch.empty_like(h) if h_out is None else h_out
     x_out = torch.empty_like(h) if x_out is None else x_out
     has_shared = shared is not None

@@ -3,9 +3,9 @@ NVFP4 linear (one "expert", every row).
 
 Weights stay packed ([E, N, K/2] uint8, two E2M1 codes per byte, even element in the low nibble),
 with FP8-E4M3 block scales per 16 along K and one FP32 decode scale per projection. A program dequantizes
-one [BN, BK] weight tile in registers -- code -> fp16 bits -> fp32, times its block scale, exactly
-representable in bf16 -- multiplies it with up to BM activation rows on the tensor cores, and applies the
-decode scale once to the fp32 accumulator. Rows are (token, expert) pairs sorted by expert; a block table
+one [BN, BK] weight tile in registers -- code -> fp16 bits, times its block scale, exact in fp16 -- multiplies
+it with up to BM activation rows (cast to fp16: exact for bf16 values between 2^-14 and 65504, clamped
+beyond) on the tensor cores, and applies the decode scale once to the fp32 accumulator. Rows are (token, expert) pairs sorted by expert; a block table
 says which expert and which run of sorted pairs each program row-block covers (``align``).
 
 Gate/up programs compute the gate rows n and the up rows I + n of one expert together and store
@@ -26,14 +26,18 @@ from fp4moe.kernels.tl_helpers import round_bf16
 
 @triton.jit
 def _dequant_tile(w_ptrs, s_ptrs, mask, BN: tl.constexpr, BK: tl.constexpr):
-    """Packed codes [BN, BK/2] and block scales [BN, BK/16] -> [BN, BK] bf16 (code value * block scale)."""
+    """Packed codes [BN, BK/2] and block scales [BN, BK/16] -> [BN, BK] fp16 (code value * block scale,
+    exact: at most 6 significant bits, within fp16's normal range). The E2M1 magnitude is written straight
+    into fp16 bits -- code m = 2..7 is (m << 9) + 0x3800, m = 1 is 0.5 (0x3800), m = 0 is 0 -- so no
+    conversion instruction runs per element (they are the slow ones); the scale multiply is fp16."""
     packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.uint16)
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK))  # even k from the low nibble
-    bits = ((codes & 8) << 12) | ((codes & 7) << 9)  # E2M1 -> fp16 with the exponent 14 too small
-    vals = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    scales = tl.load(s_ptrs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+    mag = codes & 7
+    bits = tl.where(mag >= 2, (mag << 9) + 0x3800, tl.where(mag == 1, 0x3800, 0)) | ((codes & 8) << 12)
+    vals = bits.to(tl.uint16).to(tl.float16, bitcast=True)
+    scales = tl.load(s_ptrs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     w = tl.reshape(vals, (BN, BK // 16, 16)) * scales[:, :, None]
-    return tl.reshape(w, (BN, BK)).to(tl.bfloat16)
+    return tl.reshape(w, (BN, BK))
 
 
 @triton.jit
@@ -101,7 +105,9 @@ def _w4a16_kernel(
             a_ptr + rows[:, None].to(tl.int64) * stride_am + (k0 + offs_k)[None, :],
             mask=mask_m[:, None],
             other=0.0,
-        ).to(tl.bfloat16)
+        )
+        if not W_BF16:  # fp16 operands for the fp16 weight tiles (bf16 activations are exact in fp16)
+            a = tl.clamp(a.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         if W_BF16:  # the all-bf16 model through the same kernel (for comparison)
             w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
             s_ptrs = w_ptrs
@@ -206,12 +212,16 @@ class Routing:
         self.bm = bm
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, bm: int, ch: int = 32, num_warps: int = 4) -> Routing:
+def align(
+    topk_ids: torch.Tensor, num_experts: int, bm: int, ch: int | None = None, num_warps: int | None = None
+) -> Routing:
     """topk_ids [T, k] -> Routing. One program for small batches (decode); torch sorting otherwise."""
     tk = topk_ids.numel()
     maxb = max_blocks(tk, num_experts, bm)
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int32)
+    ch = ch or (8 if tk <= 128 else 64)  # H200 sweep (benchmarks/tune_kernels.py)
+    num_warps = num_warps or (8 if tk <= 8 else 4)
     if tk <= 4096:
         order = torch.empty(tk, dtype=torch.int32, device=dev)
         blk = torch.empty(3, maxb, dtype=torch.int32, device=dev)
@@ -273,10 +283,11 @@ def block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
 
-def _tiles(bm: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BN, BK, warps, stages) for a row block of ``bm``: narrow N tiles and long K tiles for decode."""
+def _tiles(bm: int, n: int, k: int, rows: int = 1) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, stages) for a row block of ``bm`` and ``rows`` tokens in the launch (H200 sweep,
+    benchmarks/tune_kernels.py: narrow N tiles while only a few experts are active)."""
     if bm <= 16:
-        return (32 if n <= 1024 else 64), min(256, k), 4, 4
+        return (32 if rows <= 4 else 64), min(128, k), 4, 4
     return 64, min(128, k), 4, 3
 
 
@@ -287,7 +298,7 @@ def moe_gate_up(x, packed, scales, decode, routing: Routing, top_k: int, out=Non
     inter, hidden = two_i // 2, x.shape[1]
     tk = x.shape[0] * top_k
     bm = routing.bm
-    bn, bk, warps, stages = tiles or _tiles(bm, inter, hidden)
+    bn, bk, warps, stages = tiles or _tiles(bm, inter, hidden, x.shape[0])
     if out is None:
         out = torch.empty(tk, inter, dtype=x.dtype, device=x.device)
     grid = (routing.blk_expert.numel(), triton.cdiv(inter, bn))
@@ -308,7 +319,7 @@ def moe_down(act, packed, scales, decode, routing: Routing, topk_weights, out=No
     e, hidden, _ = packed.shape
     inter = act.shape[1]
     bm = routing.bm
-    bn, bk, warps, stages = tiles or _tiles(bm, hidden, inter)
+    bn, bk, warps, stages = tiles or _tiles(bm, hidden, inter, act.shape[0] // max(1, topk_weights.shape[-1]))
     if out is None:
         out = torch.empty(act.shape[0], hidden, dtype=torch.float32, device=act.device)
     grid = (routing.blk_expert.numel(), triton.cdiv(hidden, bn))
