@@ -63,8 +63,10 @@ def test_align_matches_torch_sorting(tokens, experts, top_k):
         assert covered == list(range(tokens * top_k))  # every pair exactly once
 
 
+@pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("tokens", [1, 5, 70])
-def test_moe_experts_match_the_dequantized_reference(tokens):
+def test_moe_experts_match_the_dequantized_reference(tokens, mode, monkeypatch):
+    monkeypatch.setattr(gemm, "DEQUANT_MODE", mode)
     gen = torch.Generator().manual_seed(100 + tokens)
     e, h, i, k = 8, 64, 32, 3
     gp, gs, gd = quantized((e * 2, i, h), gen)

@@ -25,19 +25,51 @@ from fp4moe.kernels.tl_helpers import round_bf16
 
 
 @triton.jit
-def _dequant_tile(w_ptrs, s_ptrs, mask, BN: tl.constexpr, BK: tl.constexpr):
-    """Packed codes [BN, BK/2] and block scales [BN, BK/16] -> [BN, BK] fp16 (code value * block scale,
-    exact: at most 6 significant bits, within fp16's normal range). The E2M1 magnitude is written straight
-    into fp16 bits -- code m = 2..7 is (m << 9) + 0x3800, m = 1 is 0.5 (0x3800), m = 0 is 0 -- so no
-    conversion instruction runs per element (they are the slow ones); the scale multiply is fp16."""
+def _dequant_bf16(w_ptrs, s_ptrs, mask, BN: tl.constexpr, BK: tl.constexpr):
+    """MODE 1: packed codes [BN, BK/2] and block scales [BN, BK/16] -> interleaved [BN, BK] bf16 tile
+    (code -> fp16 bits with the exponent 14 too small -> fp32, times scale * 2^14 -> bf16, exact)."""
     packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.uint16)
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK))  # even k from the low nibble
-    mag = codes & 7
-    bits = tl.where(mag >= 2, (mag << 9) + 0x3800, tl.where(mag == 1, 0x3800, 0)) | ((codes & 8) << 12)
-    vals = bits.to(tl.uint16).to(tl.float16, bitcast=True)
-    scales = tl.load(s_ptrs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
+    vals = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    scales = tl.load(s_ptrs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
     w = tl.reshape(vals, (BN, BK // 16, 16)) * scales[:, :, None]
-    return tl.reshape(w, (BN, BK))
+    return tl.reshape(w, (BN, BK)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dequant_half(codes, scales, BN: tl.constexpr, BK: tl.constexpr):
+    """MODE 2: one parity's codes [BN, BK/2] (int32 nibbles) -> fp32 values * block scale, the E2M1 value
+    written straight into fp32 bits (code m = 2..7: (m << 22) + 0x3F000000; m = 1: 0.5; m = 0: 0), so no
+    conversion instruction runs per element; the tile feeds a tf32 dot, exact for these values."""
+    mag = codes & 7
+    bits = tl.where(mag >= 2, (mag << 22) + 0x3F000000, tl.where(mag == 1, 0x3F000000, 0)) | (
+        (codes & 8) << 28
+    )
+    w = tl.reshape(bits.to(tl.float32, bitcast=True), (BN, BK // 16, 8)) * scales[:, :, None]
+    return tl.reshape(w, (BN, BK // 2))
+
+
+@triton.jit
+def _tile_dot(a_base, a_mask, k0, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh,
+              MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+    """One K tile's contribution a[:, k0:k0+BK] @ W[n, k0:k0+BK]^T -> [BM, BN] fp32."""
+    if MODE == 2:  # even and odd k apart: no interleaving of the weight tile
+        packed = tl.load(w_ptrs, mask=mask_n[:, None], other=0).to(tl.int32)
+        scales = tl.load(s_ptrs, mask=mask_n[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        a_even = tl.load(a_base + (k0 + 2 * offs_kh)[None, :], mask=a_mask, other=0.0).to(tl.float32)
+        a_odd = tl.load(a_base + (k0 + 2 * offs_kh + 1)[None, :], mask=a_mask, other=0.0).to(tl.float32)
+        w_even = _dequant_half(packed & 0xF, scales, BN, BK)
+        w_odd = _dequant_half((packed >> 4) & 0xF, scales, BN, BK)
+        return tl.dot(a_even, tl.trans(w_even)) + tl.dot(a_odd, tl.trans(w_odd))
+    a = tl.load(a_base + (k0 + offs_k)[None, :], mask=a_mask, other=0.0)
+    if MODE == 0:  # bf16 weights (the all-bf16 model through the same kernel)
+        w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+    else:
+        w = _dequant_bf16(w_ptrs, s_ptrs, mask_n[:, None], BN, BK)
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
+    return tl.dot(a.to(tl.bfloat16), tl.trans(w))
 
 
 @triton.jit
@@ -65,7 +97,7 @@ def _w4a16_kernel(
     stride_sn,
     stride_de,
     DENSE: tl.constexpr,
-    W_BF16: tl.constexpr,
+    MODE: tl.constexpr,
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
     BM: tl.constexpr,
@@ -100,35 +132,21 @@ def _w4a16_kernel(
     s_base = s_ptr + e.to(tl.int64) * stride_se
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    a_base = a_ptr + rows[:, None].to(tl.int64) * stride_am
+    a_mask = mask_m[:, None]
     for k0 in range(0, K, BK):
-        a = tl.load(
-            a_ptr + rows[:, None].to(tl.int64) * stride_am + (k0 + offs_k)[None, :],
-            mask=mask_m[:, None],
-            other=0.0,
-        )
-        if not W_BF16:  # fp16 operands for the fp16 weight tiles (bf16 activations are exact in fp16)
-            a = tl.clamp(a.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-        if W_BF16:  # the all-bf16 model through the same kernel (for comparison)
+        if MODE == 0:
             w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
             s_ptrs = w_ptrs
-            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
         else:
             w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 // 2 + offs_kh)[None, :]
             s_ptrs = s_base + offs_n[:, None] * stride_sn + (k0 // 16 + offs_ks)[None, :]
-            w = _dequant_tile(w_ptrs, s_ptrs, mask_n[:, None], BN, BK)
-        if DOT_F32:
-            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
-        else:
-            acc += tl.dot(a, tl.trans(w))
+        acc += _tile_dot(a_base, a_mask, k0, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, MODE, BN, BK, DOT_F32)
         if GATED:
-            if W_BF16:
-                wu = tl.load(w_ptrs + N * stride_wn, mask=mask_n[:, None], other=0.0)
-            else:
-                wu = _dequant_tile(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n[:, None], BN, BK)
-            if DOT_F32:
-                acc_up += tl.dot(a.to(tl.float32), tl.trans(wu.to(tl.float32)))
-            else:
-                acc_up += tl.dot(a, tl.trans(wu))
+            acc_up += _tile_dot(
+                a_base, a_mask, k0, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n, offs_k, offs_kh,
+                MODE, BN, BK, DOT_F32,
+            )  # fmt: skip
     if GATED:  # the CPU path rounds gate, up and silu(gate) to bf16 on the way; so do we
         gate = round_bf16(acc * tl.load(d_ptr + e * stride_de))
         up = round_bf16(acc_up * tl.load(d_ptr + e * stride_de + 1))
@@ -277,6 +295,13 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routin
 # ---- launchers ----------------------------------------------------------------------------------------
 
 
+DEQUANT_MODE = 2  # 1: interleaved bf16 tiles; 2: even/odd fp32 tiles, tf32 dot (see _dequant_half)
+
+
+def _mode(packed: torch.Tensor) -> int:
+    return 0 if packed.dtype == torch.bfloat16 else DEQUANT_MODE
+
+
 def block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
     """Rows per expert block: 16 (the smallest tensor-core tile) for decode, up to 64 for prefill."""
     per_expert = num_tokens * top_k / num_experts
@@ -308,7 +333,7 @@ def moe_gate_up(x, packed, scales, decode, routing: Routing, top_k: int, out=Non
         routing.order, routing.blk_expert, routing.blk_start, routing.blk_count, routing.nblk, decode,
         0, inter, hidden, top_k,
         packed.stride(0), packed.stride(1), s.stride(0), s.stride(1), decode.stride(0),
-        DENSE=False, W_BF16=packed.dtype == torch.bfloat16, GATED=True, WEIGHTED=False, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
+        DENSE=False, MODE=_mode(packed), GATED=True, WEIGHTED=False, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -330,7 +355,7 @@ def moe_down(act, packed, scales, decode, routing: Routing, topk_weights, out=No
         topk_weights.reshape(-1),
         0, hidden, inter, 1,
         packed.stride(0), packed.stride(1), s.stride(0), s.stride(1), decode.stride(0) if decode.ndim else 0,
-        DENSE=False, W_BF16=packed.dtype == torch.bfloat16, GATED=False, WEIGHTED=True, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
+        DENSE=False, MODE=_mode(packed), GATED=False, WEIGHTED=True, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -352,7 +377,7 @@ def nvfp4_linear(x, packed, scales, decode, out=None):
         d, d, d, d, d, d,
         m, n, k, 1,
         0, packed.stride(0), 0, s.stride(0), 0,
-        DENSE=True, W_BF16=False, GATED=False, WEIGHTED=False, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
+        DENSE=True, MODE=DEQUANT_MODE, GATED=False, WEIGHTED=False, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
