@@ -395,6 +395,8 @@ def main() -> int:
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
     rows = []
     for quantized in (True, False):
+        if not quantized and not args.bf16_batches:
+            continue
         model = build_model(quantized, dev)
         name = "nvfp4" if quantized else "bf16"
         log(f"built {name} model: {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
