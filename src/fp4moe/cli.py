@@ -644,11 +644,16 @@ def cmd_serve(args) -> int:
         limit_mm_per_prompt=limits,
         kv_cache_dtype=args.kv_cache_dtype,
         num_speculative_tokens=args.num_speculative_tokens,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     from fp4moe.engine.prefix_cache import PrefixCache
 
     max_cached = args.max_cached_tokens
-    if llm.device.type == "cuda":  # size the KV budget from what the loaded model leaves
+    capacity = getattr(llm.runner, "capacity_tokens", None)
+    if capacity is not None:  # the GPU runner sized its paged cache from free memory already
+        max_cached = min(max_cached, capacity())
+    elif llm.device.type == "cuda":  # size the KV budget from what the loaded model leaves
         import torch
 
         from fp4moe.engine.memory import cache_budget_tokens, deltanet_bytes_per_sequence, kv_bytes_per_token

@@ -62,6 +62,18 @@ class KVCache:
         for key in [k for k in self._kv if k[1] == slot]:
             del self._kv[key]
 
+    def export_slot(self, slot: int, length: int) -> dict:
+        """Copies of the slot's first ``length`` stored keys/values per layer (prefix caching)."""
+        return {
+            key[0]: (k[:length].clone(), v[:length].clone())
+            for key, (k, v) in self._kv.items()
+            if key[1] == slot
+        }
+
+    def import_slot(self, slot: int, data: dict) -> None:
+        for layer, (k, v) in data.items():
+            self._kv[(layer, slot)] = (k.clone(), v.clone())
+
 
 class DeltaNetStates:
     def __init__(
@@ -103,3 +115,9 @@ class DeltaNetStates:
         self.free(slot)
         for layer, value in snapshot.items():
             self._states[(layer, slot)] = value
+
+    def export_slot(self, slot: int) -> dict:
+        return {layer: (conv.clone(), rec.clone()) for layer, (conv, rec) in self.snapshot(slot).items()}
+
+    def import_slot(self, slot: int, data: dict, position: int) -> None:
+        self.restore(slot, {layer: (conv.clone(), rec.clone()) for layer, (conv, rec) in data.items()})

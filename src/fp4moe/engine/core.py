@@ -122,7 +122,6 @@ class EngineCore:
                         self.kv,
                         self.states,
                         seq.slot,
-                        self.llm.model.args.num_layers,
                     )
                     seq.stop_at = 0
         for seq, logits in results:

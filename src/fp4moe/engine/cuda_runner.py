@@ -136,6 +136,12 @@ class CudaModelRunner(ModelRunner):
     def new_caches(self):
         return self.kv, self.states
 
+    def capacity_tokens(self) -> int:
+        """Tokens the scheduler may reserve: every page but the scratch one, less a partly filled last
+        page per sequence."""
+        pages = self.kv.k.shape[1] - 1 - self.max_num_seqs
+        return max(0, pages * self.kv.page_size)
+
     # ---- module path (prefill, chunks, verification) ------------------------------------------------
 
     @torch.no_grad()

@@ -119,6 +119,22 @@ class PagedKVCache:
     def length(self, layer: int, slot: int) -> int:
         return self._len.get((layer, slot), 0)
 
+    def export_slot(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the slot's first ``length`` stored keys/values, every layer: [layers, length, Hkv, D]."""
+        rows = self.rows(slot, 0, length)
+        flat = (self.k.shape[0], -1, *self.k.shape[3:])
+        return self.k.view(flat)[:, rows].clone(), self.v.view(flat)[:, rows].clone()
+
+    def import_slot(self, slot: int, data: tuple[torch.Tensor, torch.Tensor]) -> None:
+        k, v = data
+        length = k.shape[1]
+        self.reserve(slot, length)
+        rows = self.rows(slot, 0, length)
+        flat = (self.k.shape[0], -1, *self.k.shape[3:])
+        self.k.view(flat)[:, rows], self.v.view(flat)[:, rows] = k, v
+        for layer in self.index:
+            self._len[(layer, slot)] = length
+
     def free(self, slot: int) -> None:
         self._free.extend(reversed(self._pages.pop(slot, [])))
         for key in [key for key in self._len if key[1] == slot]:
@@ -176,3 +192,10 @@ class SlotStates:
 
     def restore(self, slot: int, snapshot) -> None:
         self.ring[:, slot], self.rec[:, slot] = snapshot
+
+    def export_slot(self, slot: int):
+        return self.snapshot(slot)
+
+    def import_slot(self, slot: int, data, position: int) -> None:
+        self.restore(slot, data)
+        self.positions[slot] = position

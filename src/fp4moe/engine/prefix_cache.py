@@ -22,8 +22,8 @@ import torch
 @dataclass
 class Snapshot:
     length: int
-    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (k [p, Hkv, D], v)
-    states: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (conv [C, K-1], recurrent [Hv, Dk, Dv])
+    kv: object  # the KV cache's ``export_slot`` of tokens [0, p)
+    states: object  # the DeltaNet states' ``export_slot`` at p
 
 
 def block_keys(tokens: list[int], block_size: int) -> list[str]:
@@ -68,23 +68,15 @@ class PrefixCache:
     def contains(self, prompt: list[int], p: int) -> bool:
         return self._key(prompt, p) in self._entries
 
-    def store(self, prompt: list[int], p: int, kv_cache, states, slot: int, num_layers: int) -> None:
-        kv = {}
-        rec = {}
-        for layer in range(num_layers):
-            entry = kv_cache._kv.get((layer, slot))
-            if entry is not None:
-                kv[layer] = (entry[0][:p].clone(), entry[1][:p].clone())
-            state = states._states.get((layer, slot))
-            if state is not None:
-                rec[layer] = (state[0].clone(), state[1].clone())
-        self._entries[self._key(prompt, p)] = Snapshot(p, kv, rec)
+    def store(self, prompt: list[int], p: int, kv_cache, states, slot: int) -> None:
+        """Snapshot a slot that has consumed exactly ``p`` tokens of ``prompt`` (CPU or paged caches)."""
+        self._entries[self._key(prompt, p)] = Snapshot(
+            p, kv_cache.export_slot(slot, p), states.export_slot(slot)
+        )
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
     @staticmethod
     def restore(snap: Snapshot, kv_cache, states, slot: int) -> None:
-        for layer, (k, v) in snap.kv.items():
-            kv_cache._kv[(layer, slot)] = (k.clone(), v.clone())
-        for layer, (conv, rec) in snap.states.items():
-            states._states[(layer, slot)] = (conv.clone(), rec.clone())
+        kv_cache.import_slot(slot, snap.kv)
+        states.import_slot(slot, snap.states, snap.length)

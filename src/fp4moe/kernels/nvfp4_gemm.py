@@ -295,7 +295,9 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routin
 # ---- launchers ----------------------------------------------------------------------------------------
 
 
-DEQUANT_MODE = 1  # 1: interleaved bf16 tiles; 2: even/odd fp32 tiles, tf32 dot (slower on the H200: BENCHMARKS.md)
+DEQUANT_MODE = (
+    1  # 1: interleaved bf16 tiles; 2: even/odd fp32 tiles, tf32 dot (slower on the H200: BENCHMARKS.md)
+)
 
 
 def _mode(packed: torch.Tensor) -> int:
