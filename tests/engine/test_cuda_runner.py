@@ -98,3 +98,17 @@ def test_serving_engine_with_prefix_caching_on_the_paged_caches(checkpoints):
     agree = greedy_agreement(ref, served)  # bf16 GEMM order may split greedy paths at near ties
     assert agree.ok, agree.detail
     assert llm.runner.kv.num_free_pages == llm.runner.kv.k.shape[1] - 1
+
+
+def test_more_prompts_than_state_slots_run_in_waves(checkpoints):
+    path = checkpoints.bf16()
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i, 9, 11 + i]} for i in range(6)]
+    ref = [
+        o.outputs[0].token_ids for o in LLM(path, dtype="bfloat16", device="cpu").generate(prompts, params)
+    ]
+    llm = LLM(path, dtype="bfloat16", device=DEV, max_num_seqs=4)
+    if DEV == "cpu":
+        _fused(llm)  # 4 slots
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert len(got) == 6 and (got == ref or DEV == "cuda")

@@ -52,7 +52,7 @@ class LLM:
         limit_mm_per_prompt: dict[str, int] | None = None,
         kv_cache_dtype: str = "auto",
         num_speculative_tokens: int = 0,
-        max_num_seqs: int = 256,
+        max_num_seqs: int = 64,
         gpu_memory_utilization: float = 0.9,
         cuda_graphs: bool = True,
     ):
@@ -216,6 +216,14 @@ class LLM:
 
     def _run(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
         """Advance all sequences to completion, yielding the ones that got a token after each step."""
+        limit = getattr(self.runner, "max_num_seqs", None)  # the GPU runner has that many state slots
+        if limit and len(seqs) > limit:
+            for start in range(0, len(seqs), limit):
+                wave = seqs[start : start + limit]
+                for slot, seq in enumerate(wave):
+                    seq.slot = slot
+                yield from self._run(wave)
+            return
         kv, states = self._new_states()
         active = list(seqs)
         while active:
