@@ -100,14 +100,21 @@ class TinySpec:
     with_vision: bool = True
     with_mtp: bool = True
     seed: int = 0
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_head_dim: int = 16
+    mrope_section: tuple[int, int, int] = (2, 1, 1)  # sums to head_dim * 0.25 / 2
 
     def __post_init__(self):
         if self.tokenizer_vocab > self.vocab_size:
             raise ValueError(f"tokenizer_vocab {self.tokenizer_vocab} exceeds vocab_size {self.vocab_size}")
 
 
-def train_tokenizer(vocab_size: int):
-    """Byte-level BPE trained on the packaged calibration corpus (deterministic, ~1 s)."""
+def train_tokenizer(vocab_size: int, text: str | None = None):
+    """Byte-level BPE trained on ``text`` (default: the packaged calibration corpus; deterministic, ~1 s)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -120,7 +127,7 @@ def train_tokenizer(vocab_size: int):
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    text = corpus_text("calib")
+    text = corpus_text("calib") if text is None else text
     tok.train_from_iterator((text[i : i + 4096] for i in range(0, len(text), 4096)), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -136,18 +143,18 @@ def train_tokenizer(vocab_size: int):
 def tiny_config(spec: TinySpec, token_ids: dict[str, int]):
     from transformers import Qwen3_5MoeConfig
 
-    head_dim = 32
+    head_dim = spec.head_dim
     text = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         num_hidden_layers=spec.num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
         head_dim=head_dim,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
+        linear_key_head_dim=spec.linear_head_dim,
+        linear_value_head_dim=spec.linear_head_dim,
+        linear_num_key_heads=spec.linear_num_key_heads,
+        linear_num_value_heads=spec.linear_num_value_heads,
         moe_intermediate_size=spec.moe_intermediate_size,
         shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
         num_experts=spec.num_experts,
@@ -157,7 +164,7 @@ def tiny_config(spec: TinySpec, token_ids: dict[str, int]):
             rope_type="default",
             rope_theta=1e7,
             partial_rotary_factor=0.25,
-            mrope_section=[2, 1, 1],
+            mrope_section=list(spec.mrope_section),
             mrope_interleaved=True,
         ),
         max_position_embeddings=8192,
@@ -258,9 +265,31 @@ def write_tiny_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(spec.tokenizer_vocab)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    config = tiny_config(spec, ids)
-    state = build_state(spec, config)
+    config = tiny_config(spec, special_ids(tokenizer))
+    return write_checkpoint(
+        out, config, build_state(spec, config), tokenizer, spec, layout, max_shard_bytes, dtype
+    )
+
+
+def special_ids(tokenizer) -> dict[str, int]:
+    return {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+
+
+def write_checkpoint(
+    out: Path,
+    config,
+    state: dict[str, torch.Tensor],
+    tokenizer,
+    spec: TinySpec,
+    layout: CheckpointLayout = CheckpointLayout.QWEN3_5,
+    max_shard_bytes: int = 200_000,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Write ``state`` (transformers' names, fused experts, plus ``mtp.*``) as a checkpoint directory in
+    ``layout``, with config, tokenizer, processor and generation files."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = special_ids(tokenizer)
     if layout in (CheckpointLayout.QWEN3_5, CheckpointLayout.RESAVED):
         state = split_experts(state, "mtp.")
     if layout is CheckpointLayout.RESAVED:
