@@ -1,6 +1,6 @@
 """Plot benchmarks/decode.py results: decode tok/s per batch and context against each one's roofline.
 
-    python benchmarks/plot_decode.py benchmarks/results/decode-h200-2026-11-30.json out.png [more.json ...]
+python benchmarks/plot_decode.py benchmarks/results/decode-h200-2026-11-30.json out.png [more.json ...]
 """
 
 from __future__ import annotations
