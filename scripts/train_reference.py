@@ -96,7 +96,7 @@ class MTPHead(nn.Module):
         b, s = ids.shape
         e = self.pre_fc_norm_embedding(lm.model.embed_tokens(ids[:, 1:]))
         x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden[:, :-1])], dim=-1))
-        pos = torch.arange(1, s, device=ids.device)[None].expand(b, -1)
+        pos = torch.arange(0, s - 1, device=ids.device)[None].expand(b, -1)  # of h_t, as vLLM drafts
         cos_sin = lm.model.rotary_emb(x, pos[None].expand(3, b, -1))
         mask = create_causal_mask(
             config=self.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=pos

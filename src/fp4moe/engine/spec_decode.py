@@ -74,7 +74,7 @@ class MTPSpeculator:
             self.model,
             ids,
             seq.hidden_tail,
-            seq.positions(seq.mtp_cached + 1, seq.mtp_cached + 1 + len(ids)).to(self.llm.device),
+            seq.positions(seq.mtp_cached, seq.mtp_cached + len(ids)).to(self.llm.device),  # of h_t (vLLM)
             ctx,
         )
         seq.mtp_cached = p
@@ -89,7 +89,7 @@ class MTPSpeculator:
             if j + 1 < self.k:  # feed the draft with the head's own hidden state
                 ctx = StepContext([1], [p + j], [seq.slot], kv, states)
                 ids = torch.tensor([token], device=self.llm.device)
-                h = mtp(self.model, ids, h[-1:], seq.positions(p + j + 1, p + j + 2).to(self.llm.device), ctx)
+                h = mtp(self.model, ids, h[-1:], seq.positions(p + j, p + j + 1).to(self.llm.device), ctx)
         kv.truncate(layer, seq.slot, p)
         return drafts, logits
 

@@ -96,7 +96,7 @@ def window_outputs(llm, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | No
         n = len(ids)
         x_next = torch.tensor(ids[1:], device=hidden.device)
         ctx = StepContext([n - 1], [0], [0], kv, states)
-        h = mtp(llm.model, x_next, hidden[:-1], seq.positions(1, n).to(hidden.device), ctx)
+        h = mtp(llm.model, x_next, hidden[:-1], seq.positions(0, n - 1).to(hidden.device), ctx)
         drafts = torch.cat([llm.model.compute_logits(x).argmax(-1).cpu() for x in h[:-1].split(256)])
     kv.free(0)
     states.free(0)
