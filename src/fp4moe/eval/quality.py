@@ -119,8 +119,11 @@ def evaluate(
     from fp4moe.engine.llm import LLM
 
     start = time.perf_counter()
-    ref_llm = LLM(reference, dtype=dtype, device=device, max_num_seqs=1)
-    llm = LLM(model, dtype=dtype, device=device, max_num_seqs=1)
+    # one sequence of seq_len at a time: on a GPU each engine sizes its caches for just that
+    ref_llm = LLM(
+        reference, dtype=dtype, device=device, max_num_seqs=1, max_model_len=seq_len, cuda_graphs=False
+    )
+    llm = LLM(model, dtype=dtype, device=device, max_num_seqs=1, max_model_len=seq_len, cuda_graphs=False)
     for which, m in (("model", llm), ("reference", ref_llm)):
         if m.tokenizer is None:
             raise ValueError(f"the {which} {m.path} has no tokenizer")
