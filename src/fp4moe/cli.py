@@ -53,6 +53,14 @@ def _add_quantize(sub) -> None:
         "as usual); no expert falls back",
     )
     p.add_argument(
+        "--quantize",
+        default="experts",
+        metavar="GROUPS",
+        help="what goes to NVFP4, comma-separated: experts (always), attention (q/k/v/o_proj), deltanet "
+        "(in_proj_qkv+in_proj_z, out_proj), shared (shared expert), lm_head. Fused groups share one global "
+        "and input scale, as vLLM needs; a quantized in_proj_qkvz needs vLLM >= 0.20, lm_head >= 0.23",
+    )
+    p.add_argument(
         "--scale-method",
         choices=["rtn", "4over6", "mse"],
         default="rtn",
@@ -425,6 +433,7 @@ def cmd_quantize(args) -> int:
         calib_dataset=args.calib_dataset,
         calibrate_all_experts=args.calibrate_all_experts,
         scale_method=args.scale_method,
+        quantize_extra=args.quantize,
         device=args.device,
         calib_dtype=args.calib_dtype,
         batch_size=args.batch_size,

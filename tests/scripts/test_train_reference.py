@@ -20,7 +20,19 @@ def _script():
 
 def test_smoke_run_writes_a_checkpoint_our_engine_evaluates(tmp_path):
     out = tmp_path / "ref"
-    args = ["--tiny", "--max-steps", "3", "--seq-len", "32", "--batch", "2", "--eval-every", "2", "--out", str(out)]
+    args = [
+        "--tiny",
+        "--max-steps",
+        "3",
+        "--seq-len",
+        "32",
+        "--batch",
+        "2",
+        "--eval-every",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert _script().main(args) == 0
     log = json.loads((out / "training_log.json").read_text())
     assert log["steps"] == 3 and log["curve"] and log["heldout"]["heldout_ppl"] > 1

@@ -184,7 +184,7 @@ def excluded_modules(tensors: dict[str, tuple[str, tuple[int, ...]]], fmt: Outpu
         modules.add(name.removesuffix(".weight"))
     entries = sorted(modules)
     if fmt is OutputFormat.COMPRESSED_TENSORS:
-        entries += [r"re:^mtp\..*", r"re:.*lm_head$"]
+        entries += [r"re:^mtp\..*"] + ([r"re:.*lm_head$"] if "lm_head.weight" in tensors else [])
     return entries
 
 

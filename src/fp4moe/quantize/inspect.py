@@ -285,6 +285,45 @@ def _check_exclude_list(reader, fmt, entries: list[str], cfg, prefix: str, probl
                 break
 
 
+FUSED_IN_VLLM = (  # checkpoint shards vLLM loads into one module (qkv_proj, in_proj_qkvz, in_proj_ba, gate_up_proj)
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+    ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+    ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+)
+
+
+def _check_fused_groups(
+    reader: CheckpointReader, fmt: OutputFormat, prefix: str, num_layers: int, problems
+) -> None:
+    """Shards that vLLM fuses must share a precision, and NVFP4 shards one global scale: vLLM dequantizes a
+    fused module with the largest weight_scale_2 of its shards without requantizing the others."""
+    packed_sfx, _, global_sfx, _ = layouts.SUFFIXES[fmt]
+    for i in range(num_layers):
+        for group in FUSED_IN_VLLM:
+            mods = [f"{prefix}layers.{i}.{m}" for m in group]
+            quantized = [
+                f"{m}.{packed_sfx}" in reader and reader.info(f"{m}.{packed_sfx}").dtype == "U8" for m in mods
+            ]
+            present = [q or f"{m}.weight" in reader for m, q in zip(mods, quantized, strict=True)]
+            if not all(present):
+                continue
+            if any(quantized) and not all(quantized):
+                problems.add(
+                    "mixed-fused",
+                    f"{', '.join(m for m, q in zip(mods, quantized, strict=True) if q)} NVFP4 but not the rest of "
+                    f"the fused group {', '.join(mods)}: vLLM needs one precision per fused module",
+                )
+            elif all(quantized):
+                scales = {float(reader.get(f"{m}.{global_sfx}").float().reshape(-1)[0]) for m in mods}
+                if len(scales) > 1:
+                    problems.add(
+                        "fused-scales",
+                        f"{', '.join(mods)} carry different global scales; vLLM uses one for the fused module "
+                        "(the largest) without requantizing, so the others decode wrong",
+                    )
+
+
 def _sizes(reader: CheckpointReader, report: InspectReport) -> None:
     for name, info in reader.infos.items():
         report.bytes_on_disk += info.num_bytes
@@ -306,10 +345,16 @@ def _compare_with_reference(
     for name in reference.names():
         if arch.classify(name) is arch.Role.ROUTED_EXPERT and not name.startswith("mtp."):
             continue
+        a = reference.info(name)
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and len(a.shape) == 2 and f"{module}.weight_packed" in reader:
+            continue  # quantized on purpose (compressed-tensors names); its tensors are checked above
         if name not in reader:
             problems.add("lost", f"{name} from the source checkpoint is missing")
             continue
-        a, b = reference.info(name), reader.info(name)
+        b = reader.info(name)
+        if b.dtype == "U8" and len(a.shape) == 2 and tuple(b.shape) == (a.shape[0], a.shape[1] // 2):
+            continue  # quantized on purpose (--quantize): NVFP4 codes of this linear
         if (a.dtype, a.shape) != (b.dtype, b.shape):
             problems.add(
                 "changed", f"{name}: {a.dtype}{list(a.shape)} in the source, {b.dtype}{list(b.shape)} here"
@@ -342,6 +387,7 @@ def inspect_checkpoint(path: str | Path, reference: CheckpointReader | None = No
         _check_layer_experts(reader, fmt, cfg.text, f"{prefix}layers.{i}.mlp.experts.", report, problems)
     if not problem:
         _check_exclude_list(reader, fmt, entries, cfg.text, prefix, problems)
+    _check_fused_groups(reader, fmt, prefix, cfg.text.num_layers, problems)
 
     report.mtp_tensors = sum(n.startswith("mtp.") for n in reader.names())
     report.vision_tensors = sum(arch.classify(n) is arch.Role.VISION for n in reader.names())

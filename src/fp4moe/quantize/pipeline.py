@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from fp4moe.formats import layouts
+from fp4moe.formats import layouts, nvfp4
 from fp4moe.formats.checkpoint import (
     INDEX_NAME,
     CheckpointReader,
@@ -31,9 +31,10 @@ from fp4moe.formats.checkpoint import (
 )
 from fp4moe.formats.layouts import OutputFormat
 from fp4moe.formats.nvfp4 import BLOCK_SIZE, NVFP4Error
+from fp4moe.layers.norm import rms_norm_zero_centred
 from fp4moe.models import qwen3_5_moe as arch
-from fp4moe.quantize import calib_data, calibrate
-from fp4moe.quantize.scales import QuantizedExperts, ScaleMethod, quantize_experts
+from fp4moe.quantize import calib_data, calibrate, extra
+from fp4moe.quantize.scales import QuantizedExperts, ScaleMethod, choose_block_scales, quantize_experts
 
 MTP_FILE = "model-mtp.safetensors"
 
@@ -59,9 +60,11 @@ class QuantizeOptions:
     overwrite: bool = False
     seed: int = 0
     progress: bool = True
+    quantize_extra: tuple[str, ...] = ()  # beyond the routed experts: attention, deltanet, shared, lm_head
 
     def __post_init__(self):
         self.format = OutputFormat(self.format)
+        self.quantize_extra = extra.parse_groups(self.quantize_extra)
         self.scale_method = ScaleMethod(self.scale_method)
         for name in ("num_samples", "seq_len", "batch_size"):
             if int(getattr(self, name)) <= 0:
@@ -221,6 +224,29 @@ def write_experts(writer: ShardedWriter, fmt: OutputFormat, experts_prefix: str,
                 writer.add(arch.per_expert_name(experts_prefix, e, proj, suffix), t.clone())
 
 
+def write_linear_group(
+    writer: ShardedWriter,
+    fmt: OutputFormat,
+    weights: dict[str, torch.Tensor],
+    input_amax: torch.Tensor,
+    method: ScaleMethod,
+    device: torch.device,
+) -> None:
+    """NVFP4 of a fused group of linears (module name -> weight) under one global scale from their joint
+    amax and one input scale, as vLLM's fused modules need."""
+    amax = torch.stack([w.abs().amax().float().cpu() for w in weights.values()]).max()
+    global_scale = nvfp4.global_scale_from_amax(amax)
+    for module, w in weights.items():
+        nvfp4.check_quantizable(w, module)
+        wd = w.to(device)
+        scales = choose_block_scales(wd, global_scale.to(device), method)
+        q = nvfp4.NVFP4Tensor(
+            nvfp4.quantize_with_scales(wd, scales, global_scale.to(device)).cpu(), scales.cpu(), global_scale
+        )
+        for suffix, t in layouts.quantized_linear_tensors(fmt, q, amax, input_amax).items():
+            writer.add(f"{module}.{suffix}", t.clone())
+
+
 def _quantization_configs(fmt: OutputFormat, exclude: list[str], kv: str | None) -> tuple[dict, dict | None]:
     if fmt is OutputFormat.MODELOPT:
         return layouts.modelopt_quantization_config(exclude, kv), layouts.hf_quant_config(exclude, kv)
@@ -268,6 +294,7 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
     text_config = calibrate.text_config_for(cfg.raw)
     rotary = calibrate.rotary_for(text_config, device)
     done: set[str] = set()
+    quantized_modules: set[str] = set()  # non-expert linears written in NVFP4 (--quantize)
     fallbacks: list[list[int]] = []
     num_calibrated = 0
     min_tokens = None
@@ -305,13 +332,19 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
                 layer_tensors["mlp.experts.gate_up_proj"] = gate_up
                 layer_tensors["mlp.experts.down_proj"] = down
                 layer = calibrate.build_layer(text_config, i, layer_tensors, dtype, device)
-                hidden, stats = calibrate.calibrate_layer(
-                    layer,
-                    hidden,
-                    rotary,
-                    all_experts=options.calibrate_all_experts,
-                    batch_size=options.batch_size,
-                )
+                modules = {n.removesuffix(".weight") for n in layer_tensors if n.endswith(".weight")}
+                groups = extra.layer_groups(options.quantize_extra, modules)
+                taps = extra.InputAmax(layer, [m for g in groups for m in g])
+                try:
+                    hidden, stats = calibrate.calibrate_layer(
+                        layer,
+                        hidden,
+                        rotary,
+                        all_experts=options.calibrate_all_experts,
+                        batch_size=options.batch_size,
+                    )
+                finally:
+                    taps.remove()
                 del layer, layer_tensors
             with timer("quantize"):
                 # the checkpoint's own values (not the calibration-dtype copy), on the device
@@ -319,6 +352,12 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
                     gate_up.to(device), down.to(device), stats, options.scale_method, name=block.prefix
                 )
             with timer("write"):
+                head = f"{prefix}layers.{i}."
+                for group in groups:
+                    weights = {head + m: dense.pop(f"{head}{m}.weight") for m in group}
+                    in_amax = torch.stack([taps.amax[m] for m in group]).max()
+                    write_linear_group(writer, options.format, weights, in_amax, options.scale_method, device)
+                    quantized_modules.update(weights)
                 for name, t in dense.items():
                     writer.add(name, t)
                 write_experts(writer, options.format, block.prefix, q)
@@ -334,6 +373,16 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             _release_freed_memory()
 
         with timer("write"):
+            if "lm_head" in options.quantize_extra:
+                if "lm_head.weight" not in reader:
+                    raise QuantizeError("--quantize lm_head: the checkpoint ties lm_head to the embedding")
+                norm = reader.get(f"{prefix}norm.weight").to(device=device, dtype=dtype)
+                eps = float(getattr(text_config, "rms_norm_eps", 1e-6))
+                head_in = rms_norm_zero_centred(hidden, norm, eps).abs().amax().float().cpu()
+                weights = {"lm_head": _finite("lm_head.weight", reader.get("lm_head.weight"))}
+                write_linear_group(writer, options.format, weights, head_in, options.scale_method, device)
+                quantized_modules.add("lm_head")
+                done.add("lm_head.weight")
             for name in tqdm(
                 [n for n in reader.names() if n not in done and not n.startswith("mtp.")],
                 desc="other tensors",
@@ -351,6 +400,7 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             n: (reader.info(n).dtype, reader.info(n).shape)
             for n in reader.names()
             if arch.classify(n) is not arch.Role.ROUTED_EXPERT
+            and n.removesuffix(".weight") not in quantized_modules
         }
         exclude = layouts.excluded_modules(tensors, options.format)
         qcfg, hf_qcfg = _quantization_configs(options.format, exclude, options.kv_cache_quant_algo)

@@ -1,0 +1,72 @@
+"""NVFP4 for more than the routed experts (``--quantize``): which linears, in which fused groups, and the
+calibration of their inputs.
+
+The reference build keeps attention, Gated DeltaNet projections, shared experts and lm_head in bf16 --
+about 85% of the bytes a decode step reads. Each group can be put in NVFP4 too, written so stock vLLM
+loads it: vLLM fuses q/k/v (qkv_proj), in_proj_qkv + in_proj_z (in_proj_qkvz) and the shared expert's
+gate + up (gate_up_proj) into one module each, requires all shards of a fused module to have the same
+precision, and dequantizes a fused NVFP4 module with the largest ``weight_scale_2`` of its shards
+without requantizing -- so every shard of a group gets one shared global scale (from the group's joint
+amax) and one shared input scale. ``in_proj_b``/``in_proj_a`` (tiny; Marlin's N % 64 limit before vLLM 0.24),
+conv1d, routers, ``shared_expert_gate``, embeddings, vision and MTP stay bf16. Needs vLLM >= 0.20 for a
+quantized in_proj_qkvz and >= 0.23 for a quantized lm_head (Qwen3.5 only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUPS = {  # option -> fused groups of module names (relative to a decoder layer; lm_head: top level)
+    "attention": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"]],
+    "deltanet": [["linear_attn.in_proj_qkv", "linear_attn.in_proj_z"], ["linear_attn.out_proj"]],
+    "shared": [["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"], ["mlp.shared_expert.down_proj"]],
+    "lm_head": [["lm_head"]],
+}
+
+
+def parse_groups(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """``attention,deltanet`` (or a list) -> validated option names; ``experts`` is implied and allowed."""
+    if not value:
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value)
+    names = tuple(sorted({i.strip() for i in items if i.strip() and i.strip() != "experts"}))
+    unknown = [n for n in names if n not in GROUPS]
+    if unknown:
+        raise ValueError(
+            f"--quantize: unknown group(s) {', '.join(unknown)}; choose from experts, {', '.join(GROUPS)}"
+        )
+    return names
+
+
+def layer_groups(options: tuple[str, ...], module_names: set[str]) -> list[list[str]]:
+    """The fused groups of one decoder layer that exist in it (attention layers have no linear_attn)."""
+    out = []
+    for option in options:
+        if option == "lm_head":
+            continue
+        for group in GROUPS[option]:
+            if all(m in module_names for m in group):
+                out.append(group)
+    return out
+
+
+class InputAmax:
+    """Forward pre-hooks recording the absolute maximum of each listed submodule's input."""
+
+    def __init__(self, layer: torch.nn.Module, modules: list[str]):
+        self.amax: dict[str, torch.Tensor] = {}
+        self._handles = []
+        for name in modules:
+            mod = layer.get_submodule(name)
+            self._handles.append(mod.register_forward_pre_hook(self._hook(name)))
+
+    def _hook(self, name: str):
+        def record(module, args):
+            a = args[0].detach().abs().amax().float().cpu()
+            self.amax[name] = torch.maximum(self.amax[name], a) if name in self.amax else a
+
+        return record
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
