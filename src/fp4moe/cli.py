@@ -331,6 +331,13 @@ def _add_serve(sub) -> None:
         help="MTP speculative decoding: draft this many tokens per step and verify them (0 = off)",
     )
     p.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=0,
+        help="with speculation: no drafts while more than this many sequences are decoding (one batched "
+        "plain step is cheaper under load; the MTP head catches up afterwards). 0 = never (default)",
+    )
+    p.add_argument(
         "--prefix-cache-entries", type=int, default=64, help="prefix snapshots kept, LRU (default 64)"
     )
     p.add_argument(
@@ -683,6 +690,7 @@ def cmd_serve(args) -> int:
         limit_mm_per_prompt=limits,
         kv_cache_dtype=args.kv_cache_dtype,
         num_speculative_tokens=args.num_speculative_tokens,
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )

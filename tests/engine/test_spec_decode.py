@@ -168,3 +168,26 @@ def test_speculation_with_prefix_caching_and_fp8_kv(path, reference):
     ]
     fp8_spec = LLM(path, dtype="float32", kv_cache_dtype="fp8", num_speculative_tokens=2)
     assert [o.outputs[0].token_ids for o in fp8_spec.generate(PROMPTS, GREEDY)] == fp8_plain
+
+
+def test_speculation_pauses_under_load_and_resumes(path, reference):
+    """More decoding sequences than --speculative-disable-by-batch-size: batched plain steps (no drafts);
+    once the batch shrinks, drafting resumes with the MTP head caught up -- tokens equal plain decoding."""
+    from fp4moe.engine.core import EngineCore
+    from fp4moe.engine.scheduler import SchedulerConfig
+
+    llm = LLM(path, dtype="float32", num_speculative_tokens=2, speculative_disable_by_batch_size=1)
+    llm.speculator.drafter = _oracle(llm, reference)
+    core = EngineCore(llm, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64))
+    seqs = [core.make_sequences(p, GREEDY)[0] for p in PROMPTS]
+    core.add(seqs[:2])
+    for _ in range(3):
+        core.step()
+    core.add(seqs[2:])
+    for _ in range(200):
+        if all(s.finished for s in seqs):
+            break
+        core.step()
+    stats = llm.speculator.stats
+    assert [s.output_ids for s in seqs] == reference
+    assert stats.disabled_steps > 0 and stats.accepted > 0  # paused under load, drafted when alone

@@ -166,6 +166,18 @@ def run_spec_batch(core: EngineCore, batch) -> list[Sequence]:
                 llm.sample_into(seq, llm.model.compute_logits(hidden[end - 1 : end])[0].cpu())
                 seq.new_tokens = 1
                 progressed.append(seq)
+    if spec.disable_by_batch_size and len(decoding) > spec.disable_by_batch_size:
+        # under load one batched plain step beats per-sequence draft-and-verify; the MTP head keeps its
+        # inputs (hidden states) and catches up when the batch shrinks again
+        spec.stats.disabled_steps += 1
+        hidden, spans = llm.runner.forward([(s, 1) for s in decoding], core.kv, core.states)
+        for seq, (start, end) in zip(decoding, spans, strict=True):
+            seq.num_cached += 1
+            seq.hidden_tail = torch.cat([seq.hidden_tail, hidden[start:end]])
+            llm.sample_into(seq, llm.model.compute_logits(hidden[start:end])[0].cpu())
+            seq.new_tokens = 1
+            progressed.append(seq)
+        return progressed
     for seq in decoding:
         if len(seq.all_ids) + spec.k + 1 < llm.max_model_len:
             before = len(seq.output_ids)

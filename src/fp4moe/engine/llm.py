@@ -52,6 +52,7 @@ class LLM:
         limit_mm_per_prompt: dict[str, int] | None = None,
         kv_cache_dtype: str = "auto",
         num_speculative_tokens: int = 0,
+        speculative_disable_by_batch_size: int = 0,
         max_num_seqs: int = 64,
         gpu_memory_utilization: float = 0.9,
         cuda_graphs: bool = True,
@@ -93,6 +94,7 @@ class LLM:
             from fp4moe.engine.spec_decode import MTPSpeculator
 
             self.speculator = MTPSpeculator(self, num_speculative_tokens)
+            self.speculator.disable_by_batch_size = max(0, int(speculative_disable_by_batch_size))
         self.eos_ids = self._eos_ids()
         self._seq_ids = itertools.count()
 

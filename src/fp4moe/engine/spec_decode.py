@@ -26,6 +26,7 @@ class SpecStats:
     draft_tokens: int = 0
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    disabled_steps: int = 0  # steps run without drafts because the batch was over the limit
 
     @property
     def acceptance_rate(self) -> float:
@@ -51,6 +52,7 @@ class MTPSpeculator:
         self.llm, self.model, self.k = llm, llm.model, num_speculative_tokens
         self.drafter = drafter or self._mtp_drafts  # tests may force acceptance or rejection
         self.stats = SpecStats(accepted_per_position=[0] * num_speculative_tokens)
+        self.disable_by_batch_size = 0  # > 0: no drafts while more sequences than this are decoding
 
     @torch.no_grad()
     def prefill(self, seqs: list[Sequence], kv, states) -> None:
