@@ -297,7 +297,6 @@ def time_prefill(model, tokens: int) -> dict:
 
     def run(n):
         runner.kv.free(0)
-        runner.states.positions[0], runner.states.next_positions[0] = 0, n
         ids = torch.randint(0, model.args.vocab_size, (n,), device=dev)
         ctx = StepContext([n], [0], [0], runner.kv, runner.states)
         h = model(ids, torch.arange(n, device=dev), ctx)
@@ -352,6 +351,7 @@ def kernel_breakdown(model, b: int = 1, ctx: int = 1024) -> list[dict]:
         runner.kv.reserve(s, ctx + 2)
     runner.buf_slots[:b] = torch.arange(b, device=dev, dtype=torch.int32)
     runner.buf_pos[:b] = ctx
+    runner.buf_rope[:, :b] = ctx
     for _ in range(3):
         runner.decode_forward(b)
     torch.cuda.synchronize()

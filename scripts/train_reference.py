@@ -224,6 +224,10 @@ def main(argv=None) -> int:
     for module in mtp.modules():  # transformers' init for the head too
         lm._init_weights(module)
     tokens = torch.tensor(tokenizer(text)["input_ids"])
+    # the last 2% of the training text picks the checkpoint; the held-out split (the language reference,
+    # what fp4moe eval reads) is only reported, never used for a choice
+    n_val = max(2 * args.seq_len, len(tokens) // 50)
+    tokens, val = tokens[:-n_val], tokens[-n_val:]
     held = torch.tensor(tokenizer(corpus_text("heldout"))["input_ids"])
     print(f"corpus {len(text):,} chars -> {len(tokens):,} tokens; held-out {len(held):,} tokens; "
           f"parameters {sum(p.numel() for p in lm.parameters()) / 1e6:.1f}M + MTP "
@@ -248,8 +252,8 @@ def main(argv=None) -> int:
     start = time.time()
     step = 0
     while step < total_steps and time.time() - start < budget:
-        if step == 20 and not args.max_steps:  # fix the schedule's length from the measured step time
-            per_step = (time.time() - start) / 20
+        if step >= 20 and step % 20 == 0 and not args.max_steps:  # size the schedule from the time so far
+            per_step = (time.time() - start) / step  # evaluations included
             total_steps = max(step + 1, int(budget / per_step))
         frac = (step - args.warmup) / max(1, total_steps - args.warmup)
         scale = (
@@ -282,17 +286,22 @@ def main(argv=None) -> int:
             print(f"step {step:5d}  {c['seconds']:6.0f} s  loss {c['loss']:.3f}  mtp {c['mtp_loss']:.3f}  "
                   f"aux {c['aux']:.3f}  lr {c['lr']:.2e}", flush=True)  # fmt: skip
         if step % args.eval_every == 0:
-            evals.append(dict(step=step, **heldout_eval(lm, mtp, held, args.seq_len, 16, device, autocast)))
-            print(f"  held-out: {evals[-1]}", flush=True)
-            if best is None or evals[-1]["heldout_ppl"] < best[0]:
-                best = (evals[-1]["heldout_ppl"], step, _copy(lm), _copy(mtp))
-    last = dict(step=step, **heldout_eval(lm, mtp, held, args.seq_len, 16, device, autocast))
+            v = heldout_eval(lm, mtp, val, args.seq_len, 16, device, autocast)
+            evals.append(
+                dict(
+                    step=step,
+                    val_ppl=v["heldout_ppl"],
+                    **heldout_eval(lm, mtp, held, args.seq_len, 16, device, autocast),
+                )
+            )
+            print(f"  validation ppl {v['heldout_ppl']:.2f}; held-out: {evals[-1]}", flush=True)
+            if best is None or v["heldout_ppl"] < best[0]:
+                best = (v["heldout_ppl"], step, _copy(lm), _copy(mtp))
+    last = heldout_eval(lm, mtp, val, args.seq_len, 16, device, autocast)["heldout_ppl"]
     kept = step
-    if best is not None and best[0] < last["heldout_ppl"]:
+    if best is not None and best[0] < last:
         kept = best[1]
-        print(
-            f"keeping step {kept} (held-out perplexity {best[0]:.2f} < {last['heldout_ppl']:.2f} at the end)"
-        )
+        print(f"keeping step {kept} (validation perplexity {best[0]:.2f} < {last:.2f} at the end)")
         lm.load_state_dict(best[2])
         mtp.load_state_dict(best[3])
     final = dict(step=kept, **heldout_eval(lm, mtp, held, args.seq_len, 64, device, autocast))

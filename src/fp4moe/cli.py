@@ -64,7 +64,7 @@ def _add_quantize(sub) -> None:
         "--scale-method",
         choices=["rtn", "4over6", "mse"],
         default="rtn",
-        help="how the experts' block scales are chosen: rtn = round-to-nearest from the block amax "
+        help="how block scales are chosen (routed experts and every --quantize group): rtn = round-to-nearest from the block amax "
         "(ModelOpt/llm-compressor default); 4over6 = per block, max maps to 6 or 4, whichever has the "
         "smaller error; mse = per block, the e4m3 scale of least squared error among RTN's, its 6 "
         "neighbours each side and 4-over-6's (never worse than rtn per block)",

@@ -112,3 +112,32 @@ def test_more_prompts_than_state_slots_run_in_waves(checkpoints):
         _fused(llm)  # 4 slots
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert len(got) == 6 and (got == ref or DEV == "cuda")
+
+
+def test_an_abandoned_stream_leaves_no_cache_behind(checkpoints):
+    path = checkpoints.bf16()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm = LLM(path, dtype="bfloat16", device=DEV)
+    if DEV == "cpu":
+        _fused(llm)
+    ref = llm.generate([{"prompt_token_ids": [9, 8, 7]}], params)[0].outputs[0].token_ids
+    stream = llm.stream({"prompt_token_ids": list(range(50, 100))}, SamplingParams(max_tokens=20))
+    next(iter(stream))
+    stream.close()  # abandoned after one token
+    assert llm.runner.kv.num_free_pages == llm.runner.kv.k.shape[1] - 1
+    assert llm.generate([{"prompt_token_ids": [9, 8, 7]}], params)[0].outputs[0].token_ids == ref
+
+
+def test_speculation_through_the_gpu_runner_matches_plain_decoding(checkpoints):
+    """Verification and rollback run the module path on the paged caches (state positions from the step)."""
+    path = checkpoints.bf16()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = LLM(path, dtype="bfloat16", device="cpu").generate(prompts, params)
+    llm = LLM(path, dtype="bfloat16", device=DEV, num_speculative_tokens=2)
+    if DEV == "cpu":
+        _fused(llm)
+    got = llm.generate(prompts, params)
+    agree = greedy_agreement(ref, got)
+    assert agree.ok, agree.detail
+    assert llm.speculator.stats.drafts > 0

@@ -64,11 +64,11 @@ def test_align_matches_torch_sorting(tokens, experts, top_k):
 
 
 @pytest.mark.parametrize("mode", [1, 2])
-@pytest.mark.parametrize("tokens", [1, 5, 70])
-def test_moe_experts_match_the_dequantized_reference(tokens, mode, monkeypatch):
+@pytest.mark.parametrize("tokens,inter", [(1, 32), (5, 32), (70, 32), (4, 48)])
+def test_moe_experts_match_the_dequantized_reference(tokens, inter, mode, monkeypatch):
     monkeypatch.setattr(gemm, "DEQUANT_MODE", mode)
     gen = torch.Generator().manual_seed(100 + tokens)
-    e, h, i, k = 8, 64, 32, 3
+    e, h, i, k = 8, 64, inter, 3
     gp, gs, gd = quantized((e * 2, i, h), gen)
     gp, gs, gd = gp.view(e, 2 * i, h // 2), gs.view(e, 2 * i, h // 16), gd.view(e, 2).contiguous()
     dp, ds, dd = quantized((e, h, i), gen)
@@ -81,11 +81,11 @@ def test_moe_experts_match_the_dequantized_reference(tokens, mode, monkeypatch):
     assert rel(out, ref) < RTOL
 
 
-@pytest.mark.parametrize("m", [1, 20, 100])
-def test_dense_nvfp4_linear(m):
+@pytest.mark.parametrize("m,k", [(1, 128), (20, 128), (100, 128), (3, 192), (5, 48)])
+def test_dense_nvfp4_linear(m, k):
     gen = torch.Generator().manual_seed(m)
-    p, s, d = quantized((96, 128), gen)
-    x = torch.randn(m, 128, generator=gen).to(BF16).to(DEV)
+    p, s, d = quantized((96, k), gen)  # K not a power of two: tiles must divide it (no K mask)
+    x = torch.randn(m, k, generator=gen).to(BF16).to(DEV)
     assert rel(gemm.nvfp4_linear(x, p, s, d), gemm.linear_reference(x.double(), p, s, d.double())) < RTOL
 
 
@@ -131,7 +131,7 @@ def _gdn_layer(gen, hk=2, hv=4, dk=16, dv=32, hidden=64):
     return layer.to(DEV)
 
 
-@pytest.mark.parametrize("v_splits", [1, 2])
+@pytest.mark.parametrize("v_splits", [1, 2, None])
 def test_gdn_decode_matches_the_layer_step_by_step(v_splits):
     gen = torch.Generator().manual_seed(5)
     layer = _gdn_layer(gen)

@@ -91,7 +91,8 @@ class DeltaNetStates:
         self.dtype, self.device = dtype, device
         self._states: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def get(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, layer: int, slot: int, position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's (conv, recurrent) state; ``position`` (tokens consumed) is for caches that need it."""
         state = self._states.get((layer, slot))
         if state is None:
             return (
@@ -100,7 +101,9 @@ class DeltaNetStates:
             )
         return state
 
-    def set(self, layer: int, slot: int, conv: torch.Tensor, rec: torch.Tensor) -> None:
+    def set(
+        self, layer: int, slot: int, conv: torch.Tensor, rec: torch.Tensor, position: int | None = None
+    ) -> None:
         self._states[(layer, slot)] = (conv, rec)
 
     def free(self, slot: int) -> None:

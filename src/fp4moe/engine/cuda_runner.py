@@ -97,6 +97,9 @@ class CudaModelRunner(ModelRunner):
         self.buf_ids = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         self.buf_pos = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
         self.buf_slots = torch.full((max_num_seqs,), self.scratch, dtype=torch.int32, device=device)
+        self.buf_rope = torch.zeros(
+            3, max_num_seqs, dtype=torch.long, device=device
+        )  # rotary (mRoPE) positions
 
     # ---- set-up -------------------------------------------------------------------------------------
 
@@ -145,21 +148,19 @@ class CudaModelRunner(ModelRunner):
     # ---- module path (prefill, chunks, verification) ------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, batch: list[tuple[Sequence, int]], kv, states):
-        for seq, n in batch:
-            states.positions[seq.slot] = seq.num_cached
-            states.next_positions[seq.slot] = seq.num_cached + n
-        return super().forward(batch, kv, states)
-
-    @torch.no_grad()
     def run(self, batch: list[tuple[Sequence, int]], kv, states):
-        decode = all(n == 1 for _, n in batch) and len(batch) <= self.max_num_seqs
+        decode = all(n == 1 and s.num_cached > 0 for s, n in batch) and len(batch) <= self.max_num_seqs
         decode = decode and all(s.image_embeds is None or s.num_cached >= len(s.prompt_ids) for s, _ in batch)
+        # an fp8 cache's scales are set by the first prefill that writes each layer (the module path)
+        decode = decode and (not kv.fp8 or all(layer in kv.scales for layer in self.attn_ids))
         if not decode or kv is not self.kv:
             return super().run(batch, kv, states)
         seqs = [s for s, _ in batch]
         logits = self.decode_logits(
-            [s.slot for s in seqs], [s.all_ids[s.num_cached] for s in seqs], [s.num_cached for s in seqs]
+            [s.slot for s in seqs],
+            [s.all_ids[s.num_cached] for s in seqs],
+            [s.num_cached for s in seqs],
+            torch.cat([s.positions(s.num_cached, s.num_cached + 1) for s in seqs], dim=1),
         )
         for s in seqs:
             s.num_cached += 1
@@ -168,22 +169,34 @@ class CudaModelRunner(ModelRunner):
 
     # ---- fused decode -------------------------------------------------------------------------------
 
-    def decode_logits(self, slots: list[int], tokens, positions: list[int]) -> torch.Tensor:
-        """One decode token for each slot (token at ``positions``); returns logits [B, V] (GPU, bf16)."""
+    def decode_logits(
+        self, slots: list[int], tokens, positions: list[int], rope_positions=None
+    ) -> torch.Tensor:
+        """One decode token for each slot (token at ``positions``); ``rope_positions`` [3, B] when rotary
+        positions differ from the cache positions (after an image). Returns logits [B, V] (GPU, bf16) --
+        with graphs, a view of the graph's output buffer, overwritten by the next step."""
         b = len(slots)
         for slot, pos in zip(slots, positions, strict=True):
             self.kv.reserve(slot, pos + 1)
+        bucket = next((g for g in GRAPH_BATCH_SIZES if g >= b), None)
+        use_graph = self.cuda_graphs and bucket is not None and bucket <= self.max_num_seqs
+        if use_graph and bucket not in self.graphs:
+            self._capture(bucket)  # before the live inputs go in: the warm-up really runs a step
         self.buf_slots.fill_(self.scratch)
         self.buf_pos.zero_()
         self.buf_slots[:b] = torch.tensor(slots, dtype=torch.int32)
         self.buf_pos[:b] = torch.tensor(positions, dtype=torch.int32)
+        self.buf_rope.zero_()
+        if rope_positions is None:
+            self.buf_rope[:, :b] = self.buf_pos[:b].long()
+        else:
+            self.buf_rope[:, :b] = torch.as_tensor(rope_positions, dtype=torch.long)
         if isinstance(tokens, torch.Tensor):
             self.buf_ids[:b] = tokens
         else:
             self.buf_ids[:b] = torch.tensor(tokens, dtype=torch.long)
-        bucket = next((g for g in GRAPH_BATCH_SIZES if g >= b), None)
-        if self.cuda_graphs and bucket is not None and bucket <= self.max_num_seqs:
-            graph, out = self._graph(bucket)
+        if use_graph:
+            graph, out = self.graphs[bucket]
             graph.replay()
             logits = out[:b]
         else:
@@ -192,22 +205,27 @@ class CudaModelRunner(ModelRunner):
             self.kv.advance(slot, pos + 1)
         return logits
 
-    def _graph(self, b: int):
-        if b not in self.graphs:
-            self.decode_forward(b)  # compiles the kernels outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self.decode_forward(b)
-            self.graphs[b] = (graph, out)
-        return self.graphs[b]
+    def _capture(self, b: int) -> None:
+        """Warm up (compiles the kernels) and capture bucket ``b``; every row points at the scratch slot,
+        so the warm-up step writes nothing a live sequence reads."""
+        self.buf_slots.fill_(self.scratch)
+        self.buf_pos.zero_()
+        self.buf_rope.zero_()
+        self.buf_ids.zero_()
+        self.decode_forward(b)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.decode_forward(b)
+        self.graphs[b] = (graph, out)
 
     def capture(self, batch_sizes=None) -> None:
         """Capture the decode graphs ahead of serving (else each bucket is captured on first use)."""
         for b in batch_sizes or [g for g in GRAPH_BATCH_SIZES if g <= self.max_num_seqs]:
-            self._graph(b)
+            if b not in self.graphs:
+                self._capture(b)
 
     def decode_forward(self, b: int) -> torch.Tensor:
         """The decode step over the first ``b`` rows of the static buffers -> logits [b, V] (bf16)."""
@@ -224,7 +242,7 @@ class CudaModelRunner(ModelRunner):
             torch.int32
         )
         seq_lens = pos + 1
-        cos, sin = model.rotary.cos_sin(pos.long(), model.embed_tokens.dtype)
+        cos, sin = model.rotary.cos_sin(self.buf_rope[:, :b], model.embed_tokens.dtype)
         h = model.embed_tokens[ids]
         layers = model.layers
         _, x = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, a.eps)

@@ -228,14 +228,19 @@ class LLM:
             return
         kv, states = self._new_states()
         active = list(seqs)
-        while active:
-            (self._spec_step if self.speculator is not None else self._step)(active, kv, states)
-            yield active
+        try:
+            while active:
+                (self._spec_step if self.speculator is not None else self._step)(active, kv, states)
+                yield active
+                for seq in active:
+                    if seq.finished:
+                        kv.free(seq.slot)
+                        states.free(seq.slot)
+                active = [s for s in active if not s.finished]
+        finally:  # an abandoned stream or an error: the GPU runner's caches outlive this call
             for seq in active:
-                if seq.finished:
-                    kv.free(seq.slot)
-                    states.free(seq.slot)
-            active = [s for s in active if not s.finished]
+                kv.free(seq.slot)
+                states.free(seq.slot)
 
     def _make_sequences(
         self, prompts, params: list[SamplingParams]

@@ -119,21 +119,25 @@ class PagedKVCache:
     def length(self, layer: int, slot: int) -> int:
         return self._len.get((layer, slot), 0)
 
-    def export_slot(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the slot's first ``length`` stored keys/values, every layer: [layers, length, Hkv, D]."""
+    def export_slot(self, slot: int, length: int):
+        """Host copies of the slot's first ``length`` stored keys/values, every layer ([layers, length, Hkv,
+        D]), and how many of them each layer really holds (the MTP layer may hold fewer)."""
         rows = self.rows(slot, 0, length)
         flat = (self.k.shape[0], -1, *self.k.shape[3:])
-        return self.k.view(flat)[:, rows].clone(), self.v.view(flat)[:, rows].clone()
+        lengths = {layer: min(self.length(layer, slot), length) for layer in self.index}
+        k, v = (t.view(flat)[:, rows].to("cpu", copy=True) for t in (self.k, self.v))
+        return k, v, lengths
 
-    def import_slot(self, slot: int, data: tuple[torch.Tensor, torch.Tensor]) -> None:
-        k, v = data
+    def import_slot(self, slot: int, data) -> None:
+        k, v, lengths = data
         length = k.shape[1]
         self.reserve(slot, length)
         rows = self.rows(slot, 0, length)
         flat = (self.k.shape[0], -1, *self.k.shape[3:])
-        self.k.view(flat)[:, rows], self.v.view(flat)[:, rows] = k, v
-        for layer in self.index:
-            self._len[(layer, slot)] = length
+        self.k.view(flat)[:, rows] = k.to(self.device)
+        self.v.view(flat)[:, rows] = v.to(self.device)
+        for layer, n in lengths.items():
+            self._len[(layer, slot)] = n
 
     def free(self, slot: int) -> None:
         self._free.extend(reversed(self._pages.pop(slot, [])))
@@ -142,8 +146,8 @@ class PagedKVCache:
 
 
 class SlotStates:
-    """Gated DeltaNet states in slots; ``positions[slot]`` is how many tokens the slot has consumed (set by
-    the runner before a step, with ``next_positions`` the count after it)."""
+    """Gated DeltaNet states in slots. ``get``/``set`` take the number of tokens the slot has consumed
+    before / after the step (the conv ring is indexed by position)."""
 
     def __init__(
         self,
@@ -161,31 +165,28 @@ class SlotStates:
         self.kc, self.dtype, self.device = conv_kernel, dtype, device
         self.ring = torch.zeros(len(layer_ids), max_slots, conv_kernel, conv_dim, dtype=dtype, device=device)
         self.rec = torch.zeros(len(layer_ids), max_slots, num_v_heads, k_dim, v_dim, device=device)
-        self.positions: dict[int, int] = {}
-        self.next_positions: dict[int, int] = {}
 
     def _ring_rows(self, end: int) -> tuple[list[int], list[bool]]:
         """Ring entries holding positions end-K+1 .. end-1 (oldest first), and which of them exist."""
         pos = [end - j for j in range(self.kc - 1, 0, -1)]
         return [p % self.kc for p in pos], [p >= 0 for p in pos]
 
-    def get(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        i, pos = self.index[layer], self.positions.get(slot, 0)
+    def get(self, layer: int, slot: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i, pos = self.index[layer], position
         rows, valid = self._ring_rows(pos)
         conv = self.ring[i, slot, rows].T.clone()  # [C, K-1]
         conv[:, [not ok for ok in valid]] = 0
         rec = self.rec[i, slot] if pos > 0 else torch.zeros_like(self.rec[i, slot])
         return conv, rec
 
-    def set(self, layer: int, slot: int, conv: torch.Tensor, rec: torch.Tensor) -> None:
-        i, end = self.index[layer], self.next_positions[slot]
+    def set(self, layer: int, slot: int, conv: torch.Tensor, rec: torch.Tensor, position: int) -> None:
+        i, end = self.index[layer], position
         rows, _ = self._ring_rows(end)
         self.ring[i, slot, rows] = conv.T.to(self.dtype)
         self.rec[i, slot] = rec
 
     def free(self, slot: int) -> None:
-        self.positions.pop(slot, None)
-        self.next_positions.pop(slot, None)
+        """Nothing to release: position 0 reads as a zero state, so a reused slot needs no clearing."""
 
     def snapshot(self, slot: int):
         return self.ring[:, slot].clone(), self.rec[:, slot].clone()
@@ -194,8 +195,8 @@ class SlotStates:
         self.ring[:, slot], self.rec[:, slot] = snapshot
 
     def export_slot(self, slot: int):
-        return self.snapshot(slot)
+        """A host copy of the slot's states (prefix-cache snapshots live in host memory)."""
+        return self.ring[:, slot].to("cpu", copy=True), self.rec[:, slot].to("cpu", copy=True)
 
     def import_slot(self, slot: int, data, position: int) -> None:
-        self.restore(slot, data)
-        self.positions[slot] = position
+        self.ring[:, slot], self.rec[:, slot] = (t.to(self.device) for t in data)

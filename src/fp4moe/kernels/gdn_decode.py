@@ -120,6 +120,7 @@ def gdn_decode(
         out = torch.empty(b, hv * dv, dtype=proj.dtype, device=proj.device)
     if v_splits is None:  # enough programs to fill the GPU at small batch (H200 sweep: tune_kernels.py)
         v_splits = max(1, min(8, 256 // (b * hv), dv // 16))
+        v_splits = 1 << (v_splits.bit_length() - 1)  # a power of two, so it divides Dv (a power of two)
     if num_warps is None:
         num_warps = 8 if v_splits >= 8 else 4
     raw = out if v_splits == 1 else torch.empty_like(out)

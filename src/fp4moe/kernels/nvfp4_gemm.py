@@ -3,9 +3,10 @@ NVFP4 linear (one "expert", every row).
 
 Weights stay packed ([E, N, K/2] uint8, two E2M1 codes per byte, even element in the low nibble),
 with FP8-E4M3 block scales per 16 along K and one FP32 decode scale per projection. A program dequantizes
-one [BN, BK] weight tile in registers -- code -> fp16 bits, times its block scale, exact in fp16 -- multiplies
-it with up to BM activation rows (cast to fp16: exact for bf16 values between 2^-14 and 65504, clamped
-beyond) on the tensor cores, and applies the decode scale once to the fp32 accumulator. Rows are (token, expert) pairs sorted by expert; a block table
+one [BN, BK] weight tile in registers (``DEQUANT_MODE`` 1, the default: code -> fp16 bits -> fp32, times its
+block scale, exact in bf16; mode 2: even/odd fp32 tiles for a tf32 dot, measured slower), multiplies it
+with up to BM activation rows on the tensor cores, and applies the decode scale once to the fp32
+accumulator. BK divides K (no mask along K). Rows are (token, expert) pairs sorted by expert; a block table
 says which expert and which run of sorted pairs each program row-block covers (``align``).
 
 Gate/up programs compute the gate rows n and the up rows I + n of one expert together and store
@@ -310,12 +311,23 @@ def block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
 
+def _block_k(k: int, cap: int = 128) -> int:
+    """The largest power of two <= ``cap`` dividing K (the kernels have no mask along K); NVFP4 needs
+    K % 16 == 0 anyway, and 16 is the smallest tensor-core K."""
+    bk = cap
+    while k % bk:
+        bk //= 2
+    if bk < 16:
+        raise ValueError(f"input dimension {k} is not a multiple of 16")
+    return bk
+
+
 def _tiles(bm: int, n: int, k: int, rows: int = 1) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages) for a row block of ``bm`` and ``rows`` tokens in the launch (H200 sweep,
     benchmarks/tune_kernels.py: narrow N tiles while only a few experts are active)."""
     if bm <= 16:
-        return (32 if rows <= 4 else 64), min(128, k), 4, 4
-    return 64, min(128, k), 4, 3
+        return (32 if rows <= 4 else 64), _block_k(k), 4, 4
+    return 64, _block_k(k), 4, 3
 
 
 def moe_gate_up(x, packed, scales, decode, routing: Routing, top_k: int, out=None, tiles=None):

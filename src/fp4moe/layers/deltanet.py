@@ -119,7 +119,7 @@ class GatedDeltaNet(nn.Module):
         core = torch.empty(t, self.num_v_heads, self.v_dim, dtype=x.dtype, device=x.device)
         for seq, (start, end) in enumerate(ctx.spans()):
             slot = ctx.slots[seq]
-            conv_state, rec_state = ctx.deltanet.get(self.layer_id, slot)
+            conv_state, rec_state = ctx.deltanet.get(self.layer_id, slot, ctx.cached_lens[seq])
             qkv, new_conv = self._conv(mixed[start:end], conv_state)
             q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
             n = end - start
@@ -132,7 +132,7 @@ class GatedDeltaNet(nn.Module):
             if n > 1 and x.is_cuda and _fla_chunk() is not None:
                 rule = _fla_rule
             o, new_rec = rule(q, k, v, g[start:end], beta[start:end].float(), rec_state)
-            ctx.deltanet.set(self.layer_id, slot, new_conv, new_rec)
+            ctx.deltanet.set(self.layer_id, slot, new_conv, new_rec, ctx.cached_lens[seq] + (end - start))
             core[start:end] = o.to(x.dtype)
         out = gated_rms_norm(core, z, self.norm_weight, self.eps).reshape(t, -1)
         return self.out_proj(out)
