@@ -56,8 +56,9 @@ def _add_quantize(sub) -> None:
         "--quantize",
         default="experts",
         metavar="GROUPS",
-        help="what goes to NVFP4, comma-separated: experts (always), attention (q/k/v/o_proj), deltanet "
-        "(in_proj_qkv+in_proj_z, out_proj), shared (shared expert), lm_head. Fused groups share one global "
+        help="what is quantized, comma-separated: experts (always, NVFP4), attention (q/k/v/o_proj), deltanet "
+        "(in_proj_qkv+in_proj_z, out_proj), shared (shared expert), lm_head; GROUP:fp8 for per-tensor FP8 "
+        "instead of NVFP4 (written as ModelOpt MIXED_PRECISION, vLLM >= 0.17). Fused groups share one global "
         "and input scale, as vLLM needs; a quantized in_proj_qkvz needs vLLM >= 0.20, lm_head >= 0.23",
     )
     p.add_argument(

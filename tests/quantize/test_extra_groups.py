@@ -77,3 +77,41 @@ def test_unknown_group_is_a_clear_error(checkpoints, tmp_path, capsys):
     rc = main(["quantize", str(checkpoints.bf16()), str(tmp_path / "q"), "--quantize", "experts,mlp"])
     assert rc == 2 and "unknown group(s) mlp" in capsys.readouterr().err
     assert not (tmp_path / "q").exists()
+
+
+def test_fp8_groups_are_written_as_modelopt_mixed_precision(checkpoints):
+    path = checkpoints.quantized(quantize_extra=("attention:fp8", "shared"))
+    report = inspect_checkpoint(path)
+    assert report.ok, report.problems
+    t = load_all(path)
+    assert str(t[f"{L3}self_attn.q_proj.weight"].dtype) == "torch.float8_e4m3fn"
+    assert (
+        t[f"{L3}self_attn.q_proj.weight_scale"].ndim == 0 and t[f"{L3}self_attn.q_proj.input_scale"].ndim == 0
+    )
+    assert t[f"{L0}mlp.shared_expert.up_proj.weight"].dtype.itemsize == 1  # NVFP4 codes (uint8)
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    hf = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
+    assert qc["quant_algo"] == hf["quant_algo"] == "MIXED_PRECISION"
+    layers = qc["quantized_layers"]
+    assert layers[f"{L3}self_attn.q_proj"] == {"quant_algo": "FP8"}
+    assert layers[f"{L0}mlp.experts"]["quant_algo"] == "NVFP4"
+    assert layers[f"{L0}mlp.shared_expert.gate_proj"] == {"quant_algo": "NVFP4", "group_size": 16}
+    assert f"{L3}self_attn.q_proj" not in qc["ignore"]
+    llm = LLM(path, dtype="float32")
+    assert llm.model.layers[3].self_attn.q_proj.fp8 is not None
+    ref = checkpoints.bf16()
+    fp8 = evaluate(path, ref, seq_len=64, limit=192, progress=False)
+    fp4 = evaluate(
+        checkpoints.quantized(quantize_extra=("attention", "shared")),
+        ref,
+        seq_len=64,
+        limit=192,
+        progress=False,
+    )
+    assert 0 < fp8.kl_mean < fp4.kl_mean  # FP8 attention costs less than NVFP4 attention
+
+
+def test_fp8_needs_the_modelopt_format(checkpoints, tmp_path, capsys):
+    rc = main(["quantize", str(checkpoints.bf16()), str(tmp_path / "q"), "--format", "compressed-tensors",
+               "--quantize", "attention:fp8"])  # fmt: skip
+    assert rc == 2 and "MIXED_PRECISION" in capsys.readouterr().err

@@ -34,7 +34,7 @@ class FusedLinear:
         self.sizes = [lin.out_features for lin in linears]
         self.linears = linears
         self.weight = None
-        if all(lin.nvfp4 is None for lin in linears):
+        if all(lin.nvfp4 is None and lin.fp8 is None for lin in linears):
             self.weight = torch.cat([lin.weight.data for lin in linears])
             start = 0
             for lin, n in zip(linears, self.sizes, strict=True):

@@ -146,6 +146,13 @@ def load_model(
             reader.get(f"{ckpt_module}.{global_sfx}"), qfmt
         ).to(device)
     skip = {f"{m}.{sfx}" for _, (f, m) in quantized.items() for sfx in SUFFIXES[f]}
+    for module, ckpt_module in _fp8_linears(reader).items():  # per-tensor FP8 (ModelOpt MIXED_PRECISION)
+        model.get_submodule(module).use_fp8()
+        state[f"{module}.fp8.weight"] = get(f"{ckpt_module}.weight", cast=False)
+        state[f"{module}.fp8.scale"] = (
+            reader.get(f"{ckpt_module}.weight_scale").float().reshape(()).to(device)
+        )
+        skip.update(f"{ckpt_module}.{sfx}" for sfx in ("weight", "weight_scale", "input_scale"))
     for name in reader.names():
         role = arch.classify(name)
         if role is arch.Role.MTP and has_mtp:
@@ -183,6 +190,33 @@ def load_model(
     return model.eval(), config
 
 
+def _engine_module(name: str) -> str:
+    """Checkpoint module name (``...layers.3.self_attn.q_proj`` / ``lm_head``) -> engine module path."""
+    if name == "lm_head":
+        return "lm_head"
+    idx = arch.layer_of(name + ".weight")
+    if idx is None:
+        raise CheckpointError(
+            f"{name}: a quantized non-expert linear outside the decoder layers is not supported"
+        )
+    rest = arch.strip_layer_prefix(name + ".weight")
+    return f"layers.{idx}.{_RENAMES.get(rest, rest).removesuffix('.weight')}"
+
+
+def _fp8_linears(reader: CheckpointReader) -> dict[str, str]:
+    """Per-tensor FP8 linears (weight e4m3 + scalar weight_scale): engine module path -> checkpoint module."""
+    found = {}
+    for name, info in reader.infos.items():
+        if info.dtype != "F8_E4M3" or not name.endswith(".weight") or len(info.shape) != 2:
+            continue
+        if arch.classify(name) in (arch.Role.ROUTED_EXPERT, arch.Role.VISION, arch.Role.MTP):
+            continue
+        module = name.removesuffix(".weight")
+        if f"{module}.weight_scale" in reader and reader.info(f"{module}.weight_scale").dtype == "F32":
+            found[_engine_module(module)] = module
+    return found
+
+
 def _quantized_linears(reader: CheckpointReader, prefix: str) -> dict[str, tuple[OutputFormat, str]]:
     """NVFP4 linears other than the routed experts (e.g. shared experts or attention in llm-compressor or
     ModelOpt recipes): engine module path -> (format, checkpoint module name)."""
@@ -196,11 +230,5 @@ def _quantized_linears(reader: CheckpointReader, prefix: str) -> dict[str, tuple
             fmt, module = OutputFormat.MODELOPT, name.removesuffix(".weight")
         else:
             continue
-        if module == "lm_head":
-            found["lm_head"] = (fmt, module)
-        elif (idx := arch.layer_of(name)) is not None:
-            rest = arch.strip_layer_prefix(module + ".weight")
-            found[f"layers.{idx}.{_RENAMES.get(rest, rest).removesuffix('.weight')}"] = (fmt, module)
-        else:
-            raise CheckpointError(f"{name}: NVFP4 is not supported for this tensor")
+        found[_engine_module(module)] = (fmt, module)
     return found

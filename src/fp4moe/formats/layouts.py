@@ -112,6 +112,37 @@ def hf_quant_config(exclude: list[str], kv_cache_quant_algo: str | None = None) 
     }
 
 
+def modelopt_mixed_configs(
+    exclude: list[str], kv_cache_quant_algo: str | None, layers: dict[str, str]
+) -> tuple[dict, dict]:
+    """(config.json quantization_config, hf_quant_config.json) for ModelOpt MIXED_PRECISION: ``layers`` maps
+    module names (routed experts as their ``...mlp.experts`` module) to ``nvfp4`` or ``fp8``; every layer not
+    listed is bf16 (vLLM >= 0.17)."""
+    per_layer = {
+        name: {"quant_algo": "NVFP4", "group_size": GROUP_SIZE} if algo == "nvfp4" else {"quant_algo": "FP8"}
+        for name, algo in sorted(layers.items())
+    }
+    config = {
+        "quant_method": "modelopt",
+        "quant_algo": "MIXED_PRECISION",
+        "quantized_layers": per_layer,
+        "ignore": list(exclude),
+        "exclude_modules": list(exclude),
+        "kv_cache_quant_algo": kv_cache_quant_algo,
+        "producer": producer(),
+    }
+    hf = {
+        "producer": producer(),
+        "quantization": {
+            "quant_algo": "MIXED_PRECISION",
+            "kv_cache_quant_algo": kv_cache_quant_algo,
+            "exclude_modules": list(exclude),
+            "quantized_layers": per_layer,
+        },
+    }
+    return config, hf
+
+
 def _ct_args(dynamic, observer: str) -> dict:
     return {
         "num_bits": 4,

@@ -30,6 +30,18 @@ class NVFP4Weight(nn.Module):
         return nvfp4.dequantize_modelopt(self.packed, self.block_scales, self.decode_scale, dtype)
 
 
+class FP8Weight(nn.Module):
+    """One [N, K] per-tensor FP8 weight: e4m3 ``weight`` and an fp32 ``scale`` (run weight-only here)."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("scale", torch.empty((), dtype=torch.float32))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.weight.float() * self.scale).to(dtype)
+
+
 class Linear(nn.Module):
     """y = x W^T with W dense or NVFP4 (set by the loader through ``quantize_as_nvfp4``)."""
 
@@ -38,6 +50,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.nvfp4: NVFP4Weight | None = None
+        self.fp8: FP8Weight | None = None
 
     def use_nvfp4(self) -> None:
         """Replace the dense weight by an NVFP4 one (before loading)."""
@@ -45,7 +58,15 @@ class Linear(nn.Module):
         self.weight = None
         self.nvfp4 = NVFP4Weight(self.out_features, self.in_features)
 
+    def use_fp8(self) -> None:
+        """Replace the dense weight by a per-tensor FP8 one (before loading)."""
+        del self.weight
+        self.weight = None
+        self.fp8 = FP8Weight(self.out_features, self.in_features)
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8.dequantize(dtype)
         return self.nvfp4.dequantize(dtype) if self.nvfp4 is not None else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

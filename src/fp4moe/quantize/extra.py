@@ -10,6 +10,9 @@ without requantizing -- so every shard of a group gets one shared global scale (
 amax) and one shared input scale. ``in_proj_b``/``in_proj_a`` (tiny; Marlin's N % 64 limit before vLLM 0.24),
 conv1d, routers, ``shared_expert_gate``, embeddings, vision and MTP stay bf16. Needs vLLM >= 0.20 for a
 quantized in_proj_qkvz and >= 0.23 for a quantized lm_head (Qwen3.5 only).
+
+``GROUP:fp8`` puts a group in per-tensor FP8 instead (weight e4m3, fp32 weight and input scales; ModelOpt
+``MIXED_PRECISION``, vLLM >= 0.17, W8A8 there; our engine runs it weight-only).
 """
 
 from __future__ import annotations
@@ -24,29 +27,48 @@ GROUPS = {  # option -> fused groups of module names (relative to a decoder laye
 }
 
 
+ALGOS = ("nvfp4", "fp8")
+
+
+def split(option: str) -> tuple[str, str]:
+    """``attention`` -> (attention, nvfp4); ``attention:fp8`` -> (attention, fp8)."""
+    name, _, algo = option.partition(":")
+    return name, algo or "nvfp4"
+
+
 def parse_groups(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
-    """``attention,deltanet`` (or a list) -> validated option names; ``experts`` is implied and allowed."""
+    """``attention,deltanet:fp8`` (or a list) -> validated options; ``experts`` (always NVFP4) is implied."""
     if not value:
         return ()
     items = value.split(",") if isinstance(value, str) else list(value)
-    names = tuple(sorted({i.strip() for i in items if i.strip() and i.strip() != "experts"}))
-    unknown = [n for n in names if n not in GROUPS]
+    options = sorted({i.strip() for i in items if i.strip() and i.strip() != "experts"})
+    unknown = [o for o in options if split(o)[0] not in GROUPS]
     if unknown:
-        raise ValueError(
-            f"--quantize: unknown group(s) {', '.join(unknown)}; choose from experts, {', '.join(GROUPS)}"
-        )
-    return names
+        choices = ", ".join(GROUPS)
+        raise ValueError(f"--quantize: unknown group(s) {', '.join(unknown)}; choose from experts, {choices}")
+    bad = [o for o in options if split(o)[1] not in ALGOS]
+    if bad:
+        raise ValueError(f"--quantize: unknown format in {', '.join(bad)}; use GROUP or GROUP:fp8")
+    names = [split(o)[0] for o in options]
+    if len(set(names)) != len(names):
+        raise ValueError("--quantize: a group is listed with two formats")
+    return tuple(options)
 
 
-def layer_groups(options: tuple[str, ...], module_names: set[str]) -> list[list[str]]:
-    """The fused groups of one decoder layer that exist in it (attention layers have no linear_attn)."""
+def uses_fp8(options: tuple[str, ...]) -> bool:
+    return any(split(o)[1] == "fp8" for o in options)
+
+
+def layer_groups(options: tuple[str, ...], module_names: set[str]) -> list[tuple[list[str], str]]:
+    """(fused group, algo) of one decoder layer that exist in it (attention layers have no linear_attn)."""
     out = []
     for option in options:
-        if option == "lm_head":
+        name, algo = split(option)
+        if name == "lm_head":
             continue
-        for group in GROUPS[option]:
+        for group in GROUPS[name]:
             if all(m in module_names for m in group):
-                out.append(group)
+                out.append((group, algo))
     return out
 
 

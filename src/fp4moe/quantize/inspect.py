@@ -104,14 +104,17 @@ def detect_format(
             q = json.loads(hf_file.read_text()).get("quantization", {})
         except (json.JSONDecodeError, AttributeError):
             q = {}
-        if str(q.get("quant_algo", "")).upper() == "NVFP4":
+        if str(q.get("quant_algo", "")).upper() in ("NVFP4", "MIXED_PRECISION"):
             return OutputFormat.MODELOPT, list(q.get("exclude_modules") or []), None
     if not isinstance(qc, dict):
         return None, [], "config.json has no quantization_config: not a quantized checkpoint"
     method = qc.get("quant_method")
     if method == "modelopt":
-        if str(qc.get("quant_algo", "")).upper() not in ("NVFP4", "W4A16_NVFP4"):
+        algo = str(qc.get("quant_algo", "")).upper()
+        if algo not in ("NVFP4", "W4A16_NVFP4", "MIXED_PRECISION"):
             return None, [], f"quantization_config.quant_algo is {qc.get('quant_algo')!r}, not NVFP4"
+        if algo == "MIXED_PRECISION" and not isinstance(qc.get("quantized_layers"), dict):
+            return None, [], "MIXED_PRECISION quantization_config has no quantized_layers map"
         entries = qc.get("ignore") or qc.get("exclude_modules") or []
         return OutputFormat.MODELOPT, list(entries), None
     if method == "compressed-tensors":
@@ -131,9 +134,10 @@ def _check_hf_quant_config(path: Path, report: InspectReport) -> None:
     except (json.JSONDecodeError, AttributeError) as e:
         report.problems.append(f"hf_quant_config.json is not valid JSON ({e})")
         return
-    missing = [
-        k for k in ("quant_algo", "group_size", "kv_cache_quant_algo", "exclude_modules") if k not in q
-    ]
+    needed = ("quant_algo", "group_size", "kv_cache_quant_algo", "exclude_modules")
+    if str(q.get("quant_algo", "")).upper() == "MIXED_PRECISION":
+        needed = ("quant_algo", "kv_cache_quant_algo", "exclude_modules", "quantized_layers")
+    missing = [k for k in needed if k not in q]
     if missing:
         report.problems.append(
             f"hf_quant_config.json 'quantization' lacks keys vLLM requires: {', '.join(missing)}"
@@ -306,6 +310,12 @@ def _check_fused_groups(
                 f"{m}.{packed_sfx}" in reader and reader.info(f"{m}.{packed_sfx}").dtype == "U8" for m in mods
             ]
             present = [q or f"{m}.weight" in reader for m, q in zip(mods, quantized, strict=True)]
+            fp8 = [f"{m}.weight" in reader and reader.info(f"{m}.weight").dtype == "F8_E4M3" for m in mods]
+            if all(present) and any(fp8) and not all(fp8):
+                problems.add(
+                    "mixed-fused", f"{', '.join(mods)}: FP8 and another precision in one vLLM-fused module"
+                )
+                continue
             if not all(present):
                 continue
             if any(quantized) and not all(quantized):
@@ -355,6 +365,8 @@ def _compare_with_reference(
         b = reader.info(name)
         if b.dtype == "U8" and len(a.shape) == 2 and tuple(b.shape) == (a.shape[0], a.shape[1] // 2):
             continue  # quantized on purpose (--quantize): NVFP4 codes of this linear
+        if b.dtype == "F8_E4M3" and len(a.shape) == 2 and tuple(b.shape) == tuple(a.shape):
+            continue  # quantized on purpose (--quantize GROUP:fp8)
         if (a.dtype, a.shape) != (b.dtype, b.shape):
             problems.add(
                 "changed", f"{name}: {a.dtype}{list(a.shape)} in the source, {b.dtype}{list(b.shape)} here"

@@ -65,6 +65,10 @@ class QuantizeOptions:
     def __post_init__(self):
         self.format = OutputFormat(self.format)
         self.quantize_extra = extra.parse_groups(self.quantize_extra)
+        if extra.uses_fp8(self.quantize_extra) and self.format is not OutputFormat.MODELOPT:
+            raise ValueError(
+                "--quantize GROUP:fp8 is written as ModelOpt MIXED_PRECISION: use --format modelopt"
+            )
         self.scale_method = ScaleMethod(self.scale_method)
         for name in ("num_samples", "seq_len", "batch_size"):
             if int(getattr(self, name)) <= 0:
@@ -231,10 +235,19 @@ def write_linear_group(
     input_amax: torch.Tensor,
     method: ScaleMethod,
     device: torch.device,
+    algo: str = "nvfp4",
 ) -> None:
-    """NVFP4 of a fused group of linears (module name -> weight) under one global scale from their joint
-    amax and one input scale, as vLLM's fused modules need."""
+    """NVFP4 (or per-tensor FP8) of a fused group of linears (module name -> weight) under one global scale
+    from their joint amax and one input scale, as vLLM's fused modules need."""
     amax = torch.stack([w.abs().amax().float().cpu() for w in weights.values()]).max()
+    if algo == "fp8":
+        scale = torch.clamp(amax / nvfp4.FP8_MAX, min=torch.finfo(torch.float32).tiny)
+        for module, w in weights.items():
+            q = torch.clamp(w.float() / scale, -nvfp4.FP8_MAX, nvfp4.FP8_MAX).to(nvfp4.FP8_DTYPE)
+            writer.add(f"{module}.weight", q)
+            writer.add(f"{module}.weight_scale", scale.reshape(()).clone())
+            writer.add(f"{module}.input_scale", (input_amax.float() / nvfp4.FP8_MAX).reshape(()).clone())
+        return
     global_scale = nvfp4.global_scale_from_amax(amax)
     for module, w in weights.items():
         nvfp4.check_quantizable(w, module)
@@ -294,7 +307,7 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
     text_config = calibrate.text_config_for(cfg.raw)
     rotary = calibrate.rotary_for(text_config, device)
     done: set[str] = set()
-    quantized_modules: set[str] = set()  # non-expert linears written in NVFP4 (--quantize)
+    quantized_modules: dict[str, str] = {}  # non-expert linears quantized by --quantize -> nvfp4 | fp8
     fallbacks: list[list[int]] = []
     num_calibrated = 0
     min_tokens = None
@@ -334,7 +347,7 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
                 layer = calibrate.build_layer(text_config, i, layer_tensors, dtype, device)
                 modules = {n.removesuffix(".weight") for n in layer_tensors if n.endswith(".weight")}
                 groups = extra.layer_groups(options.quantize_extra, modules)
-                taps = extra.InputAmax(layer, [m for g in groups for m in g])
+                taps = extra.InputAmax(layer, [m for g, _ in groups for m in g])
                 try:
                     hidden, stats = calibrate.calibrate_layer(
                         layer,
@@ -353,11 +366,13 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
                 )
             with timer("write"):
                 head = f"{prefix}layers.{i}."
-                for group in groups:
+                for group, algo in groups:
                     weights = {head + m: dense.pop(f"{head}{m}.weight") for m in group}
                     in_amax = torch.stack([taps.amax[m] for m in group]).max()
-                    write_linear_group(writer, options.format, weights, in_amax, options.scale_method, device)
-                    quantized_modules.update(weights)
+                    write_linear_group(
+                        writer, options.format, weights, in_amax, options.scale_method, device, algo
+                    )
+                    quantized_modules.update(dict.fromkeys(weights, algo))
                 for name, t in dense.items():
                     writer.add(name, t)
                 write_experts(writer, options.format, block.prefix, q)
@@ -373,15 +388,18 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             _release_freed_memory()
 
         with timer("write"):
-            if "lm_head" in options.quantize_extra:
+            head_algo = dict(extra.split(o) for o in options.quantize_extra).get("lm_head")
+            if head_algo is not None:
                 if "lm_head.weight" not in reader:
                     raise QuantizeError("--quantize lm_head: the checkpoint ties lm_head to the embedding")
                 norm = reader.get(f"{prefix}norm.weight").to(device=device, dtype=dtype)
                 eps = float(getattr(text_config, "rms_norm_eps", 1e-6))
                 head_in = rms_norm_zero_centred(hidden, norm, eps).abs().amax().float().cpu()
                 weights = {"lm_head": _finite("lm_head.weight", reader.get("lm_head.weight"))}
-                write_linear_group(writer, options.format, weights, head_in, options.scale_method, device)
-                quantized_modules.add("lm_head")
+                write_linear_group(
+                    writer, options.format, weights, head_in, options.scale_method, device, head_algo
+                )
+                quantized_modules["lm_head"] = head_algo
                 done.add("lm_head.weight")
             for name in tqdm(
                 [n for n in reader.names() if n not in done and not n.startswith("mtp.")],
@@ -404,6 +422,10 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
         }
         exclude = layouts.excluded_modules(tensors, options.format)
         qcfg, hf_qcfg = _quantization_configs(options.format, exclude, options.kv_cache_quant_algo)
+        if extra.uses_fp8(options.quantize_extra):  # some FP8, some NVFP4: ModelOpt MIXED_PRECISION
+            layers = {f"{prefix}layers.{i}.mlp.experts": "nvfp4" for i in range(cfg.text.num_layers)}
+            layers.update(quantized_modules)
+            qcfg, hf_qcfg = layouts.modelopt_mixed_configs(exclude, options.kv_cache_quant_algo, layers)
         raw = json.loads(json.dumps(cfg.raw))
         raw["quantization_config"] = qcfg
         if not mtp_names:
