@@ -30,33 +30,9 @@ from pathlib import Path
 
 import torch
 
-FULL = dict(
-    num_hidden_layers=40,
-    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
-    hidden_size=2048,
-    vocab_size=248320,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    num_experts=256,
-    num_experts_per_tok=8,
-    moe_intermediate_size=512,
-    shared_expert_intermediate_size=512,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=262144,
-    rope_parameters=dict(
-        rope_type="default",
-        rope_theta=1e7,
-        partial_rotary_factor=0.25,
-        mrope_section=[11, 11, 10],
-        mrope_interleaved=True,
-    ),
-)
+from fp4moe.models.qwen3_5_moe import REAL_TEXT_CONFIG
+
+FULL = REAL_TEXT_CONFIG  # Qwen3.5/3.6-35B-A3B text shapes
 
 
 def log(*a):
@@ -162,16 +138,12 @@ def step_bytes(model, b: int, ctx: int, kv_elem: int) -> dict:
     experts = a.num_layers * distinct * per_expert
     n_attn = sum(t == "full_attention" for t in a.layer_types)
     kv = b * (ctx + 1) * n_attn * 2 * a.num_kv_heads * a.head_dim * kv_elem
-    conv_dim = (
-        2 * a.linear_num_key_heads * a.linear_key_head_dim
-        + a.linear_num_value_heads * a.linear_value_head_dim
-    )
     state = (
         (a.num_layers - n_attn)
         * b
         * (
             2 * a.linear_num_value_heads * a.linear_key_head_dim * a.linear_value_head_dim * 4
-            + a.conv_kernel * conv_dim * 2
+            + a.conv_kernel * a.conv_dim * 2
         )
     )
     emb = b * a.hidden_size * 2
@@ -221,27 +193,32 @@ def time_decode(model, b: int, ctx: int, kv_dtype: str, steps: int = 30) -> dict
     logits = runner.decode_logits(slots, tokens, positions)  # capture
     torch.cuda.synchronize()
     graph, _ = runner.graphs[next(g for g in sorted(runner.graphs) if g >= b)]
-    replay = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        replay.append(start.elapsed_time(end) / 1e3)
-    engine = []
-    for i in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        logits = runner.decode_logits(slots, tokens, [ctx + i] * b)
+    replay = event_seconds(graph.replay, steps)
+    step = iter(range(steps))
+
+    def engine_step(runner=runner):
+        nonlocal logits, tokens
+        logits = runner.decode_logits(slots, tokens, [ctx + next(step)] * b)
         tokens = logits.argmax(-1)
-        end.record()
-        end.synchronize()
-        engine.append(start.elapsed_time(end) / 1e3)
+
+    engine = event_seconds(engine_step, steps)
     finite = bool(torch.isfinite(logits.float()).all())
-    del runner
+    del engine_step, runner
     torch.cuda.empty_cache()
     return dict(replay_s=statistics.median(replay), engine_s=statistics.median(engine), finite=finite)
+
+
+def event_seconds(fn, repeats: int) -> list[float]:
+    """Seconds of ``fn`` per call by CUDA events, each call timed on its own."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
 
 
 def copy_bandwidth(dev) -> float:
@@ -249,15 +226,7 @@ def copy_bandwidth(dev) -> float:
     y = torch.empty_like(x)
     for _ in range(3):
         y.copy_(x)
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        y.copy_(x)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * x.numel() / statistics.median(times)
+    return 2 * x.numel() / statistics.median(event_seconds(lambda: y.copy_(x), 10))
 
 
 def matmul_peak(dev) -> float:
@@ -265,15 +234,7 @@ def matmul_peak(dev) -> float:
     b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        a @ b
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * 8192**3 / statistics.median(times)
+    return 2 * 8192**3 / statistics.median(event_seconds(lambda: a @ b, 10))
 
 
 # ---- 4. prefill ---------------------------------------------------------------------------------------------
@@ -305,14 +266,9 @@ def time_prefill(model, tokens: int) -> dict:
     run(256)
     run(tokens)
     torch.cuda.synchronize()
-    times = []
-    for _ in range(3):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        out = run(tokens)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
+    outs = []
+    times = event_seconds(lambda: outs.append(run(tokens)), 3)
+    out = outs[-1]
     a = model.args
     dense, embed, _ = weight_bytes(model)
     lm_head = a.vocab_size * a.hidden_size * 2

@@ -140,27 +140,10 @@ def test_fp8_kv_cache_stays_close_to_exact(checkpoints):
 
 def test_cache_budget_from_device_memory():
     from fp4moe.engine.memory import cache_budget_tokens, deltanet_bytes_per_sequence, kv_bytes_per_token
+    from fp4moe.models.qwen3_5_moe import REAL_TEXT_CONFIG
     from fp4moe.models.qwen3_5_moe_model import ModelArgs
 
-    real = ModelArgs.from_text_config(
-        dict(
-            hidden_size=2048,
-            num_hidden_layers=40,
-            vocab_size=248320,
-            num_attention_heads=16,
-            num_key_value_heads=2,
-            head_dim=256,
-            linear_num_key_heads=16,
-            linear_num_value_heads=32,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            num_experts=256,
-            num_experts_per_tok=8,
-            moe_intermediate_size=512,
-            shared_expert_intermediate_size=512,
-            rope_parameters=dict(rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10]),
-        )
-    )
+    real = ModelArgs.from_text_config(REAL_TEXT_CONFIG)
     import torch
 
     assert (

@@ -9,6 +9,19 @@ from __future__ import annotations
 import torch
 
 
+def fp8_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per-tensor fp8 KV scale from the first values written: amax with 2x headroom, over e4m3's 448."""
+    return torch.clamp(x.abs().amax().float() * KVCache.HEADROOM / 448.0, min=1e-8)
+
+
+def fp8_encode(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(x.float() / scale, -448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def fp8_decode(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (x.float() * scale).to(dtype)
+
+
 class KVCache:
     """``dtype="fp8"`` stores keys and values as float8-e4m3 with one scale per layer and tensor (k, v),
     set from the first tokens written to that layer with 2x headroom (later values beyond it saturate)."""
@@ -24,13 +37,9 @@ class KVCache:
 
     def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer not in self.scales:
-            self.scales[layer] = tuple(
-                torch.clamp(x.abs().amax().float() * self.HEADROOM / 448.0, min=1e-8) for x in (k, v)
-            )
+            self.scales[layer] = (fp8_scale(k), fp8_scale(v))
         ks, vs = self.scales[layer]
-        return tuple(
-            torch.clamp(x.float() / s, -448.0, 448.0).to(torch.float8_e4m3fn) for x, s in ((k, ks), (v, vs))
-        )
+        return fp8_encode(k, ks), fp8_encode(v, vs)
 
     def append(
         self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor
@@ -45,7 +54,7 @@ class KVCache:
         self._kv[(layer, slot)] = (k, v)
         if self.fp8:
             ks, vs = self.scales[layer]
-            return (k.float() * ks).to(dtype), (v.float() * vs).to(dtype)
+            return fp8_decode(k, ks, dtype), fp8_decode(v, vs, dtype)
         return k, v
 
     def truncate(self, layer: int, slot: int, length: int) -> None:

@@ -71,12 +71,8 @@ class CudaModelRunner(ModelRunner):
         self.gdn_ids = [i for i, layer in enumerate(layers) if not layer.is_attention]
         kv_layers = self.attn_ids + ([model.mtp.layer_id] if model.mtp is not None else [])
         dtype = model.embed_tokens.dtype
-        conv_dim = (
-            2 * a.linear_num_key_heads * a.linear_key_head_dim
-            + a.linear_num_value_heads * a.linear_value_head_dim
-        )
         self.states = SlotStates(
-            self.gdn_ids, max_num_seqs + 1, conv_dim, a.conv_kernel, a.linear_num_value_heads,
+            self.gdn_ids, max_num_seqs + 1, a.conv_dim, a.conv_kernel, a.linear_num_value_heads,
             a.linear_key_head_dim, a.linear_value_head_dim, dtype, device,
         )  # fmt: skip
         if num_pages is None:
@@ -92,8 +88,6 @@ class CudaModelRunner(ModelRunner):
         self.cuda_graphs = cuda_graphs
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
-        n = max(b for b in GRAPH_BATCH_SIZES if b <= max(max_num_seqs, 1)) if max_num_seqs >= 1 else 1
-        self.max_graph_batch = n
         self.buf_ids = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         self.buf_pos = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
         self.buf_slots = torch.full((max_num_seqs,), self.scratch, dtype=torch.int32, device=device)
@@ -104,24 +98,22 @@ class CudaModelRunner(ModelRunner):
     # ---- set-up -------------------------------------------------------------------------------------
 
     def _pages_from_memory(self, kv_layers: int, page_size: int, utilization: float) -> int:
-        """Pages that fit in utilization x total memory after the weights, states and an activation
-        reserve (a prefill chunk of 8K tokens measured ~3 GB at full size; 4 GiB kept)."""
+        """Pages that fit in utilization x total memory after the weights, states (allocated already) and an
+        activation reserve (a prefill chunk of 8K tokens measured ~3 GB at full size; 4 GiB kept)."""
+        from fp4moe.engine.memory import cache_budget_tokens, kv_bytes_per_token
+
         free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        a = self.args
-        per_page = (
-            2
-            * kv_layers
-            * page_size
-            * a.num_kv_heads
-            * a.head_dim
-            * (1 if self.kv_cache_dtype == "fp8" else 2)
+        per_token = kv_bytes_per_token(self.args, self.kv_cache_dtype, self.model.embed_tokens.dtype)
+        per_token = per_token * kv_layers // len(self.attn_ids)  # the MTP layer keeps keys/values too
+        tokens = cache_budget_tokens(
+            total, total - free + (4 << 30), utilization, per_token, 0, self.max_num_seqs
         )
-        budget = int(utilization * total) - used - (4 << 30)
         want = (self.max_num_seqs * -(-self.max_model_len // page_size)) + 1
-        if budget < per_page * 16:
-            raise RuntimeError(f"not enough GPU memory for a KV cache: {budget / 2**30:.1f} GiB left")
-        return int(min(want, budget // per_page))
+        if tokens < 16 * page_size:
+            raise ValueError(
+                f"not enough GPU memory for a KV cache: {tokens * per_token / 2**30:.1f} GiB left"
+            )
+        return int(min(want, tokens // page_size))
 
     def _fuse(self) -> None:
         self.fused = []

@@ -15,11 +15,7 @@ def kv_bytes_per_token(args, kv_cache_dtype: str, dtype: torch.dtype) -> int:
 def deltanet_bytes_per_sequence(args, dtype: torch.dtype) -> int:
     """Conv (model dtype) and fp32 recurrent state of every Gated DeltaNet layer, for one sequence."""
     num_deltanet = sum(t == "linear_attention" for t in args.layer_types)
-    conv_dim = (
-        2 * args.linear_num_key_heads * args.linear_key_head_dim
-        + args.linear_num_value_heads * args.linear_value_head_dim
-    )
-    conv = conv_dim * (args.conv_kernel - 1) * torch.tensor([], dtype=dtype).element_size()
+    conv = args.conv_dim * (args.conv_kernel - 1) * torch.tensor([], dtype=dtype).element_size()
     recurrent = args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim * 4
     return num_deltanet * (conv + recurrent)
 

@@ -20,12 +20,8 @@ class ModelRunner:
 
     def new_caches(self) -> tuple[KVCache, DeltaNetStates]:
         a = self.model.args
-        conv_dim = (
-            2 * a.linear_num_key_heads * a.linear_key_head_dim
-            + a.linear_num_value_heads * a.linear_value_head_dim
-        )
         states = DeltaNetStates(
-            conv_dim,
+            a.conv_dim,
             a.conv_kernel,
             a.linear_num_value_heads,
             a.linear_key_head_dim,

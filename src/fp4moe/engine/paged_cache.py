@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from fp4moe.engine.cache import KVCache
+from fp4moe.engine.cache import fp8_decode, fp8_encode, fp8_scale
 
 
 class CacheFull(RuntimeError):
@@ -75,9 +75,7 @@ class PagedKVCache:
 
     def _set_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         if layer not in self.scales:
-            scales = tuple(
-                torch.clamp(x.abs().amax().float() * KVCache.HEADROOM / 448.0, min=1e-8) for x in (k, v)
-            )
+            scales = (fp8_scale(k), fp8_scale(v))
             self.scales[layer] = scales
             self.scale_t[self.index[layer]] = torch.stack(scales)
 
@@ -93,18 +91,17 @@ class PagedKVCache:
         if self.fp8:
             self._set_scales(layer, k, v)
             ks, vs = self.scales[layer]
-            k8, v8 = (
-                torch.clamp(x.float() / s, -448.0, 448.0).to(torch.float8_e4m3fn)
-                for x, s in ((k, ks), (v, vs))
+            kc[self.rows(slot, start, end)], vc[self.rows(slot, start, end)] = (
+                fp8_encode(k, ks),
+                fp8_encode(v, vs),
             )
-            kc[self.rows(slot, start, end)], vc[self.rows(slot, start, end)] = k8, v8
         else:
             kc[self.rows(slot, start, end)], vc[self.rows(slot, start, end)] = k, v
         self._len[(layer, slot)] = end
         rows = self.rows(slot, 0, end)
         if self.fp8:
             ks, vs = self.scales[layer]
-            return (kc[rows].float() * ks).to(k.dtype), (vc[rows].float() * vs).to(k.dtype)
+            return fp8_decode(kc[rows], ks, k.dtype), fp8_decode(vc[rows], vs, k.dtype)
         return kc[rows], vc[rows]
 
     def advance(self, slot: int, length: int) -> None:

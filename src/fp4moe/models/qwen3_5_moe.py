@@ -22,6 +22,36 @@ from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
+# The text config of the real Qwen3.5/3.6-35B-A3B (../shared/REFERENCE.md): full-size shapes for
+# benchmarks and memory arithmetic without the weights.
+REAL_TEXT_CONFIG = dict(
+    num_hidden_layers=40,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+    hidden_size=2048,
+    vocab_size=248320,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=262144,
+    rope_parameters=dict(
+        rope_type="default",
+        rope_theta=1e7,
+        partial_rotary_factor=0.25,
+        mrope_section=[11, 11, 10],
+        mrope_interleaved=True,
+    ),
+)
+
 
 def layer_types_of(text: dict) -> list[str]:
     """``layer_types`` from a text config, or the default pattern: every ``full_attention_interval``-th

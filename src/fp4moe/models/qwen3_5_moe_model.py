@@ -43,6 +43,13 @@ class ModelArgs:
     rope: RopeConfig
     max_position_embeddings: int
 
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the Gated DeltaNet causal conv: q and k (key heads) and v (value heads)."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + (
+            self.linear_num_value_heads * self.linear_value_head_dim
+        )
+
     @classmethod
     def from_text_config(cls, text: dict) -> ModelArgs:
         n = int(text["num_hidden_layers"])

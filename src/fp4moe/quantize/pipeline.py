@@ -34,7 +34,7 @@ from fp4moe.formats.nvfp4 import BLOCK_SIZE, NVFP4Error
 from fp4moe.layers.norm import rms_norm_zero_centred
 from fp4moe.models import qwen3_5_moe as arch
 from fp4moe.quantize import calib_data, calibrate, extra
-from fp4moe.quantize.scales import QuantizedExperts, ScaleMethod, choose_block_scales, quantize_experts
+from fp4moe.quantize.scales import QuantizedExperts, ScaleMethod, quantize_experts, quantize_weight, to_cpu
 
 MTP_FILE = "model-mtp.safetensors"
 
@@ -248,14 +248,9 @@ def write_linear_group(
             writer.add(f"{module}.weight_scale", scale.reshape(()).clone())
             writer.add(f"{module}.input_scale", (input_amax.float() / nvfp4.FP8_MAX).reshape(()).clone())
         return
-    global_scale = nvfp4.global_scale_from_amax(amax)
+    global_scale = nvfp4.global_scale_from_amax(amax).to(device)
     for module, w in weights.items():
-        nvfp4.check_quantizable(w, module)
-        wd = w.to(device)
-        scales = choose_block_scales(wd, global_scale.to(device), method)
-        q = nvfp4.NVFP4Tensor(
-            nvfp4.quantize_with_scales(wd, scales, global_scale.to(device)).cpu(), scales.cpu(), global_scale
-        )
+        q = to_cpu(quantize_weight(w.to(device), method, module, global_scale))
         for suffix, t in layouts.quantized_linear_tensors(fmt, q, amax, input_amax).items():
             writer.add(f"{module}.{suffix}", t.clone())
 

@@ -74,13 +74,18 @@ def choose_block_scales(w: torch.Tensor, global_scale: torch.Tensor, method: Sca
 
 
 def quantize_weight(
-    w: torch.Tensor, method: ScaleMethod = ScaleMethod.RTN, name: str = "tensor"
+    w: torch.Tensor,
+    method: ScaleMethod = ScaleMethod.RTN,
+    name: str = "tensor",
+    global_scale: torch.Tensor | None = None,
 ) -> nvfp4.NVFP4Tensor:
-    """NVFP4 of ``w`` [..., N, K] with one RTN global scale per matrix and block scales by ``method``."""
+    """NVFP4 of ``w`` [..., N, K] with block scales by ``method``, under ``global_scale`` (default: one RTN
+    global scale per matrix; pass a shared one for shards that must agree)."""
     if method is ScaleMethod.RTN:
-        return nvfp4.quantize(w, name=name)
+        return nvfp4.quantize(w, global_scale, name=name)
     nvfp4.check_quantizable(w, name)
-    global_scale = nvfp4.global_scale_from_amax(w.abs().amax(dim=(-2, -1)))
+    if global_scale is None:
+        global_scale = nvfp4.global_scale_from_amax(w.abs().amax(dim=(-2, -1)))
     scales = choose_block_scales(w, global_scale, method)
     return nvfp4.NVFP4Tensor(nvfp4.quantize_with_scales(w, scales, global_scale), scales, global_scale)
 
@@ -135,15 +140,15 @@ def quantize_experts(
     for start in range(0, num_experts, expert_chunk):
         gu = gate_up[start : start + expert_chunk]
         d = down[start : start + expert_chunk]
-        parts_gu.append(_to_cpu(quantize_weight(gu, method, name=f"{name}[{start}:].gate_up_proj")))
-        parts_d.append(_to_cpu(quantize_weight(d, method, name=f"{name}[{start}:].down_proj")))
+        parts_gu.append(to_cpu(quantize_weight(gu, method, name=f"{name}[{start}:].gate_up_proj")))
+        parts_d.append(to_cpu(quantize_weight(d, method, name=f"{name}[{start}:].down_proj")))
     gu_amax = gate_up.abs().amax(dim=(-2, -1)).float().cpu()
     d_amax = down.abs().amax(dim=(-2, -1)).float().cpu()
     in_gu, in_d, fallback = input_amax_with_fallback(stats)
     return QuantizedExperts(_cat(parts_gu), _cat(parts_d), gu_amax, d_amax, in_gu, in_d, fallback)
 
 
-def _to_cpu(q: nvfp4.NVFP4Tensor) -> nvfp4.NVFP4Tensor:
+def to_cpu(q: nvfp4.NVFP4Tensor) -> nvfp4.NVFP4Tensor:
     return nvfp4.NVFP4Tensor(q.packed.cpu(), q.block_scales.cpu(), q.global_scale.cpu())
 
 
