@@ -7,6 +7,7 @@ CUDA graphs belong to the serving engine.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -79,7 +80,9 @@ class LLM:
         self.tokenizer = self._load_tokenizer()
         image_token = self.config.get("image_token_id")
         image_token = int(image_token) if image_token is not None else None
-        if self.device.type == "cuda":  # paged caches, fused decode kernels, CUDA graphs
+        # paged caches, fused decode kernels, CUDA graphs; the kernels are bf16 (an fp32 model on the GPU,
+        # a debugging/parity mode, runs the module path)
+        if self.device.type == "cuda" and self.model.embed_tokens.dtype == torch.bfloat16:
             from fp4moe.engine.cuda_runner import CudaModelRunner
 
             self.runner = CudaModelRunner(
@@ -284,10 +287,11 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         encoded, seqs = self._make_sequences(prompts, params)
         owner = [i for i, p in enumerate(params) for _ in range(p.n)]
-        for stepped in self._run(seqs):
-            if on_token is not None:
-                for seq in stepped:
-                    on_token(owner[seqs.index(seq)], seq.output_ids[-1], seq.delta)
+        with contextlib.closing(self._run(seqs)) as run:  # a raising on_token frees the caches at once
+            for stepped in run:
+                if on_token is not None:
+                    for seq in stepped:
+                        on_token(owner[seqs.index(seq)], seq.output_ids[-1], seq.delta)
         outputs = []
         for i, (text, ids) in enumerate(encoded):
             mine = [s for s, o in zip(seqs, owner, strict=True) if o == i]
@@ -314,9 +318,11 @@ class LLM:
     ) -> Iterator[str]:
         """Text deltas of one prompt as they are generated."""
         _, seqs = self._make_sequences([prompt], [sampling_params or SamplingParams()])
-        for _ in self._run(seqs[:1]):
-            if seqs[0].delta:
-                yield seqs[0].delta
+        # an abandoned stream frees its cache now, not whenever the inner generator is collected
+        with contextlib.closing(self._run(seqs[:1])) as run:
+            for _ in run:
+                if seqs[0].delta:
+                    yield seqs[0].delta
 
     def chat(
         self,

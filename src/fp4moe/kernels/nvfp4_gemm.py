@@ -6,7 +6,7 @@ with FP8-E4M3 block scales per 16 along K and one FP32 decode scale per projecti
 one [BN, BK] weight tile in registers (``DEQUANT_MODE`` 1, the default: code -> fp16 bits -> fp32, times its
 block scale, exact in bf16; mode 2: even/odd fp32 tiles for a tf32 dot, measured slower), multiplies it
 with up to BM activation rows on the tensor cores, and applies the decode scale once to the fp32
-accumulator. BK divides K (no mask along K). Rows are (token, expert) pairs sorted by expert; a block table
+accumulator. BK divides K where a power of two >= 32 does, else the last K tile is masked. Rows are (token, expert) pairs sorted by expert; a block table
 says which expert and which run of sorted pairs each program row-block covers (``align``).
 
 Gate/up programs compute the gate rows n and the up rows I + n of one expert together and store
@@ -26,14 +26,14 @@ from fp4moe.kernels.tl_helpers import round_bf16
 
 
 @triton.jit
-def _dequant_bf16(w_ptrs, s_ptrs, mask, BN: tl.constexpr, BK: tl.constexpr):
+def _dequant_bf16(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.constexpr):
     """MODE 1: packed codes [BN, BK/2] and block scales [BN, BK/16] -> interleaved [BN, BK] bf16 tile
     (code -> fp16 bits with the exponent 14 too small -> fp32, times scale * 2^14 -> bf16, exact)."""
-    packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.uint16)
+    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint16)
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK))  # even k from the low nibble
     bits = ((codes & 8) << 12) | ((codes & 7) << 9)
     vals = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    scales = tl.load(s_ptrs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+    scales = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
     w = tl.reshape(vals, (BN, BK // 16, 16)) * scales[:, :, None]
     return tl.reshape(w, (BN, BK)).to(tl.bfloat16)
 
@@ -52,22 +52,35 @@ def _dequant_half(codes, scales, BN: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _tile_dot(a_base, a_mask, k0, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh,
-              MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
-    """One K tile's contribution a[:, k0:k0+BK] @ W[n, k0:k0+BK]^T -> [BM, BN] fp32."""
+def _tile_dot(a_base, a_mask, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, offs_ks,
+              MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+              DOT_F32: tl.constexpr):  # fmt: skip
+    """One K tile's contribution a[:, k0:k0+BK] @ W[n, k0:k0+BK]^T -> [BM, BN] fp32 (masked along K
+    unless EVEN_K: every load past K reads zeros, so a ragged last tile adds nothing)."""
+    if EVEN_K:
+        k_ok = offs_k >= 0
+        kh_ok = offs_kh >= 0
+        ks_ok = offs_ks >= 0
+    else:
+        k_ok = k0 + offs_k < K
+        kh_ok = k0 + 2 * offs_kh < K
+        ks_ok = k0 + 16 * offs_ks < K
+    w_mask = mask_n[:, None] & kh_ok[None, :]
+    s_mask = mask_n[:, None] & ks_ok[None, :]
     if MODE == 2:  # even and odd k apart: no interleaving of the weight tile
-        packed = tl.load(w_ptrs, mask=mask_n[:, None], other=0).to(tl.int32)
-        scales = tl.load(s_ptrs, mask=mask_n[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        a_even = tl.load(a_base + (k0 + 2 * offs_kh)[None, :], mask=a_mask, other=0.0).to(tl.float32)
-        a_odd = tl.load(a_base + (k0 + 2 * offs_kh + 1)[None, :], mask=a_mask, other=0.0).to(tl.float32)
+        packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
+        scales = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        a_half = a_mask & kh_ok[None, :]
+        a_even = tl.load(a_base + (k0 + 2 * offs_kh)[None, :], mask=a_half, other=0.0).to(tl.float32)
+        a_odd = tl.load(a_base + (k0 + 2 * offs_kh + 1)[None, :], mask=a_half, other=0.0).to(tl.float32)
         w_even = _dequant_half(packed & 0xF, scales, BN, BK)
         w_odd = _dequant_half((packed >> 4) & 0xF, scales, BN, BK)
         return tl.dot(a_even, tl.trans(w_even)) + tl.dot(a_odd, tl.trans(w_odd))
-    a = tl.load(a_base + (k0 + offs_k)[None, :], mask=a_mask, other=0.0)
+    a = tl.load(a_base + (k0 + offs_k)[None, :], mask=a_mask & k_ok[None, :], other=0.0)
     if MODE == 0:  # bf16 weights (the all-bf16 model through the same kernel)
-        w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
     else:
-        w = _dequant_bf16(w_ptrs, s_ptrs, mask_n[:, None], BN, BK)
+        w = _dequant_bf16(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
     if DOT_F32:
         return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
     return tl.dot(a.to(tl.bfloat16), tl.trans(w))
@@ -104,6 +117,7 @@ def _w4a16_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
@@ -142,11 +156,12 @@ def _w4a16_kernel(
         else:
             w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 // 2 + offs_kh)[None, :]
             s_ptrs = s_base + offs_n[:, None] * stride_sn + (k0 // 16 + offs_ks)[None, :]
-        acc += _tile_dot(a_base, a_mask, k0, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, MODE, BN, BK, DOT_F32)
+        acc += _tile_dot(a_base, a_mask, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, offs_ks,
+                         MODE, BN, BK, EVEN_K, DOT_F32)  # fmt: skip
         if GATED:
             acc_up += _tile_dot(
-                a_base, a_mask, k0, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n, offs_k, offs_kh,
-                MODE, BN, BK, DOT_F32,
+                a_base, a_mask, k0, K, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n, offs_k, offs_kh,
+                offs_ks, MODE, BN, BK, EVEN_K, DOT_F32,
             )  # fmt: skip
     if GATED:  # the CPU path rounds gate, up and silu(gate) to bf16 on the way; so do we
         gate = round_bf16(acc * tl.load(d_ptr + e * stride_de))
@@ -312,13 +327,13 @@ def block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
 
 
 def _block_k(k: int, cap: int = 128) -> int:
-    """The largest power of two <= ``cap`` dividing K (the kernels have no mask along K); NVFP4 needs
-    K % 16 == 0 anyway, and 16 is the smallest tensor-core K."""
-    bk = cap
-    while k % bk:
-        bk //= 2
-    if bk < 16:
+    """The largest power of two <= ``cap`` dividing K, at least 32 (a 16-wide tile has one block scale
+    per row and miscomputed on the H200; K = 48 then runs a masked ragged tile). NVFP4 needs K % 16 == 0."""
+    if k % 16:
         raise ValueError(f"input dimension {k} is not a multiple of 16")
+    bk = cap
+    while k % bk and bk > 32:
+        bk //= 2
     return bk
 
 
@@ -347,7 +362,7 @@ def moe_gate_up(x, packed, scales, decode, routing: Routing, top_k: int, out=Non
         routing.order, routing.blk_expert, routing.blk_start, routing.blk_count, routing.nblk, decode,
         0, inter, hidden, top_k,
         packed.stride(0), packed.stride(1), s.stride(0), s.stride(1), decode.stride(0),
-        DENSE=False, MODE=_mode(packed), GATED=True, WEIGHTED=False, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
+        DENSE=False, MODE=_mode(packed), GATED=True, WEIGHTED=False, BM=bm, BN=bn, BK=bk, EVEN_K=hidden % bk == 0, DOT_F32=INTERPRET,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -369,7 +384,7 @@ def moe_down(act, packed, scales, decode, routing: Routing, topk_weights, out=No
         topk_weights.reshape(-1),
         0, hidden, inter, 1,
         packed.stride(0), packed.stride(1), s.stride(0), s.stride(1), decode.stride(0) if decode.ndim else 0,
-        DENSE=False, MODE=_mode(packed), GATED=False, WEIGHTED=True, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
+        DENSE=False, MODE=_mode(packed), GATED=False, WEIGHTED=True, BM=bm, BN=bn, BK=bk, EVEN_K=inter % bk == 0, DOT_F32=INTERPRET,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -391,7 +406,7 @@ def nvfp4_linear(x, packed, scales, decode, out=None):
         d, d, d, d, d, d,
         m, n, k, 1,
         0, packed.stride(0), 0, s.stride(0), 0,
-        DENSE=True, MODE=DEQUANT_MODE, GATED=False, WEIGHTED=False, BM=bm, BN=bn, BK=bk, DOT_F32=INTERPRET,
+        DENSE=True, MODE=DEQUANT_MODE, GATED=False, WEIGHTED=False, BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0, DOT_F32=INTERPRET,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
