@@ -84,10 +84,21 @@ def correctness_gate() -> dict:
 # ---- 2. full-size synthetic model -----------------------------------------------------------------------
 
 
-def build_model(quantized: bool, device):
+ENGINE_GROUPS = {  # --quantize group -> the engine's Linear modules (per decoder layer; lm_head: top level)
+    "attention": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"],
+    "deltanet": ["linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj"],
+    "shared": ["mlp.shared_gate_proj", "mlp.shared_up_proj", "mlp.shared_down_proj"],
+    "lm_head": ["lm_head"],
+}
+
+
+def build_model(quantized: bool, device, mix: str = ""):
+    """The full-size model with random weights; ``quantized``: NVFP4 routed experts, and ``mix`` (as
+    ``fp4moe quantize --quantize``, e.g. ``attention,shared:fp8``) more groups in NVFP4 or FP8."""
     from fp4moe.formats import nvfp4
     from fp4moe.layers.rope import Rotary
     from fp4moe.models.qwen3_5_moe_model import ModelArgs, Qwen3_5MoeModel
+    from fp4moe.quantize.extra import parse_groups, split
 
     args = ModelArgs.from_text_config(FULL)
     with torch.device("meta"):
@@ -95,6 +106,14 @@ def build_model(quantized: bool, device):
     if quantized:
         for layer in model.layers:
             layer.mlp.experts.use_nvfp4()
+    for option in parse_groups(mix):
+        group, algo = split(option)
+        for name in ENGINE_GROUPS[group]:
+            owners = [model] if group == "lm_head" else model.layers
+            for owner in owners:
+                if name.split(".")[0] in dict(owner.named_children()):
+                    linear = owner.get_submodule(name)
+                    linear.use_fp8() if algo == "fp8" else linear.use_nvfp4()
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
@@ -102,8 +121,10 @@ def build_model(quantized: bool, device):
             t.random_(0, 256, generator=gen)
         elif t.dtype == nvfp4.FP8_DTYPE:
             t.copy_((torch.rand(t.shape, device=device, generator=gen) * 2 + 0.5).to(t.dtype))
-        elif name.endswith("decode"):
+        elif name.endswith(("decode", "decode_scale")):
             t.fill_(2e-3)
+        elif name.endswith(".scale"):  # FP8 linears' per-tensor scale
+            t.fill_(1e-2)
         elif "A_log" in name or "dt_bias" in name:
             t.data = torch.rand(t.shape, device=device, generator=gen).float()
         elif name.endswith("norm_weight"):  # Gated DeltaNet's output norm: a plain weight
@@ -334,6 +355,14 @@ def main() -> int:
     )
     ap.add_argument("--prefill", type=int, default=8192, help="prefill prompt length (0: skip)")
     ap.add_argument(
+        "--mixes",
+        nargs="*",
+        default=[],
+        help="also time these --quantize mixes (NVFP4 experts plus e.g. attention,deltanet,shared or "
+        "shared:fp8) at context 1K over --batches; 'experts' alone is the reference build's mix",
+    )
+    ap.add_argument("--only-mixes", action="store_true", help="skip the gate and everything but --mixes")
+    ap.add_argument(
         "--skip-gate", action="store_true", help="skip the correctness gate (not for reported runs)"
     )
     args = ap.parse_args()
@@ -343,14 +372,28 @@ def main() -> int:
     out = dict(
         date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), torch=torch.__version__
     )
-    if not args.skip_gate:
+    if not args.skip_gate and not args.only_mixes:
         out["gate"] = correctness_gate()
     bw = copy_bandwidth(dev)
     peak = matmul_peak(dev)
     out.update(copy_bandwidth=bw, matmul_peak=peak)
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
     rows = []
-    for quantized in (True, False):
+    for mix in args.mixes:
+        model = build_model(True, dev, "" if mix == "experts" else mix)
+        for b in [int(x) for x in args.batches.split(",") if x]:
+            t = time_decode(model, b, 1024, "auto")
+            nbytes = step_bytes(model, b, 1024, 2)
+            roof = nbytes["total"] / bw
+            rows.append(dict(model=f"nvfp4:{mix}", kv="auto", batch=b, context=1024, **t, bytes=nbytes,
+                             tok_s=b / t["engine_s"], tok_s_replay=b / t["replay_s"], gbs=nbytes["total"] / t["replay_s"] / 1e9,
+                             roofline_tok_s=b / roof, pct_roofline=roof / t["replay_s"]))  # fmt: skip
+            r = rows[-1]
+            log(f"mix {mix}: B={b:3d}: {r['tok_s']:8.1f} tok/s engine, {r['tok_s_replay']:8.1f} graph, "
+                f"{nbytes['total'] / 1e9:.2f} GB/step, {r['pct_roofline']:.1%} of roofline, finite {t['finite']}")  # fmt: skip
+        del model
+        torch.cuda.empty_cache()
+    for quantized in (True, False) if not args.only_mixes else ():
         if not quantized and not args.bf16_batches:
             continue
         model = build_model(quantized, dev)

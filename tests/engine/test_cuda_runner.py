@@ -27,9 +27,15 @@ def _fused(llm: LLM, kv_cache_dtype: str = "auto") -> None:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("which", ["bf16", "nvfp4"])
+MIXED = "attention,shared,deltanet:fp8,lm_head"  # NVFP4 and FP8 linears in the fused projections
+
+
+@pytest.mark.parametrize("which", ["bf16", "nvfp4", "mixed"])
 def test_fused_decode_gives_the_module_paths_greedy_tokens(checkpoints, which):
-    path = checkpoints.bf16() if which == "bf16" else checkpoints.quantized()
+    if which == "bf16":
+        path = checkpoints.bf16()
+    else:
+        path = checkpoints.quantized(**({"quantize_extra": MIXED} if which == "mixed" else {}))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     ref = LLM(path, dtype="bfloat16", device="cpu")
     expected = ref.generate([{"prompt_token_ids": p} for p in PROMPTS], params)

@@ -84,9 +84,20 @@ def test_moe_experts_match_the_dequantized_reference(tokens, inter, mode, monkey
 @pytest.mark.parametrize("m,k", [(1, 128), (20, 128), (100, 128), (3, 192), (5, 48)])
 def test_dense_nvfp4_linear(m, k):
     gen = torch.Generator().manual_seed(m)
-    p, s, d = quantized((96, k), gen)  # K not a power of two: tiles must divide it (no K mask)
+    p, s, d = quantized((96, k), gen)  # K = 192: 64-wide tiles; K = 48: a masked ragged 32-wide tile
     x = torch.randn(m, k, generator=gen).to(BF16).to(DEV)
     assert rel(gemm.nvfp4_linear(x, p, s, d), gemm.linear_reference(x.double(), p, s, d.double())) < RTOL
+
+
+@pytest.mark.parametrize("m,k", [(1, 128), (20, 192), (3, 48)])
+def test_fp8_weight_only_linear(m, k):
+    gen = torch.Generator().manual_seed(10 + m)
+    w = torch.randn(80, k, generator=gen) * 0.05
+    scale = w.abs().amax() / 448
+    q = (w / scale).to(torch.float8_e4m3fn)
+    x = torch.randn(m, k, generator=gen).to(BF16).to(DEV)
+    out = gemm.fp8_linear(x, q.to(DEV), scale.to(DEV))
+    assert rel(out, gemm.fp8_linear_reference(x.double(), q.to(DEV), scale.to(DEV))) < RTOL
 
 
 def test_router_and_shared_activation():

@@ -9,8 +9,8 @@ grouped NVFP4 expert GEMMs, the shared-expert down GEMM, and combine+next norm -
 shapes, so the whole step is captured once per batch-size bucket and replayed.
 
 The projections sharing an input are concatenated once at start-up (qkv|z|b|a of Gated DeltaNet, q|k|v of
-attention, router|shared gate|shared up|shared gate-scalar of the MoE), and the modules' own weights become
-views into them: no extra memory.
+attention, router|shared gate|shared up|shared gate-scalar of the MoE; per weight format: FusedLinear), and
+the modules' own weights become views into them: no extra memory.
 """
 
 from __future__ import annotations
@@ -28,23 +28,79 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 class FusedLinear:
-    """Several Linears over the same input as one GEMM (dense parts concatenated; NVFP4 parts run apart)."""
+    """Several Linears over the same input as one GEMM per weight format: the dense weights concatenated,
+    and the NVFP4 (or FP8) ones concatenated when they share one decode scale -- vLLM's fused groups do,
+    and ``fp4moe quantize`` writes them so -- else run one by one. The Linears' own tensors become views
+    into the concatenations (no extra memory); outputs come back in the Linears' order."""
 
     def __init__(self, linears: list):
         self.sizes = [lin.out_features for lin in linears]
         self.linears = linears
-        self.weight = None
-        if all(lin.nvfp4 is None and lin.fp8 is None for lin in linears):
-            self.weight = torch.cat([lin.weight.data for lin in linears])
-            start = 0
-            for lin, n in zip(linears, self.sizes, strict=True):
-                lin.weight = nn.Parameter(self.weight[start : start + n], requires_grad=False)
-                start += n
+        kinds: dict[str, list[int]] = {}
+        for i, lin in enumerate(linears):
+            kinds.setdefault(
+                "nvfp4" if lin.nvfp4 is not None else "fp8" if lin.fp8 is not None else "dense", []
+            ).append(i)
+        self.parts = []  # (indices into linears, function of x)
+        for kind, idx in kinds.items():
+            group = [linears[i] for i in idx]
+            if kind == "dense":
+                self.parts.append((idx, _dense_part(group)))
+            elif kind == "nvfp4" and _same([lin.nvfp4.decode_scale for lin in group]):
+                self.parts.append((idx, _nvfp4_part(group)))
+            elif kind == "fp8" and _same([lin.fp8.scale for lin in group]):
+                self.parts.append((idx, _fp8_part(group)))
+            else:
+                self.parts.extend(([i], linears[i]) for i in idx)
+        self.ordered = [i for idx, _ in self.parts for i in idx] == list(range(len(linears)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None:
-            return F.linear(x, self.weight)
-        return torch.cat([lin(x) for lin in self.linears], dim=-1)
+        outs = [fn(x) for _, fn in self.parts]
+        if self.ordered:
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        pieces: list[torch.Tensor | None] = [None] * len(self.linears)
+        for (idx, _), out in zip(self.parts, outs, strict=True):
+            for i, piece in zip(idx, out.split([self.sizes[i] for i in idx], dim=-1), strict=True):
+                pieces[i] = piece
+        return torch.cat(pieces, dim=-1)
+
+
+def _same(scales: list[torch.Tensor]) -> bool:
+    return all(torch.equal(scales[0], s) for s in scales[1:])
+
+
+def _concat_into(modules: list, name: str) -> torch.Tensor:
+    """Concatenate ``module.<name>`` along dim 0 and make each module's tensor a view of the result."""
+    whole = torch.cat([getattr(m, name).data for m in modules])
+    start = 0
+    for m in modules:
+        n = getattr(m, name).shape[0]
+        view = whole[start : start + n]
+        param = isinstance(getattr(m, name), nn.Parameter)
+        setattr(m, name, nn.Parameter(view, requires_grad=False) if param else view)
+        start += n
+    return whole
+
+
+def _dense_part(linears: list):
+    weight = _concat_into(linears, "weight")
+    return lambda x: F.linear(x, weight)
+
+
+def _nvfp4_part(linears: list):
+    from fp4moe.kernels.nvfp4_gemm import nvfp4_linear
+
+    qs = [lin.nvfp4 for lin in linears]
+    packed, scales, decode = _concat_into(qs, "packed"), _concat_into(qs, "block_scales"), qs[0].decode_scale
+    return lambda x: nvfp4_linear(x.reshape(-1, x.shape[-1]), packed, scales, decode).view(*x.shape[:-1], -1)
+
+
+def _fp8_part(linears: list):
+    from fp4moe.kernels.nvfp4_gemm import fp8_linear
+
+    qs = [lin.fp8 for lin in linears]
+    weight, scale = _concat_into(qs, "weight"), qs[0].scale
+    return lambda x: fp8_linear(x.reshape(-1, x.shape[-1]), weight, scale).view(*x.shape[:-1], -1)
 
 
 class CudaModelRunner(ModelRunner):

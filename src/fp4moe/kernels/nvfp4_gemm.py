@@ -79,6 +79,9 @@ def _tile_dot(a_base, a_mask, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, of
     a = tl.load(a_base + (k0 + offs_k)[None, :], mask=a_mask & k_ok[None, :], other=0.0)
     if MODE == 0:  # bf16 weights (the all-bf16 model through the same kernel)
         w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
+    elif MODE == 3:  # per-tensor FP8-E4M3 weights (bytes): exact in bf16, the scale goes on the accumulator
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0)
+        w = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
     else:
         w = _dequant_bf16(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
     if DOT_F32:
@@ -150,7 +153,7 @@ def _w4a16_kernel(
     a_base = a_ptr + rows[:, None].to(tl.int64) * stride_am
     a_mask = mask_m[:, None]
     for k0 in range(0, K, BK):
-        if MODE == 0:
+        if MODE == 0 or MODE == 3:
             w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
             s_ptrs = w_ptrs
         else:
@@ -412,11 +415,38 @@ def nvfp4_linear(x, packed, scales, decode, out=None):
     return out
 
 
+def fp8_linear(x, weight, scale, out=None):
+    """Per-tensor FP8 linear, weight-only: x [M, K] bf16, weight e4m3 [N, K], scale fp32 0-D -> [M, N] bf16
+    (the engine's FP8 groups; vLLM runs these W8A8)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    bm = 16 if m <= 16 else 64
+    bn, bk, warps, stages = _tiles(bm, n, k)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    w = uint8_view(weight)
+    d = scale.reshape(1).float()
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _w4a16_kernel[grid](
+        x, x.stride(0), w, w, d, out, out.stride(0),
+        d, d, d, d, d, d,
+        m, n, k, 1,
+        0, w.stride(0), 0, 0, 0,
+        DENSE=True, MODE=3, GATED=False, WEIGHTED=False, BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0, DOT_F32=INTERPRET,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
 # ---- references ---------------------------------------------------------------------------------------
 
 
 def linear_reference(x, packed, scales, decode):
     return torch.nn.functional.linear(x, nvfp4.dequantize_modelopt(packed, scales, decode, x.dtype))
+
+
+def fp8_linear_reference(x, weight, scale):
+    return torch.nn.functional.linear(x, (weight.double() * scale.double()).to(x.dtype))
 
 
 def moe_reference(x, gu_packed, gu_scales, gu_decode, d_packed, d_scales, d_decode, topk_ids, topk_weights):

@@ -1,7 +1,7 @@
 """Linear layers whose weight is either dense (bf16/fp32) or NVFP4 (packed codes + scales, kept packed).
 
-The CPU path dequantizes NVFP4 with the torch reference (fp4moe.formats.nvfp4) at each call; on CUDA the
-W4A16 kernel (fp4moe.kernels.nvfp4_gemm) dequantizes in registers.
+The CPU path dequantizes NVFP4 / FP8 with the torch reference (fp4moe.formats.nvfp4) at each call; on CUDA
+the W4A16 / W8A16 kernels (fp4moe.kernels.nvfp4_gemm) dequantize in registers.
 """
 
 from __future__ import annotations
@@ -77,4 +77,9 @@ class Linear(nn.Module):
             return nvfp4_linear(x.reshape(-1, x.shape[-1]), q.packed, q.block_scales, q.decode_scale).view(
                 *x.shape[:-1], -1
             )
+        if self.fp8 is not None and x.is_cuda and x.dtype == torch.bfloat16:  # weight-only FP8 kernel
+            from fp4moe.kernels.nvfp4_gemm import fp8_linear
+
+            flat = x.reshape(-1, x.shape[-1])
+            return fp8_linear(flat, self.fp8.weight, self.fp8.scale).view(*x.shape[:-1], -1)
         return F.linear(x, self.dense_weight(x.dtype))

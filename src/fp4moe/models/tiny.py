@@ -113,13 +113,27 @@ class TinySpec:
             raise ValueError(f"tokenizer_vocab {self.tokenizer_vocab} exceeds vocab_size {self.vocab_size}")
 
 
+QWEN3_5_PRETOKENIZE = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
 def train_tokenizer(vocab_size: int, text: str | None = None):
     """Byte-level BPE trained on ``text`` (default: the packaged calibration corpus; deterministic, ~1 s)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Qwen3.5's normalizer and pre-tokenizer: transformers' Qwen3_5Tokenizer re-applies them whenever it loads
+    # a qwen3_5_moe checkpoint, so a tokenizer trained with another split would encode differently there
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN3_5_PRETOKENIZE), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
