@@ -35,7 +35,12 @@ def test_fused_decode_gives_the_module_paths_greedy_tokens(checkpoints, which):
     if which == "bf16":
         path = checkpoints.bf16()
     else:
-        path = checkpoints.quantized(**({"quantize_extra": MIXED} if which == "mixed" else {}))
+        # RTN scales for the exactness check: with this tiny random model's MSE checkpoint one decode step
+        # lands on a near-tied router choice, and the two paths' last-bit differences pick different
+        # experts (a logit jump no near-tie rule on the tokens can excuse); the kernels are checked against
+        # MSE-scaled weights in tests/kernels
+        options = {"quantize_extra": MIXED} if which == "mixed" else {"scale_method": "rtn"}
+        path = checkpoints.quantized(**options)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     ref = LLM(path, dtype="bfloat16", device="cpu")
     expected = ref.generate([{"prompt_token_ids": p} for p in PROMPTS], params)

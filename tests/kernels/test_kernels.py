@@ -16,7 +16,6 @@ pytest.importorskip("triton")
 
 from fp4moe.engine.cache import DeltaNetStates, KVCache  # noqa: E402
 from fp4moe.engine.context import StepContext  # noqa: E402
-from fp4moe.formats import nvfp4  # noqa: E402
 from fp4moe.kernels import attention as attn_k  # noqa: E402
 from fp4moe.kernels import gdn_decode as gdn_k  # noqa: E402
 from fp4moe.kernels import moe_router, norm  # noqa: E402
@@ -38,9 +37,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def quantized(shape, gen, per=None):
-    """Random weights [.., N, K] quantized with one global scale per [N, K] matrix (or per ``per`` rows)."""
+    """Random weights [.., N, K] quantized with one global scale per [N, K] matrix (or per ``per`` rows);
+    MSE block scales, the quantizer's default (any e4m3 scale, not just RTN's amax/6 ones)."""
+    from fp4moe.quantize.scales import ScaleMethod, quantize_weight
+
     w = torch.randn(*shape, generator=gen) * torch.rand(*shape[:-2], 1, 1, generator=gen).add(0.5)
-    q = nvfp4.quantize(w)
+    q = quantize_weight(w, ScaleMethod.MSE)
     return q.packed.to(DEV), q.block_scales.to(DEV), (1.0 / q.global_scale).float().to(DEV)
 
 

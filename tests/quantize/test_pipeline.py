@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fixtures import load_all
-from fp4moe.formats import layouts, nvfp4
+from fp4moe.formats import layouts
 from fp4moe.formats.checkpoint import CheckpointReader
 from fp4moe.formats.layouts import OutputFormat
 from fp4moe.models import qwen3_5_moe as arch
@@ -15,6 +15,7 @@ from fp4moe.quantize.dequant import dequantized_experts
 from fp4moe.quantize.inspect import inspect_checkpoint
 from fp4moe.quantize.pipeline import QuantizeOptions, calibration_token_ids
 from fp4moe.quantize.quality import compare_with_reference, kl_stats, load_reference_model, logits
+from fp4moe.quantize.scales import ScaleMethod, quantize_weight
 
 LAYOUTS = list(CheckpointLayout)
 PREFIX = "model.language_model.layers."
@@ -35,10 +36,12 @@ def test_dequantized_experts_equal_reference_quant_dequant(checkpoints, layout):
         ours_gu, ours_d = dequantized_experts(
             reader, OutputFormat.MODELOPT, f"{PREFIX}{layer}.mlp.experts.", 8
         )
-        # reference: quant-dequant of the whole [2I, H] gate_up block (one shared global scale) in fp32;
-        # ModelOpt decodes with amax/2688 where the reference uses 1/(2688/amax): <= 1 ulp apart
-        torch.testing.assert_close(ours_gu, nvfp4.fake_quantize(gate_up.float()), rtol=2e-7, atol=0)
-        torch.testing.assert_close(ours_d, nvfp4.fake_quantize(down.float()), rtol=2e-7, atol=0)
+        # reference: quant-dequant (the default MSE block scales) of the whole [2I, H] gate_up block (one
+        # shared global scale) in fp32; ModelOpt decodes with amax/2688 where the reference uses
+        # 1/(2688/amax): <= 1 ulp apart
+        for ours, src in ((ours_gu, gate_up), (ours_d, down)):
+            ref = quantize_weight(src.float(), ScaleMethod.MSE).dequantize(torch.float32)
+            torch.testing.assert_close(ours, ref, rtol=2e-7, atol=0)
 
 
 def test_all_input_layouts_give_byte_identical_output(checkpoints):

@@ -24,6 +24,8 @@ class ExpertStats:
     down_amax: torch.Tensor  # amax of silu(gate x) * up x
     num_tokens: torch.Tensor  # tokens routed to each expert (with --calibrate-all-experts: all tokens)
     input_amax: torch.Tensor  # 0-D: amax of the MoE input over all tokens
+    gate_up_hessian: torch.Tensor | None = None  # [E, H, H] sum of x xᵀ of each expert's input (--gptq)
+    down_hessian: torch.Tensor | None = None  # [E, I, I] the same for the down input
 
     @classmethod
     def empty(cls, num_experts: int) -> ExpertStats:
@@ -142,6 +144,12 @@ def accumulate_expert_stats(
         for start in range(0, n, token_chunk):
             xe = x[start : start + token_chunk] if rows is None else x[rows[start : start + token_chunk]]
             in_amax, down_amax = expert_activation_amax(xe, w, act)
+            if stats.gate_up_hessian is not None:
+                xf = xe.float()
+                gate, up = F.linear(xe, w).chunk(2, dim=-1)
+                hidden = (act(gate) * up).float()
+                stats.gate_up_hessian[e] += xf.T @ xf
+                stats.down_hessian[e] += hidden.T @ hidden
             stats.gate_up_amax[e] = torch.maximum(stats.gate_up_amax[e], in_amax.cpu())
             stats.down_amax[e] = torch.maximum(stats.down_amax[e], down_amax.cpu())
         stats.num_tokens[e] += n
@@ -154,13 +162,19 @@ def calibrate_layer(
     rotary,
     all_experts: bool = False,
     batch_size: int = 8,
+    hessians: bool = False,
 ) -> tuple[torch.Tensor, ExpertStats]:
-    """Run ``hidden`` [B, S, H] (on the layer's device) through ``layer``; returns (output, expert stats).
+    """Run ``hidden`` [B, S, H] (on the layer's device) through ``layer``; returns (output, expert stats),
+    with each expert's input second moments when ``hessians`` (for GPTQ).
 
     The output comes from the unmodified layer (routing and gating untouched, also with ``all_experts``).
     """
-    num_experts = layer.mlp.experts.gate_up_proj.shape[0]
+    num_experts, two_i, h_dim = layer.mlp.experts.gate_up_proj.shape
     stats = ExpertStats.empty(num_experts)
+    if hessians:
+        dev = hidden.device
+        stats.gate_up_hessian = torch.zeros(num_experts, h_dim, h_dim, device=dev)
+        stats.down_hessian = torch.zeros(num_experts, two_i // 2, two_i // 2, device=dev)
     tap = RouterTap(layer.mlp)
     out = torch.empty_like(hidden)
     seq_len = hidden.shape[1]

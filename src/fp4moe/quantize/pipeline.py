@@ -51,7 +51,8 @@ class QuantizeOptions:
     calib_file: str | None = None
     calib_dataset: str | None = None
     calibrate_all_experts: bool = False
-    scale_method: ScaleMethod = ScaleMethod.RTN
+    scale_method: ScaleMethod = ScaleMethod.MSE  # beat RTN on eval KL (BENCHMARKS.md, issue 7)
+    gptq: bool = False  # GPTQ error compensation for the routed experts (per-expert input Hessians)
     device: str = "auto"
     calib_dtype: str = "auto"
     batch_size: int = 8
@@ -350,6 +351,7 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
                         rotary,
                         all_experts=options.calibrate_all_experts,
                         batch_size=options.batch_size,
+                        hessians=options.gptq,
                     )
                 finally:
                     taps.remove()

@@ -8,8 +8,9 @@
   neighbours (6 below, 6 above) and the 4-over-6 scale.
 Every method keeps RTN's global scale and chooses among candidates that include RTN's own block scale,
 keeping it on ties, so no block's error exceeds RTN's. Gate and up of one expert share one global scale
-(from the amax of both, since vLLM keeps only the gate's). Which method is the default is decided by eval
-KL on the trained reference model (issue 7); until then it is ``rtn``.
+(from the amax of both, since vLLM keeps only the gate's). The default, ``mse``, was chosen by eval KL on
+the trained reference model (issue 7, BENCHMARKS.md). ``--gptq`` adds GPTQ error compensation for the
+routed experts on top of any of them (``quantize.gptq``).
 Input scales come from calibration; experts that saw no calibration token take a fallback (see
 ``input_amax_with_fallback``).
 """
@@ -134,14 +135,28 @@ def quantize_experts(
     expert_chunk: int = 4,
 ) -> QuantizedExperts:
     """NVFP4 of ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] (any float dtype/device), ``expert_chunk``
-    experts at a time so float32 temporaries stay small; results on the CPU."""
+    experts at a time so float32 temporaries stay small; results on the CPU. With Hessians in ``stats``
+    (calibrated with ``hessians=True``), GPTQ error compensation under the same scale method."""
+    from fp4moe.quantize.gptq import gptq_quantize, hessian_or_identity
+
     num_experts = gate_up.shape[0]
     parts_gu, parts_d = [], []
     for start in range(0, num_experts, expert_chunk):
         gu = gate_up[start : start + expert_chunk]
         d = down[start : start + expert_chunk]
-        parts_gu.append(to_cpu(quantize_weight(gu, method, name=f"{name}[{start}:].gate_up_proj")))
-        parts_d.append(to_cpu(quantize_weight(d, method, name=f"{name}[{start}:].down_proj")))
+        if stats.gate_up_hessian is None:
+            parts_gu.append(to_cpu(quantize_weight(gu, method, name=f"{name}[{start}:].gate_up_proj")))
+            parts_d.append(to_cpu(quantize_weight(d, method, name=f"{name}[{start}:].down_proj")))
+            continue
+        seen = stats.num_tokens[start : start + expert_chunk]
+        for w, hess, out, what in (
+            (gu, stats.gate_up_hessian, parts_gu, "gate_up_proj"),
+            (d, stats.down_hessian, parts_d, "down_proj"),
+        ):
+            nvfp4.check_quantizable(w, f"{name}[{start}:].{what}")
+            h = hessian_or_identity(hess[start : start + expert_chunk].to(w.device), seen)
+            gs = nvfp4.global_scale_from_amax(w.abs().amax(dim=(-2, -1)))
+            out.append(to_cpu(gptq_quantize(w, h, gs, method)))
     gu_amax = gate_up.abs().amax(dim=(-2, -1)).float().cpu()
     d_amax = down.abs().amax(dim=(-2, -1)).float().cpu()
     in_gu, in_d, fallback = input_amax_with_fallback(stats)

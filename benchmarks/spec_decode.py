@@ -1,0 +1,138 @@
+"""MTP speculative decoding (issue 6): decode speed and draft acceptance vs the number of draft tokens k.
+
+    python benchmarks/spec_decode.py .models/reference --device cuda --ks 0 1 2 3 --batches 1 8 \
+        --context 1024 --max-tokens 128 --out spec.json
+
+Prompts are consecutive windows of the packaged held-out text (CPython's language reference), ``--context``
+tokens each, a different window per sequence; greedy decoding with ``ignore_eos`` for ``--max-tokens``
+tokens. For each k one engine is built; per batch size a warm-up run, then the timed run. Decode tok/s
+counts generated tokens after the first over the time after prefill (the time of a 1-token run of the same
+prompts is subtracted). Acceptance comes from the engine's own counters (drafts, draft tokens, accepted per
+position). Every k > 0 run must give the k = 0 run's tokens (greedy speculation is lossless): the table
+says where it did not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def prompts_from_heldout(tokenizer, count: int, length: int) -> list[list[int]]:
+    from fp4moe.data import corpus_text
+
+    ids = tokenizer(corpus_text("heldout"))["input_ids"]
+    if len(ids) < count * length:
+        raise SystemExit(f"held-out text has {len(ids)} tokens: too few for {count} prompts of {length}")
+    return [ids[i * length : (i + 1) * length] for i in range(count)]
+
+
+def timed(llm, prompts, params, device) -> tuple[float, list]:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="checkpoint with an MTP head (e.g. the trained reference model)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--ks", nargs="+", type=int, default=[0, 1, 2, 3], help="draft tokens per step to compare"
+    )
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8], help="concurrent sequences")
+    ap.add_argument("--context", type=int, default=1024, help="prompt tokens per sequence (default 1024)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="generated tokens per sequence (default 128)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per point; the median is kept")
+    ap.add_argument("--out", default="spec-decode.json", help="JSON results")
+    args = ap.parse_args()
+
+    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.sampler import SamplingParams
+
+    device = torch.device(args.device)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rows, reference = [], {}
+    for k in args.ks:
+        llm = LLM(
+            args.model, dtype="bfloat16", device=args.device, num_speculative_tokens=k,
+            max_model_len=args.context + args.max_tokens + 16,
+        )  # fmt: skip
+        prompts_all = prompts_from_heldout(llm.tokenizer, max(args.batches), args.context)
+        for b in args.batches:
+            prompts = prompts_all[:b]
+            timed(llm, prompts, params, device)  # warm-up: compiles kernels, captures graphs
+            prefill = statistics.median(timed(llm, prompts, first, device)[0] for _ in range(args.repeats))
+            before = _stats(llm)
+            runs = [timed(llm, prompts, params, device) for _ in range(args.repeats)]
+            after = _stats(llm)
+            seconds = statistics.median(t for t, _ in runs)
+            tokens = [o.outputs[0].token_ids for o in runs[0][1]]
+            if k == 0:
+                reference[b] = tokens
+            decode_s = max(seconds - prefill, 1e-9)
+            row = dict(k=k, batch=b, seconds=seconds, prefill_seconds=prefill,
+                       decode_tok_s=b * (args.max_tokens - 1) / decode_s,
+                       identical_to_k0=(tokens == reference[b]) if b in reference else None)  # fmt: skip
+            if k > 0:
+                d = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
+                per_pos = [a - c for a, c in zip(after["per_position"], before["per_position"], strict=True)]
+                row.update(
+                    acceptance=d["accepted"] / max(d["draft_tokens"], 1),
+                    per_position=[p / max(d["drafts"], 1) for p in per_pos],
+                    mean_acceptance_length=1 + d["accepted"] / max(d["drafts"], 1),
+                )
+            rows.append(row)
+            base = next((r for r in rows if r["k"] == 0 and r["batch"] == b), None)
+            row["speedup"] = row["decode_tok_s"] / base["decode_tok_s"] if base else None
+            print(json.dumps(row), flush=True)
+        del llm
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out = dict(date=datetime.date.today().isoformat(), device=_device_name(device), model=args.model,
+               context=args.context, max_tokens=args.max_tokens, rows=rows)  # fmt: skip
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(
+        "\n| k | batch | decode tok/s | speedup vs k=0 | acceptance | per position | mean accepted length | lossless |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        acc = "-" if r["k"] == 0 else f"{r['acceptance']:.1%}"
+        pos = "-" if r["k"] == 0 else " / ".join(f"{p:.0%}" for p in r["per_position"])
+        mal = "-" if r["k"] == 0 else f"{r['mean_acceptance_length']:.2f}"
+        same = (
+            "-" if r["identical_to_k0"] is None or r["k"] == 0 else ("yes" if r["identical_to_k0"] else "NO")
+        )
+        speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        print(
+            f"| {r['k']} | {r['batch']} | {r['decode_tok_s']:.1f} | {speed} | {acc} | {pos} | {mal} | {same} |"
+        )
+    return 0
+
+
+def _stats(llm) -> dict:
+    s = getattr(llm.speculator, "stats", None)
+    if s is None:
+        return dict(drafts=0, draft_tokens=0, accepted=0, per_position=[])
+    return dict(drafts=s.drafts, draft_tokens=s.draft_tokens, accepted=s.accepted,
+                per_position=list(s.accepted_per_position))  # fmt: skip
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
