@@ -395,44 +395,32 @@ def moe_down(act, packed, scales, decode, routing: Routing, topk_weights, out=No
 
 def nvfp4_linear(x, packed, scales, decode, out=None):
     """Dense NVFP4 linear: x [M, K] bf16, packed [N, K/2], scales [N, K/16], decode 0-D -> [M, N] bf16."""
-    m, k = x.shape
-    n = packed.shape[0]
-    bm = 16 if m <= 16 else 64
-    bn, bk, warps, stages = _tiles(bm, n, k)
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     s = uint8_view(scales)
-    d = decode.reshape(1)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _w4a16_kernel[grid](
-        x, x.stride(0), packed, s, d, out, out.stride(0),
-        d, d, d, d, d, d,
-        m, n, k, 1,
-        0, packed.stride(0), 0, s.stride(0), 0,
-        DENSE=True, MODE=DEQUANT_MODE, GATED=False, WEIGHTED=False, BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0, DOT_F32=INTERPRET,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
+    return _dense(x, packed, s, s.stride(0), decode.reshape(1), DEQUANT_MODE, out)
 
 
 def fp8_linear(x, weight, scale, out=None):
     """Per-tensor FP8 linear, weight-only: x [M, K] bf16, weight e4m3 [N, K], scale fp32 0-D -> [M, N] bf16
     (the engine's FP8 groups; vLLM runs these W8A8)."""
+    w = uint8_view(weight)
+    return _dense(x, w, w, 0, scale.reshape(1).float(), 3, out)
+
+
+def _dense(x, w, s, stride_sn, d, mode: int, out):
+    """One weight matrix over every row of x (the kernel's DENSE branch)."""
     m, k = x.shape
-    n = weight.shape[0]
+    n = w.shape[0]
     bm = 16 if m <= 16 else 64
     bn, bk, warps, stages = _tiles(bm, n, k)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    w = uint8_view(weight)
-    d = scale.reshape(1).float()
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _w4a16_kernel[grid](
-        x, x.stride(0), w, w, d, out, out.stride(0),
+        x, x.stride(0), w, s, d, out, out.stride(0),
         d, d, d, d, d, d,
         m, n, k, 1,
-        0, w.stride(0), 0, 0, 0,
-        DENSE=True, MODE=3, GATED=False, WEIGHTED=False, BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0, DOT_F32=INTERPRET,
+        0, w.stride(0), 0, stride_sn, 0,
+        DENSE=True, MODE=mode, GATED=False, WEIGHTED=False, BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0, DOT_F32=INTERPRET,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
