@@ -55,6 +55,12 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens per sequence (default 1024)")
     ap.add_argument("--max-tokens", type=int, default=128, help="generated tokens per sequence (default 128)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per point; the median is kept")
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="bfloat16 (default) or float32: in bf16, batched plain decoding and per-sequence verification "
+        "round differently, so near-tied tokens may differ from k = 0 at batch > 1",
+    )
     ap.add_argument("--out", default="spec-decode.json", help="JSON results")
     args = ap.parse_args()
 
@@ -67,7 +73,7 @@ def main() -> int:
     rows, reference = [], {}
     for k in args.ks:
         llm = LLM(
-            args.model, dtype="bfloat16", device=args.device, num_speculative_tokens=k,
+            args.model, dtype=args.dtype, device=args.device, num_speculative_tokens=k,
             max_model_len=args.context + args.max_tokens + 16,
         )  # fmt: skip
         prompts_all = prompts_from_heldout(llm.tokenizer, max(args.batches), args.context)
