@@ -248,7 +248,8 @@ def _add_generate(sub) -> None:
         "--num-speculative-tokens",
         type=int,
         default=0,
-        help="draft this many tokens per step with the checkpoint's MTP head and verify them (0 = off)",
+        help="draft this many tokens per step with the checkpoint's MTP head and verify them (0 = off; on a "
+        "GPU the verification is not fused yet and is slower than plain decoding, see BENCHMARKS.md)",
     )
     p.add_argument(
         "--dtype",
@@ -338,7 +339,8 @@ def _add_serve(sub) -> None:
         "--num-speculative-tokens",
         type=int,
         default=0,
-        help="MTP speculative decoding: draft this many tokens per step and verify them (0 = off)",
+        help="MTP speculative decoding: draft this many tokens per step and verify them (0 = off; on a GPU "
+        "the verification is not fused yet and is slower than plain decoding, see BENCHMARKS.md)",
     )
     p.add_argument(
         "--speculative-disable-by-batch-size",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,13 @@ class LLM:
 
             self.speculator = MTPSpeculator(self, num_speculative_tokens)
             self.speculator.disable_by_batch_size = max(0, int(speculative_disable_by_batch_size))
+            if self.device.type == "cuda":
+                warnings.warn(
+                    "speculative decoding on the GPU still drafts and verifies through the unfused module "
+                    "path, one sequence at a time: it is much slower than plain decoding there (BENCHMARKS.md); "
+                    "use it to measure acceptance, not for speed",
+                    stacklevel=2,
+                )
         self.eos_ids = self._eos_ids()
         self._seq_ids = itertools.count()
 
