@@ -141,6 +141,8 @@ def quantize_experts(
 
     num_experts = gate_up.shape[0]
     parts_gu, parts_d = [], []
+    if stats.gate_up_hessian is not None:  # GPTQ walks the columns in Python: batch more experts per walk
+        expert_chunk = max(expert_chunk, 16)
     for start in range(0, num_experts, expert_chunk):
         gu = gate_up[start : start + expert_chunk]
         d = down[start : start + expert_chunk]
