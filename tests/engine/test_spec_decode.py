@@ -191,3 +191,22 @@ def test_speculation_pauses_under_load_and_resumes(path, reference):
     stats = llm.speculator.stats
     assert [s.output_ids for s in seqs] == reference
     assert stats.disabled_steps > 0 and stats.accepted > 0  # paused under load, drafted when alone
+
+
+def test_batched_mtp_drafts_equal_per_sequence_drafts(path):
+    """The flat MTP drafting of several sequences proposes what drafting each alone does."""
+    llm = LLM(path, dtype="float32", num_speculative_tokens=3)
+    spec = llm.speculator
+    _, seqs = llm._make_sequences(PROMPTS, [GREEDY] * len(PROMPTS))
+    kv, states = llm._new_states()
+    spec.prefill(seqs, kv, states)
+    saved = [s.mtp_cached for s in seqs]
+    many = spec._mtp_drafts_many(seqs, kv, states)
+    for seq, cached in zip(seqs, saved, strict=True):  # undo the catch-up, then draft one by one
+        seq.mtp_cached = cached
+        kv.truncate(llm.model.mtp.layer_id, seq.slot, cached)
+    one = [spec._mtp_drafts(seq, kv, states) for seq in seqs]
+    assert [d for d, _ in many] == [d for d, _ in one]
+    for (_, a), (_, b) in zip(many, one, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)

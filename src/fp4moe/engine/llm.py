@@ -102,7 +102,7 @@ class LLM:
             if self.device.type == "cuda":
                 warnings.warn(
                     "speculative decoding on the GPU still drafts and verifies through the unfused module "
-                    "path, one sequence at a time: it is much slower than plain decoding there (BENCHMARKS.md); "
+                    "path (no CUDA graphs): it is much slower than plain decoding there (BENCHMARKS.md); "
                     "use it to measure acceptance, not for speed",
                     stacklevel=2,
                 )
@@ -217,12 +217,12 @@ class LLM:
         fresh = [s for s in seqs if s.num_cached == 0]
         if fresh:
             spec.prefill(fresh, kv, states)
-        for seq in seqs:
-            if seq in fresh:
-                continue
-            if len(seq.all_ids) + spec.k + 1 < self.max_model_len:
-                spec.step(seq, kv, states)
-            else:
+        decoding = [s for s in seqs if s not in fresh]
+        room = [s for s in decoding if len(s.all_ids) + spec.k + 1 < self.max_model_len]
+        if room:
+            spec.step_many(room, kv, states)  # one verification forward for all of them
+        for seq in decoding:
+            if seq not in room:
                 spec.plain_step(seq, kv, states)
             if not seq.finished and len(seq.all_ids) >= self.max_model_len:
                 seq.finish_reason = FinishReason.LENGTH

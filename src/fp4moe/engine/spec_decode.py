@@ -7,6 +7,8 @@ with probability min(1, p(d)/q(d)), else resample from max(0, p - q)), so the ou
 target's. Rollback is by recompute: the Gated DeltaNet states of the verified slot are put back and the
 accepted tokens are run again (attention caches are just truncated). The MTP head keeps its own KV cache
 over the (token, target hidden) pairs of every accepted position, caught up before each draft.
+Sequences decoding together share the forwards: one flat MTP forward per draft position, one flat target
+forward to verify, one more for the kept tokens of the sequences that rejected a draft.
 """
 
 from __future__ import annotations
@@ -95,6 +97,50 @@ class MTPSpeculator:
         kv.truncate(layer, seq.slot, p)
         return drafts, logits
 
+    def _mtp_drafts_many(
+        self, seqs: list[Sequence], kv, states
+    ) -> list[tuple[list[int], list[torch.Tensor]]]:
+        """``_mtp_drafts`` for several sequences at once: one flat MTP forward catches every sequence up,
+        then each of the k-1 further drafts is one forward over all of them."""
+        mtp, layer, device, k = self.model.mtp, self.model.mtp.layer_id, self.llm.device, self.k
+        ps = [len(seq.all_ids) - 1 for seq in seqs]
+        lens = [p - seq.mtp_cached for seq, p in zip(seqs, ps, strict=True)]
+        ids = torch.tensor(
+            [t for seq, p in zip(seqs, ps, strict=True) for t in seq.all_ids[seq.mtp_cached + 1 : p + 1]],
+            device=device,
+        )
+        positions = torch.cat(
+            [seq.positions(seq.mtp_cached, seq.mtp_cached + n) for seq, n in zip(seqs, lens, strict=True)],
+            dim=1,
+        )  # of h_t (vLLM)
+        ctx = StepContext(lens, [seq.mtp_cached for seq in seqs], [seq.slot for seq in seqs], kv, states)
+        h = mtp(self.model, ids, torch.cat([seq.hidden_tail for seq in seqs]), positions.to(device), ctx)
+        last = h[torch.tensor([end - 1 for _, end in ctx.spans()], device=device)]
+        for seq, p in zip(seqs, ps, strict=True):
+            seq.mtp_cached = p
+        drafts = [[] for _ in seqs]
+        logits = [[] for _ in seqs]
+        histories = [list(seq.output_ids) for seq in seqs]
+        for j in range(k):
+            rows = self.model.compute_logits(last).cpu()
+            for i, seq in enumerate(seqs):
+                token = sample(rows[i], seq.prompt_ids, histories[i], seq.params, seq.generator).token_id
+                drafts[i].append(token)
+                logits[i].append(rows[i])
+                histories[i].append(token)
+            if j + 1 < k:  # feed the drafts with the head's own hidden states
+                ctx = StepContext(
+                    [1] * len(seqs), [p + j for p in ps], [seq.slot for seq in seqs], kv, states
+                )
+                ids = torch.tensor([d[-1] for d in drafts], device=device)
+                positions = torch.cat(
+                    [seq.positions(p + j, p + j + 1) for seq, p in zip(seqs, ps, strict=True)], dim=1
+                )
+                last = mtp(self.model, ids, last, positions.to(device), ctx)
+        for seq, p in zip(seqs, ps, strict=True):
+            kv.truncate(layer, seq.slot, p)
+        return list(zip(drafts, logits, strict=True))
+
     def _verify(
         self, seq: Sequence, drafts: list[int], draft_logits: list[torch.Tensor], target: torch.Tensor
     ) -> list[int]:
@@ -122,36 +168,67 @@ class MTPSpeculator:
     @torch.no_grad()
     def step(self, seq: Sequence, kv, states) -> int:
         """One draft-and-verify round for a decoding sequence; returns the tokens it appended."""
-        model, device = self.model, self.llm.device
-        seq.delta = ""
-        p = len(seq.all_ids) - 1
-        drafts, draft_logits = self.drafter(seq, kv, states)
-        snapshot = states.snapshot(seq.slot)
-        tokens = [seq.all_ids[-1], *drafts]
-        ctx = StepContext([len(tokens)], [p], [seq.slot], kv, states)
-        hidden = model(torch.tensor(tokens, device=device), seq.positions(p, p + len(tokens)).to(device), ctx)
-        target = model.compute_logits(hidden).cpu()  # [k+1, V]
-        new = self._verify(seq, drafts, draft_logits, target)
-        accepted = len(new) - 1
-        self.stats.drafts += 1
-        self.stats.draft_tokens += len(drafts)
-        self.stats.accepted += accepted
-        for j in range(accepted):
-            self.stats.accepted_per_position[j] += 1
-        if accepted < len(drafts):  # roll back: restore DeltaNet states, drop the KV, recompute the kept part
-            states.restore(seq.slot, snapshot)
-            for layer in range(model.args.num_layers):
-                kv.truncate(layer, seq.slot, p)
-            ctx = StepContext([accepted + 1], [p], [seq.slot], kv, states)
-            kept = torch.tensor(tokens[: accepted + 1], device=device)
-            hidden = model(kept, seq.positions(p, p + accepted + 1).to(device), ctx)
-        seq.num_cached = p + accepted + 1
-        seq.hidden_tail = hidden[: accepted + 1]
-        for j, token in enumerate(new):
-            seq.delta += seq.append(sample_result(token, target[j], seq.params), self.llm.tokenizer)
-            if seq.finished:
-                break
-        return len(new)
+        return self.step_many([seq], kv, states)[0]
+
+    @torch.no_grad()
+    def step_many(self, seqs: list[Sequence], kv, states) -> list[int]:
+        """One draft-and-verify round for each of ``seqs``: the MTP head drafts per sequence, then one flat
+        target forward verifies every sequence's k+1 positions, and one more recomputes the kept part of
+        the sequences that rejected a draft (their DeltaNet states restored, KV truncated). Returns the
+        number of tokens each sequence appended."""
+        rounds = []
+        if self.drafter == self._mtp_drafts:
+            proposals = self._mtp_drafts_many(seqs, kv, states)
+        else:  # a custom drafter (tests force acceptance or rejection): one sequence at a time
+            proposals = [self.drafter(seq, kv, states) for seq in seqs]
+        for seq, (drafts, draft_logits) in zip(seqs, proposals, strict=True):
+            seq.delta = ""
+            p = len(seq.all_ids) - 1  # position of the pending (sampled, uncached) token
+            tokens = [seq.all_ids[-1], *drafts]
+            rounds.append((seq, p, tokens, drafts, draft_logits, states.snapshot(seq.slot)))
+        hidden, spans = self._forward([(seq, p, tokens) for seq, p, tokens, *_ in rounds], kv, states)
+        target = self.model.compute_logits(hidden).cpu()  # [sum(k+1), V]
+        redo, done = [], []
+        for (seq, p, tokens, drafts, draft_logits, snapshot), (start, end) in zip(rounds, spans, strict=True):
+            new = self._verify(seq, drafts, draft_logits, target[start:end])
+            accepted = len(new) - 1
+            self.stats.drafts += 1
+            self.stats.draft_tokens += len(drafts)
+            self.stats.accepted += accepted
+            for j in range(accepted):
+                self.stats.accepted_per_position[j] += 1
+            if accepted < len(
+                drafts
+            ):  # roll back: restore DeltaNet states, drop the KV, recompute the kept part
+                states.restore(seq.slot, snapshot)
+                for layer in range(self.model.args.num_layers):
+                    kv.truncate(layer, seq.slot, p)
+                redo.append((seq, p, tokens[: accepted + 1]))
+            else:
+                seq.hidden_tail = hidden[start:end]
+            done.append((seq, p, new, target[start:end]))
+        if redo:
+            kept, kept_spans = self._forward(redo, kv, states)
+            for (seq, _, _), (start, end) in zip(redo, kept_spans, strict=True):
+                seq.hidden_tail = kept[start:end]
+        for seq, p, new, target_rows in done:
+            seq.num_cached = p + len(new)
+            for j, token in enumerate(new):
+                seq.delta += seq.append(sample_result(token, target_rows[j], seq.params), self.llm.tokenizer)
+                if seq.finished:
+                    break
+        return [len(new) for _, _, new, _ in done]
+
+    def _forward(self, items: list[tuple[Sequence, int, list[int]]], kv, states):
+        """One flat target forward over (sequence, first position, tokens) items -> (hidden, spans)."""
+        device = self.llm.device
+        ids = torch.tensor([t for _, _, tokens in items for t in tokens], device=device)
+        positions = torch.cat([seq.positions(p, p + len(tokens)) for seq, p, tokens in items], dim=1)
+        ctx = StepContext(
+            [len(tokens) for _, _, tokens in items], [p for _, p, _ in items], [seq.slot for seq, _, _ in items],
+            kv, states,
+        )  # fmt: skip
+        return self.model(ids, positions.to(device), ctx), ctx.spans()
 
     @torch.no_grad()
     def plain_step(self, seq: Sequence, kv, states) -> None:
