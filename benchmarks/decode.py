@@ -229,6 +229,18 @@ def time_decode(model, b: int, ctx: int, kv_dtype: str, steps: int = 30) -> dict
     return dict(replay_s=statistics.median(replay), engine_s=statistics.median(engine), finite=finite)
 
 
+def decode_row(model, name: str, b: int, ctx: int, kv_dtype: str, bw: float) -> dict:
+    """Time decode at batch ``b`` and context ``ctx``; the table row with bytes and roofline shares."""
+    t = time_decode(model, b, ctx, kv_dtype)
+    nbytes = step_bytes(model, b, ctx, 1 if kv_dtype == "fp8" else 2)
+    roof = nbytes["total"] / bw
+    return dict(
+        model=name, kv=kv_dtype, batch=b, context=ctx, **t, bytes=nbytes,
+        tok_s=b / t["engine_s"], tok_s_replay=b / t["replay_s"], gbs=nbytes["total"] / t["replay_s"] / 1e9,
+        roofline_tok_s=b / roof, pct_roofline=roof / t["replay_s"], pct_roofline_engine=roof / t["engine_s"],
+    )  # fmt: skip
+
+
 def event_seconds(fn, repeats: int) -> list[float]:
     """Seconds of ``fn`` per call by CUDA events, each call timed on its own."""
     times = []
@@ -382,15 +394,10 @@ def main() -> int:
     for mix in args.mixes:
         model = build_model(True, dev, "" if mix == "experts" else mix)
         for b in [int(x) for x in args.batches.split(",") if x]:
-            t = time_decode(model, b, 1024, "auto")
-            nbytes = step_bytes(model, b, 1024, 2)
-            roof = nbytes["total"] / bw
-            rows.append(dict(model=f"nvfp4:{mix}", kv="auto", batch=b, context=1024, **t, bytes=nbytes,
-                             tok_s=b / t["engine_s"], tok_s_replay=b / t["replay_s"], gbs=nbytes["total"] / t["replay_s"] / 1e9,
-                             roofline_tok_s=b / roof, pct_roofline=roof / t["replay_s"]))  # fmt: skip
-            r = rows[-1]
+            r = decode_row(model, f"nvfp4:{mix}", b, 1024, "auto", bw)
+            rows.append(r)
             log(f"mix {mix}: B={b:3d}: {r['tok_s']:8.1f} tok/s engine, {r['tok_s_replay']:8.1f} graph, "
-                f"{nbytes['total'] / 1e9:.2f} GB/step, {r['pct_roofline']:.1%} of roofline, finite {t['finite']}")  # fmt: skip
+                f"{r['bytes']['total'] / 1e9:.2f} GB/step, {r['pct_roofline']:.1%} of roofline, finite {r['finite']}")  # fmt: skip
         del model
         torch.cuda.empty_cache()
     for quantized in (True, False) if not args.only_mixes else ():
@@ -410,19 +417,12 @@ def main() -> int:
                 for b in batches:
                     if kv_dtype == "fp8" and ctx == 1024 and b != 1:
                         continue
-                    t = time_decode(model, b, ctx, kv_dtype)
-                    nbytes = step_bytes(model, b, ctx, 1 if kv_dtype == "fp8" else 2)
-                    roof = nbytes["total"] / bw
-                    row = dict(model=name, kv=kv_dtype, batch=b, context=ctx, **t, bytes=nbytes)
-                    row.update(
-                        tok_s=b / t["engine_s"], tok_s_replay=b / t["replay_s"], gbs=nbytes["total"] / t["replay_s"] / 1e9,
-                        roofline_tok_s=b / roof, pct_roofline=roof / t["replay_s"], pct_roofline_engine=roof / t["engine_s"],
-                    )  # fmt: skip
+                    row = decode_row(model, name, b, ctx, kv_dtype, bw)
                     rows.append(row)
                     log(
                         f"{name:5s} kv={kv_dtype:4s} B={b:3d} ctx={ctx:6d}: {row['tok_s']:8.1f} tok/s engine, "
                         f"{row['tok_s_replay']:8.1f} graph, {row['gbs']:6.0f} GB/s, {row['pct_roofline']:.1%} of roofline "
-                        f"({row['roofline_tok_s']:.0f} tok/s), finite {t['finite']}"
+                        f"({row['roofline_tok_s']:.0f} tok/s), finite {row['finite']}"
                     )
         if quantized:  # the other NVFP4 dequantization of the expert kernels, for comparison
             from fp4moe.kernels import nvfp4_gemm

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from fp4moe.formats.checkpoint import ShardedWriter
+from fp4moe.models.qwen3_5_moe import REAL_TEXT_CONFIG
 from fp4moe.models.tiny import train_tokenizer
 
 H, E, K, I, SHARED, VOCAB = 2048, 256, 8, 512, 512, 1024
@@ -37,37 +38,17 @@ def layer_types(n: int) -> list[str]:
 
 
 def text_config(n: int) -> dict:
-    return dict(
-        model_type="qwen3_5_moe_text",
-        vocab_size=VOCAB,
-        hidden_size=H,
-        num_hidden_layers=n,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        linear_key_head_dim=GDN_DIM,
-        linear_value_head_dim=GDN_DIM,
-        linear_num_key_heads=GDN_KEY_HEADS,
-        linear_num_value_heads=GDN_VALUE_HEADS,
-        linear_conv_kernel_dim=4,
-        moe_intermediate_size=I,
-        shared_expert_intermediate_size=SHARED,
-        num_experts=E,
-        num_experts_per_tok=K,
-        rms_norm_eps=1e-6,
-        layer_types=layer_types(n),
-        max_position_embeddings=262144,
-        tie_word_embeddings=False,
-        rope_parameters=dict(
-            rope_type="default",
-            rope_theta=1e7,
-            partial_rotary_factor=0.25,
-            mrope_section=[11, 11, 10],
-            mrope_interleaved=True,
-        ),
-        mtp_num_hidden_layers=0,
-        eos_token_id=2,
-    )
+    """The real text shapes with ``n`` layers, a small vocabulary and no MTP layer."""
+    return {
+        **REAL_TEXT_CONFIG,
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": VOCAB,
+        "num_hidden_layers": n,
+        "layer_types": layer_types(n),
+        "tie_word_embeddings": False,
+        "mtp_num_hidden_layers": 0,
+        "eos_token_id": 2,
+    }
 
 
 def layer_tensors(kind: str, gen: torch.Generator) -> dict[str, torch.Tensor]:

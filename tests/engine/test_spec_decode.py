@@ -194,7 +194,7 @@ def test_speculation_pauses_under_load_and_resumes(path, reference):
 
 
 def test_batched_mtp_drafts_equal_per_sequence_drafts(path):
-    """The flat MTP drafting of several sequences proposes what drafting each alone does."""
+    """Drafting several sequences in one flat MTP forward proposes what drafting each alone does."""
     llm = LLM(path, dtype="float32", num_speculative_tokens=3)
     spec = llm.speculator
     _, seqs = llm._make_sequences(PROMPTS, [GREEDY] * len(PROMPTS))

@@ -178,16 +178,10 @@ def run_spec_batch(core: EngineCore, batch) -> list[Sequence]:
             seq.new_tokens = 1
             progressed.append(seq)
         return progressed
-    room = [s for s in decoding if len(s.all_ids) + spec.k + 1 < llm.max_model_len]
-    before = {id(s): len(s.output_ids) for s in room}
-    if room:
-        spec.step_many(room, core.kv, core.states)  # one verification forward for all of them
-    for seq in decoding:
-        if seq in room:
-            seq.new_tokens = len(seq.output_ids) - before[id(seq)]
-        else:
-            spec.plain_step(seq, core.kv, core.states)
-            seq.new_tokens = 1
+    for seq, n in zip(
+        decoding, spec.decode_round(decoding, core.kv, core.states, llm.max_model_len), strict=True
+    ):
+        seq.new_tokens = n
         progressed.append(seq)
     return progressed
 

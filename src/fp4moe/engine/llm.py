@@ -218,12 +218,8 @@ class LLM:
         if fresh:
             spec.prefill(fresh, kv, states)
         decoding = [s for s in seqs if s not in fresh]
-        room = [s for s in decoding if len(s.all_ids) + spec.k + 1 < self.max_model_len]
-        if room:
-            spec.step_many(room, kv, states)  # one verification forward for all of them
+        spec.decode_round(decoding, kv, states, self.max_model_len)
         for seq in decoding:
-            if seq not in room:
-                spec.plain_step(seq, kv, states)
             if not seq.finished and len(seq.all_ids) >= self.max_model_len:
                 seq.finish_reason = FinishReason.LENGTH
 

@@ -70,32 +70,7 @@ class MTPSpeculator:
     def _mtp_drafts(self, seq: Sequence, kv, states) -> tuple[list[int], list[torch.Tensor]]:
         """Catch the MTP head up on the accepted positions, then draft k tokens; returns drafts and the
         draft logits each was chosen from. The draft entries of the MTP cache are dropped afterwards."""
-        mtp, layer = self.model.mtp, self.model.mtp.layer_id
-        p = len(seq.all_ids) - 1  # position of the pending (sampled, uncached) token
-        ids = torch.tensor(seq.all_ids[seq.mtp_cached + 1 : p + 1], device=self.llm.device)
-        ctx = StepContext([len(ids)], [seq.mtp_cached], [seq.slot], kv, states)
-        h = mtp(
-            self.model,
-            ids,
-            seq.hidden_tail,
-            seq.positions(seq.mtp_cached, seq.mtp_cached + len(ids)).to(self.llm.device),  # of h_t (vLLM)
-            ctx,
-        )
-        seq.mtp_cached = p
-        drafts, logits = [], []
-        history = list(seq.output_ids)
-        for j in range(self.k):
-            row = self.model.compute_logits(h[-1:])[0].cpu()
-            token = sample(row, seq.prompt_ids, history, seq.params, seq.generator).token_id
-            drafts.append(token)
-            logits.append(row)
-            history.append(token)
-            if j + 1 < self.k:  # feed the draft with the head's own hidden state
-                ctx = StepContext([1], [p + j], [seq.slot], kv, states)
-                ids = torch.tensor([token], device=self.llm.device)
-                h = mtp(self.model, ids, h[-1:], seq.positions(p + j, p + j + 1).to(self.llm.device), ctx)
-        kv.truncate(layer, seq.slot, p)
-        return drafts, logits
+        return self._mtp_drafts_many([seq], kv, states)[0]
 
     def _mtp_drafts_many(
         self, seqs: list[Sequence], kv, states
@@ -166,16 +141,29 @@ class MTPSpeculator:
         return out + [bonus]
 
     @torch.no_grad()
+    def decode_round(self, seqs: list[Sequence], kv, states, max_model_len: int) -> list[int]:
+        """One round for decoding sequences: draft-and-verify where k+1 more tokens fit in the context,
+        a plain step where they do not; returns the tokens each sequence appended."""
+        room = [s for s in seqs if len(s.all_ids) + self.k + 1 < max_model_len]
+        counts = dict(zip(map(id, room), self.step_many(room, kv, states) if room else [], strict=True))
+        for seq in seqs:
+            if id(seq) not in counts:
+                self.plain_step(seq, kv, states)
+                counts[id(seq)] = 1
+        return [counts[id(seq)] for seq in seqs]
+
+    @torch.no_grad()
     def step(self, seq: Sequence, kv, states) -> int:
         """One draft-and-verify round for a decoding sequence; returns the tokens it appended."""
         return self.step_many([seq], kv, states)[0]
 
     @torch.no_grad()
     def step_many(self, seqs: list[Sequence], kv, states) -> list[int]:
-        """One draft-and-verify round for each of ``seqs``: the MTP head drafts per sequence, then one flat
-        target forward verifies every sequence's k+1 positions, and one more recomputes the kept part of
-        the sequences that rejected a draft (their DeltaNet states restored, KV truncated). Returns the
-        number of tokens each sequence appended."""
+        """One draft-and-verify round for each of ``seqs``: the MTP head drafts for all of them (flat
+        forwards), then one flat target forward verifies every sequence's k+1 positions, and one more
+        recomputes the kept part of the sequences that rejected a draft (their DeltaNet states restored, KV
+        truncated). Returns the number of tokens each sequence appended (fewer than accepted + 1 where a
+        stop ends it)."""
         rounds = []
         if self.drafter == self._mtp_drafts:
             proposals = self._mtp_drafts_many(seqs, kv, states)
@@ -211,13 +199,16 @@ class MTPSpeculator:
             kept, kept_spans = self._forward(redo, kv, states)
             for (seq, _, _), (start, end) in zip(redo, kept_spans, strict=True):
                 seq.hidden_tail = kept[start:end]
+        appended = []
         for seq, p, new, target_rows in done:
             seq.num_cached = p + len(new)
+            before = len(seq.output_ids)
             for j, token in enumerate(new):
                 seq.delta += seq.append(sample_result(token, target_rows[j], seq.params), self.llm.tokenizer)
                 if seq.finished:
                     break
-        return [len(new) for _, _, new, _ in done]
+            appended.append(len(seq.output_ids) - before)
+        return appended
 
     def _forward(self, items: list[tuple[Sequence, int, list[int]]], kv, states):
         """One flat target forward over (sequence, first position, tokens) items -> (hidden, spans)."""

@@ -82,12 +82,10 @@ def rotary_for(text_config, device: torch.device):
     return Qwen3_5MoeTextRotaryEmbedding(config=text_config).to(device)
 
 
-def expert_activation_amax(
-    x: torch.Tensor, gate_up: torch.Tensor, act=F.silu
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(amax of x, amax of act(gate x) * up x) for one expert; x [T, H], gate_up [2I, H]."""
+def expert_down_input(x: torch.Tensor, gate_up: torch.Tensor, act=F.silu) -> torch.Tensor:
+    """act(gate x) * up x [T, I] for one expert; x [T, H], gate_up [2I, H]."""
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [T, I] each
-    return x.abs().amax().float(), (act(gate) * up).abs().amax().float()
+    return act(gate) * up
 
 
 class RouterTap:
@@ -143,13 +141,12 @@ def accumulate_expert_stats(
         w = experts.gate_up_proj[e]
         for start in range(0, n, token_chunk):
             xe = x[start : start + token_chunk] if rows is None else x[rows[start : start + token_chunk]]
-            in_amax, down_amax = expert_activation_amax(xe, w, act)
+            hidden = expert_down_input(xe, w, act)
+            in_amax, down_amax = xe.abs().amax().float(), hidden.abs().amax().float()
             if stats.gate_up_hessian is not None:
-                xf = xe.float()
-                gate, up = F.linear(xe, w).chunk(2, dim=-1)
-                hidden = (act(gate) * up).float()
+                xf, hf = xe.float(), hidden.float()
                 stats.gate_up_hessian[e] += xf.T @ xf
-                stats.down_hessian[e] += hidden.T @ hidden
+                stats.down_hessian[e] += hf.T @ hf
             stats.gate_up_amax[e] = torch.maximum(stats.gate_up_amax[e], in_amax.cpu())
             stats.down_amax[e] = torch.maximum(stats.down_amax[e], down_amax.cpu())
         stats.num_tokens[e] += n

@@ -79,14 +79,20 @@ def quantize_weight(
     method: ScaleMethod = ScaleMethod.RTN,
     name: str = "tensor",
     global_scale: torch.Tensor | None = None,
+    hessian: torch.Tensor | None = None,
 ) -> nvfp4.NVFP4Tensor:
     """NVFP4 of ``w`` [..., N, K] with block scales by ``method``, under ``global_scale`` (default: one RTN
-    global scale per matrix; pass a shared one for shards that must agree)."""
-    if method is ScaleMethod.RTN:
+    global scale per matrix; pass a shared one for shards that must agree); with ``hessian`` [..., K, K]
+    (input second moments) through GPTQ error compensation (``quantize.gptq``)."""
+    if method is ScaleMethod.RTN and hessian is None:
         return nvfp4.quantize(w, global_scale, name=name)
     nvfp4.check_quantizable(w, name)
     if global_scale is None:
         global_scale = nvfp4.global_scale_from_amax(w.abs().amax(dim=(-2, -1)))
+    if hessian is not None:
+        from fp4moe.quantize.gptq import gptq_quantize
+
+        return gptq_quantize(w, hessian, global_scale, method)
     scales = choose_block_scales(w, global_scale, method)
     return nvfp4.NVFP4Tensor(nvfp4.quantize_with_scales(w, scales, global_scale), scales, global_scale)
 
@@ -137,28 +143,22 @@ def quantize_experts(
     """NVFP4 of ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] (any float dtype/device), ``expert_chunk``
     experts at a time so float32 temporaries stay small; results on the CPU. With Hessians in ``stats``
     (calibrated with ``hessians=True``), GPTQ error compensation under the same scale method."""
-    from fp4moe.quantize.gptq import gptq_quantize, hessian_or_identity
+    from fp4moe.quantize.gptq import hessian_or_identity
 
     num_experts = gate_up.shape[0]
     parts_gu, parts_d = [], []
-    if stats.gate_up_hessian is not None:  # GPTQ walks the columns in Python: batch more experts per walk
+    gptq = stats.gate_up_hessian is not None
+    if gptq:  # GPTQ walks the columns in Python: batch more experts per walk
         expert_chunk = max(expert_chunk, 16)
     for start in range(0, num_experts, expert_chunk):
-        gu = gate_up[start : start + expert_chunk]
-        d = down[start : start + expert_chunk]
-        if stats.gate_up_hessian is None:
-            parts_gu.append(to_cpu(quantize_weight(gu, method, name=f"{name}[{start}:].gate_up_proj")))
-            parts_d.append(to_cpu(quantize_weight(d, method, name=f"{name}[{start}:].down_proj")))
-            continue
-        seen = stats.num_tokens[start : start + expert_chunk]
-        for w, hess, out, what in (
-            (gu, stats.gate_up_hessian, parts_gu, "gate_up_proj"),
-            (d, stats.down_hessian, parts_d, "down_proj"),
-        ):
-            nvfp4.check_quantizable(w, f"{name}[{start}:].{what}")
-            h = hessian_or_identity(hess[start : start + expert_chunk].to(w.device), seen)
-            gs = nvfp4.global_scale_from_amax(w.abs().amax(dim=(-2, -1)))
-            out.append(to_cpu(gptq_quantize(w, h, gs, method)))
+        chunk = slice(start, start + expert_chunk)
+        gu, d = gate_up[chunk], down[chunk]
+        h_gu = h_d = None
+        if gptq:
+            h_gu = hessian_or_identity(stats.gate_up_hessian[chunk].to(gu.device), stats.num_tokens[chunk])
+            h_d = hessian_or_identity(stats.down_hessian[chunk].to(d.device), stats.num_tokens[chunk])
+        parts_gu.append(to_cpu(quantize_weight(gu, method, f"{name}[{start}:].gate_up_proj", hessian=h_gu)))
+        parts_d.append(to_cpu(quantize_weight(d, method, f"{name}[{start}:].down_proj", hessian=h_d)))
     gu_amax = gate_up.abs().amax(dim=(-2, -1)).float().cpu()
     d_amax = down.abs().amax(dim=(-2, -1)).float().cpu()
     in_gu, in_d, fallback = input_amax_with_fallback(stats)
