@@ -95,7 +95,6 @@ ENGINE_GROUPS = {  # --quantize group -> the engine's Linear modules (per decode
 def build_model(quantized: bool, device, mix: str = ""):
     """The full-size model with random weights; ``quantized``: NVFP4 routed experts, and ``mix`` (as
     ``fp4moe quantize --quantize``, e.g. ``attention,shared:fp8``) more groups in NVFP4 or FP8."""
-    from fp4moe.formats import nvfp4
     from fp4moe.layers.rope import Rotary
     from fp4moe.models.qwen3_5_moe_model import ModelArgs, Qwen3_5MoeModel
     from fp4moe.quantize.extra import parse_groups, split
@@ -115,8 +114,18 @@ def build_model(quantized: bool, device, mix: str = ""):
                     linear = owner.get_submodule(name)
                     linear.use_fp8() if algo == "fp8" else linear.use_nvfp4()
     model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+    fill_random(model, torch.Generator(device=device).manual_seed(0))
+    model.rotary = Rotary(args.rope, device)
+    return model.eval()
+
+
+def fill_random(module, gen) -> None:
+    """Random weights in place (on the module's device): random FP4 codes, FP8 block scales in [0.5, 2.5),
+    small decode scales, zero-centred norms at zero, bf16 N(0, 0.02) elsewhere."""
+    from fp4moe.formats import nvfp4
+
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        device = t.device
         if t.dtype == torch.uint8:
             t.random_(0, 256, generator=gen)
         elif t.dtype == nvfp4.FP8_DTYPE:
@@ -133,8 +142,20 @@ def build_model(quantized: bool, device, mix: str = ""):
             t.data = torch.zeros(t.shape, device=device, dtype=torch.bfloat16)
         else:
             t.data = (torch.randn(t.shape, device=device, generator=gen) * 0.02).to(torch.bfloat16)
-    model.rotary = Rotary(args.rope, device)
-    return model.eval()
+
+
+def add_mtp_head(model) -> None:
+    """A random MTP head (one attention layer with NVFP4 experts when the model's are), as the checkpoint's."""
+    from fp4moe.layers.mtp import MTPHead
+
+    device = model.embed_tokens.device
+    with torch.device("meta"):
+        head = MTPHead(model.args)
+    if model.layers[0].mlp.experts.quantized:
+        head.layer.mlp.experts.use_nvfp4()
+    head.to_empty(device=device)
+    fill_random(head, torch.Generator(device=device).manual_seed(1))
+    model.mtp = head.eval()
 
 
 def weight_bytes(model) -> tuple[int, int, int]:
@@ -181,22 +202,18 @@ def step_bytes(model, b: int, ctx: int, kv_elem: int) -> dict:
 # ---- 3. decode timing --------------------------------------------------------------------------------------
 
 
-def time_decode(model, b: int, ctx: int, kv_dtype: str, steps: int = 30) -> dict:
+def random_runner(model, b: int, ctx: int, kv_dtype: str, steps: int, spec_tokens: int = 0):
+    """A GPU runner for ``b`` sequences at context ``ctx`` (room for ``steps`` more tokens, speculative
+    rounds included), caches filled with random data."""
     from fp4moe.engine.cuda_runner import CudaModelRunner
 
     dev = model.embed_tokens.device
     page = 64
-    pages = b * (-(-(ctx + steps + 8) // page)) + 1
+    room = ctx + steps + 2 * spec_tokens + 8
     runner = CudaModelRunner(
-        model,
-        None,
-        dev,
-        kv_dtype,
-        max_num_seqs=b,
-        max_model_len=ctx + steps + 64,
-        num_pages=pages,
-        page_size=page,
-    )
+        model, None, dev, kv_dtype, max_num_seqs=b, max_model_len=room + 64, num_pages=b * -(-room // page) + 1,
+        page_size=page, spec_tokens=spec_tokens,
+    )  # fmt: skip
     kv, st = runner.kv, runner.states
     if kv.fp8:
         kv.k.view(torch.uint8).random_(0, 0x70)
@@ -206,9 +223,15 @@ def time_decode(model, b: int, ctx: int, kv_dtype: str, steps: int = 30) -> dict
         kv.v.normal_()
     st.rec.normal_(std=0.01)
     st.ring.normal_()
+    for s in range(b):
+        kv.reserve(s, room)
+    return runner
+
+
+def time_decode(model, b: int, ctx: int, kv_dtype: str, steps: int = 30) -> dict:
+    dev = model.embed_tokens.device
+    runner = random_runner(model, b, ctx, kv_dtype, steps)
     slots = list(range(b))
-    for s in slots:
-        kv.reserve(s, ctx + steps + 1)
     tokens = torch.randint(0, model.args.vocab_size, (b,), device=dev)
     positions = [ctx] * b
     logits = runner.decode_logits(slots, tokens, positions)  # capture

@@ -2,6 +2,9 @@
 
     python benchmarks/spec_decode.py .models/reference --device cuda --ks 0 1 2 3 --batches 1 8 \
         --context 1024 --max-tokens 128 --out spec.json
+    python benchmarks/spec_decode.py --full-size --ks 0 1 2 3 --batches 1 8 32 --contexts 1024 32768 \
+        --out spec-full.json                     # timing only, on the GPU
+
 
 Prompts are consecutive windows of the packaged held-out text (CPython's language reference), ``--context``
 tokens each, a different window per sequence; greedy decoding with ``ignore_eos`` for ``--max-tokens``
@@ -10,6 +13,15 @@ counts generated tokens after the first over the time after prefill (the time of
 prompts is subtracted). Acceptance comes from the engine's own counters (drafts, draft tokens, accepted per
 position). Every k > 0 run must give the k = 0 run's tokens (greedy speculation is lossless): the table
 says where it did not.
+
+``--full-size``: the full-size Qwen3.5-35B-A3B text model with random weights and a random MTP head
+(NVFP4 experts, built on the GPU as in ``decode.py``), timing only. A fused speculative round has static
+shapes -- its work does not depend on how many drafts are accepted -- so the acceptance-forcing switch
+(``FusedSpecRound.forced``) makes every sequence accept a = 0..k drafts and the round is timed for each
+(engine rounds: host work and the read-back included). k = 0 is the plain engine decode step. From these,
+tok/s at forced acceptance a is B (a + 1) / round time, and the expected speedup at a per-draft acceptance
+rate alpha (independent positions, as the draft head's acceptance is usually quoted) is
+(1 + alpha + ... + alpha^k) x step time / round time.
 """
 
 from __future__ import annotations
@@ -46,7 +58,12 @@ def timed(llm, prompts, params, device) -> tuple[float, list]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", help="checkpoint with an MTP head (e.g. the trained reference model)")
+    ap.add_argument("model", nargs="?", help="checkpoint with an MTP head (e.g. the trained reference model)")
+    ap.add_argument("--full-size", action="store_true", help="time the full-size random model instead (GPU)")
+    ap.add_argument(
+        "--contexts", nargs="+", type=int, default=[1024, 32768], help="--full-size: context lengths"
+    )
+    ap.add_argument("--rounds", type=int, default=20, help="--full-size: timed rounds per point")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
         "--ks", nargs="+", type=int, default=[0, 1, 2, 3], help="draft tokens per step to compare"
@@ -63,6 +80,10 @@ def main() -> int:
     )
     ap.add_argument("--out", default="spec-decode.json", help="JSON results")
     args = ap.parse_args()
+    if args.full_size:
+        return full_size(args)
+    if not args.model:
+        ap.error("give a checkpoint with an MTP head, or --full-size")
 
     from fp4moe.engine.llm import LLM
     from fp4moe.engine.sampler import SamplingParams
@@ -125,6 +146,74 @@ def main() -> int:
         print(
             f"| {r['k']} | {r['batch']} | {r['decode_tok_s']:.1f} | {speed} | {acc} | {pos} | {mal} | {same} |"
         )
+    return 0
+
+
+ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def full_size(args) -> int:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import decode as dec
+
+    from fp4moe.engine.cuda_spec import FusedSpecRound
+
+    dev = torch.device("cuda")
+    model = dec.build_model(True, dev)
+    dec.add_mtp_head(model)
+    rows = []
+    for ctx in args.contexts:
+        for b in args.batches:
+            step_s = dec.time_decode(model, b, ctx, "auto")["engine_s"]
+            rows.append(dict(k=0, batch=b, context=ctx, step_s=step_s, tok_s=b / step_s))
+            print(json.dumps(rows[-1]), flush=True)
+            for k in [k for k in args.ks if k > 0]:
+                runner = dec.random_runner(model, b, ctx, "auto", (args.rounds + 2) * (k + 1), spec_tokens=k)
+                fused = FusedSpecRound(runner, k)
+                fused.forced = torch.zeros(1, dtype=torch.long, device=dev)
+                slots, tokens = list(range(b)), [[1] * (k + 1) for _ in range(b)]
+                by_accepted = {}
+                for a in range(k + 1):
+                    fused.forced.fill_(a)
+                    position = ctx
+
+                    def one_round(fused=fused, a=a, slots=slots, tokens=tokens):
+                        nonlocal position
+                        fused(slots, [position] * len(slots), tokens, [0] * len(slots))
+                        position += a + 1
+
+                    one_round()  # captures the bucket's graph on the first use
+                    by_accepted[a] = statistics.median(dec.event_seconds(one_round, args.rounds))
+                round_s = statistics.median(by_accepted.values())
+                row = dict(
+                    k=k, batch=b, context=ctx, round_s=round_s, round_over_step=round_s / step_s,
+                    round_s_by_accepted=by_accepted,
+                    tok_s_by_accepted={a: b * (a + 1) / t for a, t in by_accepted.items()},
+                    speedup_at_alpha={al: sum(al**j for j in range(k + 1)) * step_s / round_s for al in ALPHAS},
+                )  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del runner, fused
+                torch.cuda.empty_cache()
+    out = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), model="full-size",
+               rows=rows)  # fmt: skip
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(
+        "\n| context | batch | k | step or round ms | round / step | "
+        + " | ".join(f"x at {a:.0%}" for a in ALPHAS)
+        + " |"
+    )
+    print("|---|---|---|---|---|" + "---|" * len(ALPHAS))
+    for r in rows:
+        if r["k"] == 0:
+            print(
+                f"| {r['context']} | {r['batch']} | 0 | {r['step_s'] * 1e3:.2f} | - |" + " - |" * len(ALPHAS)
+            )
+        else:
+            gains = " | ".join(f"{r['speedup_at_alpha'][a]:.2f}" for a in ALPHAS)
+            print(
+                f"| {r['context']} | {r['batch']} | {r['k']} | {r['round_s'] * 1e3:.2f} | {r['round_over_step']:.2f} | {gains} |"
+            )
     return 0
 
 

@@ -15,16 +15,19 @@ from fp4moe.engine.compare import greedy_agreement  # noqa: E402
 from fp4moe.engine.cuda_runner import CudaModelRunner  # noqa: E402
 from fp4moe.engine.llm import LLM  # noqa: E402
 from fp4moe.engine.sampler import SamplingParams  # noqa: E402
+from fp4moe.engine.spec_decode import MTPSpeculator  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[5, 17, 300, 2, 9], list(range(40, 110)), [7]]
 
 
-def _fused(llm: LLM, kv_cache_dtype: str = "auto") -> None:
+def _fused(llm: LLM, kv_cache_dtype: str = "auto", spec_tokens: int = 0) -> None:
     llm.runner = CudaModelRunner(
         llm.model, None, llm.device, kv_cache_dtype, max_num_seqs=4, max_model_len=256, num_pages=20,
-        page_size=16, cuda_graphs=DEV == "cuda",
+        page_size=16, cuda_graphs=DEV == "cuda", spec_tokens=spec_tokens,
     )  # fmt: skip
+    if spec_tokens:
+        llm.speculator = MTPSpeculator(llm, spec_tokens)
 
 
 MIXED = "attention,shared,deltanet:fp8,lm_head"  # NVFP4 and FP8 linears in the fused projections
@@ -152,3 +155,59 @@ def test_speculation_through_the_gpu_runner_matches_plain_decoding(checkpoints):
     agree = greedy_agreement(ref, got)
     assert agree.ok, agree.detail
     assert llm.speculator.stats.drafts > 0
+
+
+def _agree_up_to_near_ties(ref, got: list[list[int]], tie: float = 0.1) -> None:
+    """Greedy tokens equal, or parting only where the reference's top two logprobs are within ``tie``."""
+    for i, (r, g) in enumerate(zip(ref, got, strict=True)):
+        for step, (lp, token) in enumerate(zip(r.outputs[0].logprobs, g, strict=False)):
+            if lp.token_id != token:
+                top = sorted(lp.top_logprobs.values(), reverse=True)
+                assert top[0] - top[1] < tie, f"sequence {i} step {step}: {token} != {lp.token_id}"
+                break
+
+
+@pytest.mark.parametrize("drafts", ["mtp", "oracle", "second-wrong", "kv-fp8"])
+def test_fused_speculative_round_gives_plain_greedy_tokens(checkpoints, drafts):
+    """The fused greedy round (verify k+1 rows, accept, roll back from per-token states, draft the next
+    round): with the MTP head's own drafts (the random head's are mostly rejected), with drafts that are
+    the true continuation (all accepted), and with the second draft always wrong (one accepted, then
+    rollback); the output is plain greedy decoding's."""
+    path = checkpoints.bf16()
+    k = 2
+    kv_dtype = "fp8" if drafts == "kv-fp8" else "auto"
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref_params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    ref = LLM(path, dtype="bfloat16", device="cpu", kv_cache_dtype=kv_dtype).generate(prompts, ref_params)
+    truth = [o.outputs[0].token_ids for o in ref]
+    llm = LLM(path, dtype="bfloat16", device=DEV, num_speculative_tokens=k, kv_cache_dtype=kv_dtype)
+    if DEV == "cpu":
+        _fused(llm, kv_dtype, spec_tokens=k)
+    spec = llm.speculator
+    assert spec.fused is not None
+    if drafts in ("oracle", "second-wrong"):
+        fused, lens = spec.fused, [len(p) for p in PROMPTS]
+
+        def oracle(slots, positions, tokens, deltas):  # sequence i sits in slot i
+            for slot, p, row in zip(slots, positions, tokens, strict=True):
+                cont = truth[slot][p - lens[slot] + 1 :] + [0] * k
+                row[1:] = cont[:k]
+                if drafts == "second-wrong":
+                    row[2] = (row[2] + 1) % 100
+            return fused(slots, positions, tokens, deltas)
+
+        spec.fused = oracle
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    if DEV == "cpu":
+        assert got == truth  # the interpreter keeps the module path's roundings
+    else:
+        _agree_up_to_near_ties(ref, got)
+    stats = spec.stats
+    assert stats.drafts > 0
+    if drafts == "oracle" and DEV == "cpu":
+        assert stats.accepted_per_position[1] > 0 and stats.mean_acceptance_length > 2.5
+    if drafts == "second-wrong":
+        assert stats.accepted_per_position[1] == 0
+        assert stats.accepted_per_position[0] > 0 or DEV == "cuda"
+    assert llm.runner.kv.num_free_pages == llm.runner.kv.k.shape[1] - 1 or DEV == "cuda"

@@ -171,6 +171,70 @@ def test_gdn_decode_matches_the_layer_step_by_step(v_splits):
         assert rel(state[slot], states.get(0, slot)[1]) < 1e-2, i
 
 
+def test_gdn_verify_walks_each_sequences_tokens_and_rolls_back():
+    """Speculative verification: T = 3 tokens per sequence in one launch (outputs and the state after each
+    token against the layer run token by token), then rollback to a different accepted count per sequence
+    (state from the history; the ring needs no repair) and plain decoding on from there."""
+    gen = torch.Generator().manual_seed(6)
+    layer = _gdn_layer(gen)
+    hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.k_dim, layer.v_dim
+    b, t, kc = 3, 3, 4
+    dims = (hk, hv, dk, dv)
+    states = DeltaNetStates(layer.conv_dim, kc, hv, dk, dv, BF16, DEV)
+    ring = torch.randn(5, kc - 1 + t, layer.conv_dim).to(BF16).to(DEV)  # stale garbage: never read
+    state = torch.randn(5, hv, dk, dv).to(DEV)
+    history = torch.zeros(b * t, hv, dk, dv, device=DEV)
+    slots = [3, 0, 4]
+    w_in = torch.cat(
+        [layer.in_proj_qkv.weight, layer.in_proj_z.weight, layer.in_proj_b.weight, layer.in_proj_a.weight]
+    )
+
+    def kernel(x, position, per_seq):
+        rows = torch.tensor([s for s in slots for _ in range(per_seq)], dtype=torch.int32, device=DEV)
+        pos = torch.tensor(
+            [position + j for _ in slots for j in range(per_seq)], dtype=torch.int32, device=DEV
+        )
+        core = gdn_k.gdn_decode(
+            x @ w_in.T, layer.conv1d_weight.view(layer.conv_dim, kc), ring, state, rows, pos, layer.A_log,
+            layer.dt_bias, layer.norm_weight, layer.eps, dims, tokens_per_seq=per_seq, history=history,
+        )  # fmt: skip
+        return layer.out_proj(core)
+
+    def reference(x, position, seq):
+        ctx = StepContext([1], [position], [slots[seq]], KVCache(), states)
+        return layer(x[None], ctx)[0]
+
+    for step in range(4):  # plain decoding first: positions 0..3
+        x = torch.randn(b, 64, generator=gen).to(BF16).to(DEV)
+        got = kernel(x, step, 1)
+        for i in range(b):
+            assert rel(got[i], reference(x[i], step, i)) < RTOL, step
+    p = 4
+    x = torch.randn(b * t, 64, generator=gen).to(BF16).to(DEV)
+    got = kernel(x, p, t)
+    accepted = [0, 2, 1]
+    for i, slot in enumerate(slots):
+        before = states.snapshot(slot)
+        for j in range(t):
+            assert rel(got[i * t + j], reference(x[i * t + j], p + j, i)) < RTOL, (i, j)
+            assert rel(history[i * t + j], states.get(0, slot)[1]) < 1e-2, (i, j)
+        states.restore(slot, before)  # the reference keeps only the accepted tokens
+        for j in range(accepted[i] + 1):
+            reference(x[i * t + j], p + j, i)
+        state[slot] = history[i * t + accepted[i]]
+    for step in range(2):  # plain decoding on, each sequence from its own position
+        x = torch.randn(b, 64, generator=gen).to(BF16).to(DEV)
+        for i, slot in enumerate(slots):
+            position = p + accepted[i] + 1 + step
+            rows = torch.tensor([slot], dtype=torch.int32, device=DEV)
+            pos = torch.tensor([position], dtype=torch.int32, device=DEV)
+            core = gdn_k.gdn_decode(
+                x[i : i + 1] @ w_in.T, layer.conv1d_weight.view(layer.conv_dim, kc), ring, state, rows, pos,
+                layer.A_log, layer.dt_bias, layer.norm_weight, layer.eps, dims,
+            )  # fmt: skip
+            assert rel(layer.out_proj(core)[0], reference(x[i], position, i)) < RTOL, (step, i)
+
+
 def _attention_layer(gen, h=4, hkv=2, d=32, hidden=64):
     layer = GatedAttention(hidden, h, hkv, d, 1e-6, layer_id=0)
     for p in layer.parameters():

@@ -160,6 +160,7 @@ def run_spec_batch(core: EngineCore, batch) -> list[Sequence]:
             if seq.num_cached == 0 or getattr(seq, "hidden_tail", None) is None:
                 # fresh (or restored from a prefix snapshot: the MTP head starts after the restored part)
                 seq.hidden_tail, seq.mtp_cached = hidden[start:end][:0], seq.num_cached
+                seq.drafts = None
             seq.hidden_tail = torch.cat([seq.hidden_tail, hidden[start:end]])
             seq.num_cached += n
             if seq.num_cached == len(seq.all_ids):
@@ -174,6 +175,7 @@ def run_spec_batch(core: EngineCore, batch) -> list[Sequence]:
         for seq, (start, end) in zip(decoding, spans, strict=True):
             seq.num_cached += 1
             seq.hidden_tail = torch.cat([seq.hidden_tail, hidden[start:end]])
+            seq.drafts = None  # drafts kept for the fused round no longer follow the last token
             llm.sample_into(seq, llm.model.compute_logits(hidden[start:end])[0].cpu())
             seq.new_tokens = 1
             progressed.append(seq)

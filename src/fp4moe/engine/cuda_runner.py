@@ -117,8 +117,11 @@ class CudaModelRunner(ModelRunner):
         page_size: int = 64,
         gpu_memory_utilization: float = 0.9,
         cuda_graphs: bool = True,
+        spec_tokens: int = 0,
     ):
         super().__init__(model, image_token_id, device, kv_cache_dtype)
+        if spec_tokens and model.mtp is None:
+            raise ValueError("speculative decoding needs the checkpoint's MTP head (mtp.* tensors)")
         a = model.args
         self.args, self.max_num_seqs, self.max_model_len = a, max_num_seqs, max_model_len
         self.scratch = max_num_seqs  # slot (and page) that padded batch rows write into
@@ -129,15 +132,24 @@ class CudaModelRunner(ModelRunner):
         dtype = model.embed_tokens.dtype
         self.states = SlotStates(
             self.gdn_ids, max_num_seqs + 1, a.conv_dim, a.conv_kernel, a.linear_num_value_heads,
-            a.linear_key_head_dim, a.linear_value_head_dim, dtype, device,
+            a.linear_key_head_dim, a.linear_value_head_dim, dtype, device, ring_len=a.conv_kernel + spec_tokens,
         )  # fmt: skip
+        self.spec_tokens = spec_tokens
+        self.history = None  # Gated DeltaNet states after each verified token (speculative decoding)
+        if spec_tokens:
+            self.history = torch.zeros(
+                len(self.gdn_ids), max_num_seqs * (spec_tokens + 1), a.linear_num_value_heads,
+                a.linear_key_head_dim, a.linear_value_head_dim, device=device,
+            )  # fmt: skip
         if num_pages is None:
             num_pages = self._pages_from_memory(len(kv_layers), page_size, gpu_memory_utilization)
         self.kv = PagedKVCache(
             kv_layers, num_pages + 1, page_size, a.num_kv_heads, a.head_dim, max_num_seqs + 1, max_model_len,
             kv_cache_dtype, dtype, device,
         )  # fmt: skip
-        self.kv.reserve(self.scratch, 1)
+        self.kv.reserve(
+            self.scratch, 2 * spec_tokens + 2
+        )  # padded rows of a speculative round write here too
         if model.rotary is None:
             model.rotary = Rotary(a.rope, device)
         self._fuse()
@@ -172,7 +184,7 @@ class CudaModelRunner(ModelRunner):
         return int(min(want, tokens // page_size))
 
     def _fuse(self) -> None:
-        self.fused = []
+        self.fused = []  # (mixer projections, router + shared expert) per layer
         for layer in self.model.layers:
             if layer.is_attention:
                 m = layer.self_attn
@@ -183,6 +195,13 @@ class CudaModelRunner(ModelRunner):
             moe = layer.mlp
             router = FusedLinear([moe.gate, moe.shared_gate_proj, moe.shared_up_proj, moe.shared_expert_gate])
             self.fused.append((mix, router))
+        if self.spec_tokens:  # the MTP head's layer (last in the list)
+            layer = self.model.mtp.layer
+            m, moe = layer.self_attn, layer.mlp
+            self.fused.append((
+                FusedLinear([m.q_proj, m.k_proj, m.v_proj]),
+                FusedLinear([moe.gate, moe.shared_gate_proj, moe.shared_up_proj, moe.shared_expert_gate]),
+            ))  # fmt: skip
 
     def new_caches(self):
         return self.kv, self.states
@@ -277,53 +296,98 @@ class CudaModelRunner(ModelRunner):
 
     def decode_forward(self, b: int) -> torch.Tensor:
         """The decode step over the first ``b`` rows of the static buffers -> logits [b, V] (bf16)."""
-        from fp4moe.kernels import attention as attn_k
-        from fp4moe.kernels import gdn_decode as gdn_k
-        from fp4moe.kernels import moe_router, norm
-        from fp4moe.kernels import nvfp4_gemm as gemm
+        _, x = self.forward_rows(self.buf_ids[:b], self.buf_pos[:b], self.buf_slots[:b], self.buf_rope[:, :b])
+        return self.model.lm_head(x)
 
-        model, a, kv, st = self.model, self.args, self.kv, self.states
-        ids, pos, slots = self.buf_ids[:b], self.buf_pos[:b], self.buf_slots[:b]
+    def _row_geometry(self, pos: torch.Tensor, slots: torch.Tensor):
+        """Block-table rows, cache rows written (slot_map) and attention lengths of rows at ``pos``."""
+        kv, page = self.kv, self.kv.page_size
         table = kv.block_table.index_select(0, slots)
-        page = kv.page_size
         slot_map = (table.gather(1, (pos // page).long().unsqueeze(1)).squeeze(1) * page + pos % page).to(
             torch.int32
         )
-        seq_lens = pos + 1
-        cos, sin = model.rotary.cos_sin(self.buf_rope[:, :b], model.embed_tokens.dtype)
+        return table, slot_map, pos + 1
+
+    def forward_rows(
+        self, ids, pos, slots, rope, tokens_per_seq: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target model over rows (token ``ids`` at cache positions ``pos`` of ``slots``, rotary
+        positions ``rope`` [3, rows]) -> (residual stream, final-normed hidden) [rows, H]. With
+        ``tokens_per_seq`` T > 1 each sequence owns T consecutive rows at consecutive positions (a
+        speculative verification): attention rows see the keys of the rows before them, the Gated DeltaNet
+        kernel walks them in order and leaves its states in ``self.history`` instead of the slots."""
+        from fp4moe.kernels import gdn_decode as gdn_k
+        from fp4moe.kernels import norm
+
+        model, a, st = self.model, self.args, self.states
+        geometry = self._row_geometry(pos, slots)
+        cos, sin = model.rotary.cos_sin(rope, model.embed_tokens.dtype)
         h = model.embed_tokens[ids]
         layers = model.layers
         _, x = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, a.eps)
-        e, k, s_inter = a.num_experts, a.top_k, a.shared_intermediate_size
         for i, layer in enumerate(layers):
             mix, router = self.fused[i]
             proj = mix(x)
             if layer.is_attention:
-                m = layer.self_attn
-                li = kv.index[i]
-                dims = (m.num_heads, m.num_kv_heads, m.head_dim)
-                q = attn_k.qk_norm_rope_store(
-                    proj, cos, sin, m.q_norm.weight, m.k_norm.weight, kv.k[li], kv.v[li], slot_map,
-                    kv.scale_t[li], m.q_norm.eps, dims,
-                )  # fmt: skip
-                core = attn_k.paged_decode_attention(
-                    q, proj, kv.k[li], kv.v[li], table, seq_lens, kv.scale_t[li], kv.max_len, dims
-                )
-                out = m.o_proj(core)
+                out = self._attention(layer.self_attn, i, proj, cos, sin, geometry)
             else:
                 m = layer.linear_attn
                 gi = st.index[i]
                 core = gdn_k.gdn_decode(
                     proj, m.conv1d_weight.view(m.conv_dim, -1), st.ring[gi], st.rec[gi], slots, pos,
                     m.A_log, m.dt_bias, m.norm_weight, m.eps, (m.num_k_heads, m.num_v_heads, m.k_dim, m.v_dim),
+                    tokens_per_seq=tokens_per_seq, history=None if tokens_per_seq == 1 else self.history[gi],
                 )  # fmt: skip
                 out = m.out_proj(core)
             h, x = norm.add_rms_norm(h, out, layer.post_attention_layernorm.weight, a.eps)
-            moe = layer.mlp
-            rp = router(x)
-            topk_ids, topk_w, shared_act = moe_router.route(rp, e, k, s_inter)
-            routed = gemm.moe_pairs(moe.experts, x, topk_ids, topk_w)
-            shared = moe.shared_down_proj(shared_act)
             next_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
-            h, x = norm.moe_combine(h, routed, k, shared, rp, e + 2 * s_inter, next_w, a.eps)
-        return model.lm_head(x)
+            h, x = self._moe(layer.mlp, router, h, x, next_w)
+        return h, x
+
+    def mtp_rows(self, ids, hidden, pos, slots, rope) -> torch.Tensor:
+        """The MTP head over rows: token ``ids`` after each row's target (or own) final-normed ``hidden`` at
+        ``pos`` (the hidden state's position) -> the head's normed output [rows, H]; its keys/values go
+        into the MTP layer's pages."""
+        from fp4moe.kernels import norm
+
+        model, mtp, a = self.model, self.model.mtp, self.args
+        layer = mtp.layer
+        e = mtp.pre_fc_norm_embedding(model.embed_tokens[ids])
+        h = mtp.fc(torch.cat([e, mtp.pre_fc_norm_hidden(hidden)], dim=-1))
+        cos, sin = model.rotary.cos_sin(rope, model.embed_tokens.dtype)
+        mix, router = self.fused[-1]
+        _, x = norm.add_rms_norm(h, None, layer.input_layernorm.weight, a.eps)
+        out = self._attention(layer.self_attn, mtp.layer_id, mix(x), cos, sin, self._row_geometry(pos, slots))
+        h, x = norm.add_rms_norm(h, out, layer.post_attention_layernorm.weight, a.eps)
+        _, x = self._moe(layer.mlp, router, h, x, mtp.norm.weight)
+        return x
+
+    def _attention(self, m, layer_id: int, proj, cos, sin, geometry) -> torch.Tensor:
+        """q/k norm + rotary + cache store, paged decode attention, o_proj."""
+        from fp4moe.kernels import attention as attn_k
+
+        kv = self.kv
+        table, slot_map, seq_lens = geometry
+        li = kv.index[layer_id]
+        dims = (m.num_heads, m.num_kv_heads, m.head_dim)
+        q = attn_k.qk_norm_rope_store(
+            proj, cos, sin, m.q_norm.weight, m.k_norm.weight, kv.k[li], kv.v[li], slot_map,
+            kv.scale_t[li], m.q_norm.eps, dims,
+        )  # fmt: skip
+        core = attn_k.paged_decode_attention(
+            q, proj, kv.k[li], kv.v[li], table, seq_lens, kv.scale_t[li], kv.max_len, dims
+        )
+        return m.o_proj(core)
+
+    def _moe(self, moe, router, h, x, next_w) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router + shared expert GEMM, routing, grouped NVFP4 experts, shared down, combine + next norm."""
+        from fp4moe.kernels import moe_router, norm
+        from fp4moe.kernels import nvfp4_gemm as gemm
+
+        a = self.args
+        e, k, s_inter = a.num_experts, a.top_k, a.shared_intermediate_size
+        rp = router(x)
+        topk_ids, topk_w, shared_act = moe_router.route(rp, e, k, s_inter)
+        routed = gemm.moe_pairs(moe.experts, x, topk_ids, topk_w)
+        shared = moe.shared_down_proj(shared_act)
+        return norm.moe_combine(h, routed, k, shared, rp, e + 2 * s_inter, next_w, a.eps)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +88,7 @@ class LLM:
             self.runner = CudaModelRunner(
                 self.model, image_token, self.device, kv_cache_dtype, max_num_seqs=max_num_seqs,
                 max_model_len=self.max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                cuda_graphs=cuda_graphs,
+                cuda_graphs=cuda_graphs, spec_tokens=num_speculative_tokens if self.model.mtp is not None else 0,
             )  # fmt: skip
         else:
             self.runner = ModelRunner(self.model, image_token, self.device, kv_cache_dtype)
@@ -99,13 +98,6 @@ class LLM:
 
             self.speculator = MTPSpeculator(self, num_speculative_tokens)
             self.speculator.disable_by_batch_size = max(0, int(speculative_disable_by_batch_size))
-            if self.device.type == "cuda":
-                warnings.warn(
-                    "speculative decoding on the GPU still drafts and verifies through the unfused module "
-                    "path (no CUDA graphs): it is much slower than plain decoding there (BENCHMARKS.md); "
-                    "use it to measure acceptance, not for speed",
-                    stacklevel=2,
-                )
         self.eos_ids = self._eos_ids()
         self._seq_ids = itertools.count()
 

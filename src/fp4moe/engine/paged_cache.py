@@ -4,8 +4,9 @@ Both speak the interface of the CPU caches (``engine.cache``), so the module for
 prefill, speculative verification) runs on them unchanged, and add the device tensors the fused decode
 kernels read: per attention layer k/v pages [pages, page_size, Hkv, D] (bf16, or fp8-e4m3 with one scale per
 layer and tensor, set from the first keys/values written as in the CPU cache) and a block table
-[slots, max_pages]; per Gated DeltaNet layer a conv-input ring [slots, K, C] indexed by position mod K and
-an fp32 recurrent state [slots, Hv, Dk, Dv]. A slot's ring and state are valid up to its position; position
+[slots, max_pages]; per Gated DeltaNet layer a conv-input ring [slots, R, C] indexed by position mod R (R = K,
+the conv width, or K + k with k speculative tokens, so a verification's rejected inputs never overwrite
+ones still needed) and an fp32 recurrent state [slots, Hv, Dk, Dv]. A slot's ring and state are valid up to its position; position
 0 reads as zeros, so freed slots need no clearing.
 """
 
@@ -157,16 +158,20 @@ class SlotStates:
         v_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        ring_len: int | None = None,
     ):
         self.index = {layer: i for i, layer in enumerate(layer_ids)}
         self.kc, self.dtype, self.device = conv_kernel, dtype, device
-        self.ring = torch.zeros(len(layer_ids), max_slots, conv_kernel, conv_dim, dtype=dtype, device=device)
+        self.ring_len = ring_len or conv_kernel
+        if self.ring_len < conv_kernel:
+            raise ValueError(f"a conv ring of {self.ring_len} cannot hold a conv of width {conv_kernel}")
+        self.ring = torch.zeros(len(layer_ids), max_slots, self.ring_len, conv_dim, dtype=dtype, device=device)
         self.rec = torch.zeros(len(layer_ids), max_slots, num_v_heads, k_dim, v_dim, device=device)
 
     def _ring_rows(self, end: int) -> tuple[list[int], list[bool]]:
         """Ring entries holding positions end-K+1 .. end-1 (oldest first), and which of them exist."""
         pos = [end - j for j in range(self.kc - 1, 0, -1)]
-        return [p % self.kc for p in pos], [p >= 0 for p in pos]
+        return [p % self.ring_len for p in pos], [p >= 0 for p in pos]
 
     def get(self, layer: int, slot: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         i, pos = self.index[layer], position

@@ -9,6 +9,10 @@ accepted tokens are run again (attention caches are just truncated). The MTP hea
 over the (token, target hidden) pairs of every accepted position, caught up before each draft.
 Sequences decoding together share the forwards: one flat MTP forward per draft position, one flat target
 forward to verify, one more for the kept tokens of the sequences that rejected a draft.
+
+On the GPU runner, greedy sequences (no penalties, no logprobs) take the fused round instead
+(``engine.cuda_spec``): verification, acceptance, rollback from per-token states and the next round's
+drafts in one captured graph; their drafts are made a round ahead and kept on the sequence (``drafts``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp4moe.engine.context import StepContext
-from fp4moe.engine.sampler import apply_penalties, filter_logits, sample, sample_result
+from fp4moe.engine.sampler import SampleResult, apply_penalties, filter_logits, sample, sample_result
 from fp4moe.engine.sequence import Sequence
 
 
@@ -55,6 +59,11 @@ class MTPSpeculator:
         self.drafter = drafter or self._mtp_drafts  # tests may force acceptance or rejection
         self.stats = SpecStats(accepted_per_position=[0] * num_speculative_tokens)
         self.disable_by_batch_size = 0  # > 0: no drafts while more sequences than this are decoding
+        self.fused = None
+        if getattr(llm.runner, "spec_tokens", 0) == num_speculative_tokens:
+            from fp4moe.engine.cuda_spec import FusedSpecRound
+
+            self.fused = FusedSpecRound(llm.runner, num_speculative_tokens)
 
     @torch.no_grad()
     def prefill(self, seqs: list[Sequence], kv, states) -> None:
@@ -145,12 +154,66 @@ class MTPSpeculator:
         """One round for decoding sequences: draft-and-verify where k+1 more tokens fit in the context,
         a plain step where they do not; returns the tokens each sequence appended."""
         room = [s for s in seqs if len(s.all_ids) + self.k + 1 < max_model_len]
-        counts = dict(zip(map(id, room), self.step_many(room, kv, states) if room else [], strict=True))
+        fused = [s for s in room if self._fusable(s, kv, max_model_len)]
+        rest = [s for s in room if s not in fused]
+        counts = dict(zip(map(id, fused), self.fused_round(fused, kv, states) if fused else [], strict=True))
+        counts.update(zip(map(id, rest), self.step_many(rest, kv, states) if rest else [], strict=True))
         for seq in seqs:
             if id(seq) not in counts:
                 self.plain_step(seq, kv, states)
                 counts[id(seq)] = 1
         return [counts[id(seq)] for seq in seqs]
+
+    def _fusable(self, seq: Sequence, kv, max_model_len: int) -> bool:
+        """Whether the sequence can take the GPU runner's fused greedy round."""
+        p = seq.params
+        return (
+            self.fused is not None
+            and self.drafter == self._mtp_drafts
+            and kv is self.llm.runner.kv
+            and p.greedy
+            and p.logprobs is None
+            and p.repetition_penalty == 1.0
+            and not p.presence_penalty
+            and not p.frequency_penalty
+            and len(seq.all_ids) - 1 + 2 * self.k <= max_model_len  # its MTP drafts reach p + 2k - 1
+            and (not kv.fp8 or all(layer in kv.scales for layer in kv.index))
+        )
+
+    @torch.no_grad()
+    def fused_round(self, seqs: list[Sequence], kv, states) -> list[int]:
+        """The GPU runner's fused greedy round for ``seqs`` (drafted first through the module path where they
+        hold no drafts yet: after prefill or a plain step); returns the tokens each appended."""
+        fresh = [s for s in seqs if getattr(s, "drafts", None) is None]
+        for seq, (drafts, _) in zip(
+            fresh, self._mtp_drafts_many(fresh, kv, states) if fresh else [], strict=True
+        ):
+            seq.drafts = drafts
+        ps = [len(s.all_ids) - 1 for s in seqs]
+        accepted, choices, drafts = self.fused(
+            [s.slot for s in seqs],
+            ps,
+            [[s.all_ids[-1], *s.drafts] for s in seqs],
+            [s.rope_delta for s in seqs],
+        )
+        appended = []
+        for i, (seq, p) in enumerate(zip(seqs, ps, strict=True)):
+            a = int(accepted[i])
+            self.stats.drafts += 1
+            self.stats.draft_tokens += self.k
+            self.stats.accepted += a
+            for j in range(a):
+                self.stats.accepted_per_position[j] += 1
+            seq.num_cached = seq.mtp_cached = p + a + 1
+            seq.hidden_tail = seq.hidden_tail[:0]  # the MTP head has seen every kept position
+            seq.drafts = drafts[i].tolist()
+            seq.delta, before = "", len(seq.output_ids)
+            for token in choices[i, : a + 1].tolist():
+                seq.delta += seq.append(SampleResult(token), self.llm.tokenizer)
+                if seq.finished:
+                    break
+            appended.append(len(seq.output_ids) - before)
+        return appended
 
     @torch.no_grad()
     def step(self, seq: Sequence, kv, states) -> int:
@@ -165,6 +228,8 @@ class MTPSpeculator:
         truncated). Returns the number of tokens each sequence appended (fewer than accepted + 1 where a
         stop ends it)."""
         rounds = []
+        for seq in seqs:
+            seq.drafts = None  # this round drafts afresh (drafts kept on a sequence are the fused round's)
         if self.drafter == self._mtp_drafts:
             proposals = self._mtp_drafts_many(seqs, kv, states)
         else:  # a custom drafter (tests force acceptance or rejection): one sequence at a time
@@ -226,5 +291,6 @@ class MTPSpeculator:
         """One ordinary decode step (near the end of the context), keeping the MTP head's inputs."""
         hidden, _ = self.llm.runner.forward([(seq, 1)], kv, states)
         seq.num_cached += 1
+        seq.drafts = None
         seq.hidden_tail = torch.cat([seq.hidden_tail, hidden])
         self.llm.sample_into(seq, self.model.compute_logits(hidden)[0].cpu())

@@ -1,13 +1,19 @@
-"""Gated DeltaNet decode step, one token per sequence, fused: causal conv update + SiLU, q/k L2 norm,
-decay and beta, the delta-rule update of the fp32 recurrent state, the readout, and the gated RMSNorm.
-One program per (sequence, value head) holds that head's [Dk, Dv] state in registers.
+"""Gated DeltaNet decode step, fused: causal conv update + SiLU, q/k L2 norm, decay and beta, the delta-rule
+update of the fp32 recurrent state, the readout, and the gated RMSNorm. One program per (sequence, value
+head, value block) holds that part of the head's [Dk, Dv] state in registers and walks the sequence's
+``T`` tokens in order: T = 1 for plain decoding, T = k + 1 to verify k speculative drafts.
 
-Conv inputs live in a ring of ``KC`` entries per slot, indexed by position mod KC: the step at position p
-reads p-1..p-KC+1 and writes p, a slot no reader of this step touches (programs of the two value heads
-that share a key head write the same q/k inputs). Positions below 0 read as zero, and position 0 starts
-from a zero state, so a reused slot needs no clearing. Reference: ``layers.deltanet`` (``_conv`` and
-``delta_rule_recurrent``), which this kernel matches up to fp32 rounding; the bf16 roundings of the CPU
-path are kept at the same places."""
+Conv inputs live in a ring of ``RING`` >= KC - 1 + T entries per slot, indexed by position mod RING: the
+token at position p+t reads p+t-1..p+t-KC+1 -- from the projection rows of this step where they are among
+its own T tokens, from the ring otherwise -- and writes p+t, an entry no reader of this step touches
+(programs of the value heads that share a key head write the same q/k inputs). Because the ring holds
+KC - 1 + T positions, inputs of rejected drafts never overwrite ones a rolled-back sequence still needs.
+Positions below 0 read as zero, and position 0 starts from a zero state, so a reused slot needs no
+clearing. With T = 1 the state goes back into the slot; with T > 1 the state after each token goes into
+``history[b, t]`` and the caller copies the one after the last accepted token into the slot.
+
+Reference: ``layers.deltanet`` (``_conv`` and ``delta_rule_recurrent``), which this kernel matches up to
+fp32 rounding; the bf16 roundings of the CPU path are kept at the same places."""
 
 from __future__ import annotations
 
@@ -19,16 +25,27 @@ from fp4moe.kernels.tl_helpers import round_bf16
 
 
 @triton.jit
-def _conv_channel(proj_row, ring_base, stride_rk, conv_w_ptr, ch, pos, KC: tl.constexpr, WRITE):
-    x_new = tl.load(proj_row + ch).to(tl.float32)
+def _conv_channel(
+    rows, stride_p, ring_base, stride_rk, conv_w_ptr, ch, pos, t: tl.constexpr, KC: tl.constexpr,
+    RING: tl.constexpr, WRITE,
+):  # fmt: skip
+    """Conv output (after SiLU) of channels ``ch`` for the token at position pos + t; ``rows`` points at
+    the sequence's first projection row of this step."""
+    x_new = tl.load(rows + t * stride_p + ch).to(tl.float32)
     acc = x_new * tl.load(conv_w_ptr + ch * KC + (KC - 1)).to(tl.float32)
     for i in tl.static_range(1, KC):
-        prev = tl.load(
-            ring_base + ((pos - i + KC) % KC) * stride_rk + ch, mask=(pos - i >= 0) & (ch >= 0), other=0.0
-        )
+        if i <= t:  # an input of this step
+            prev = tl.load(rows + (t - i) * stride_p + ch)
+        else:
+            p = pos + t - i
+            prev = tl.load(
+                ring_base + ((p + RING) % RING) * stride_rk + ch, mask=(p >= 0) & (ch >= 0), other=0.0
+            )
         acc += prev.to(tl.float32) * tl.load(conv_w_ptr + ch * KC + (KC - 1 - i)).to(tl.float32)
     tl.store(
-        ring_base + (pos % KC) * stride_rk + ch, x_new.to(ring_base.dtype.element_ty), mask=(ch >= 0) & WRITE
+        ring_base + ((pos + t) % RING) * stride_rk + ch,
+        x_new.to(ring_base.dtype.element_ty),
+        mask=(ch >= 0) & WRITE,
     )
     c = round_bf16(acc)
     return round_bf16(c * tl.sigmoid(c))
@@ -36,47 +53,61 @@ def _conv_channel(proj_row, ring_base, stride_rk, conv_w_ptr, ch, pos, KC: tl.co
 
 @triton.jit
 def _gdn_decode_kernel(
-    proj_ptr, stride_p, conv_w_ptr, ring_ptr, stride_rs, stride_rk, state_ptr, stride_ss,
+    proj_ptr, stride_p, conv_w_ptr, ring_ptr, stride_rs, stride_rk, state_ptr, stride_ss, hist_ptr, stride_hb,
     slot_ptr, pos_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, stride_o,
     z_off, b_off, a_off, eps,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
+    T: tl.constexpr, RING: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
     kh = h // (HV // HK)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    pos = tl.load(pos_ptr + b)
-    row = proj_ptr + b.to(tl.int64) * stride_p
+    first_row = b.to(tl.int64) * T
+    slot = tl.load(slot_ptr + first_row).to(tl.int64)
+    pos = tl.load(pos_ptr + first_row)
+    rows = proj_ptr + first_row * stride_p
     ring = ring_ptr + slot * stride_rs
     dk = tl.arange(0, DK)
     dv = vb * BV + tl.arange(0, BV)
     first = (h % (HV // HK) == 0) & (vb == 0)  # one writer for the shared q/k inputs
-    q = _conv_channel(row, ring, stride_rk, conv_w_ptr, kh * DK + dk, pos, KC, first)
-    k = _conv_channel(row, ring, stride_rk, conv_w_ptr, HK * DK + kh * DK + dk, pos, KC, first)
-    v = _conv_channel(row, ring, stride_rk, conv_w_ptr, 2 * HK * DK + h * DV + dv, pos, KC, True)
-    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
-    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    beta = round_bf16(tl.sigmoid(tl.load(row + b_off + h).to(tl.float32)))
-    a = tl.load(row + a_off + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-    g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
     s_ptrs = state_ptr + slot * stride_ss + h * DK * DV + dk[:, None] * DV + dv[None, :]
     state = tl.load(s_ptrs, mask=(pos > 0) & (dk[:, None] >= 0), other=0.0)
-    state = state * tl.exp(g)
-    predicted = tl.sum(state * k[:, None], 0)
-    u = (v - predicted) * beta
-    state = state + k[:, None] * u[None, :]
-    tl.store(s_ptrs, state)
-    o = round_bf16(tl.sum(state * q[:, None], 0))
-    if BV < DV:  # the gated norm needs the whole head: a second kernel applies it
-        tl.store(out_ptr + b.to(tl.int64) * stride_o + h * DV + dv, o.to(out_ptr.dtype.element_ty))
-        return
-    normed = round_bf16(o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps))
-    w = tl.load(norm_w_ptr + dv).to(tl.float32)
-    z = tl.load(row + z_off + h * DV + dv).to(tl.float32)
-    y = round_bf16(w * normed) * (z * tl.sigmoid(z))
-    tl.store(out_ptr + b.to(tl.int64) * stride_o + h * DV + dv, round_bf16(y).to(out_ptr.dtype.element_ty))
+    a_log = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    for t in tl.static_range(T):
+        row = rows + t * stride_p
+        q = _conv_channel(rows, stride_p, ring, stride_rk, conv_w_ptr, kh * DK + dk, pos, t, KC, RING, first)
+        k = _conv_channel(
+            rows, stride_p, ring, stride_rk, conv_w_ptr, HK * DK + kh * DK + dk, pos, t, KC, RING, first
+        )
+        v = _conv_channel(
+            rows, stride_p, ring, stride_rk, conv_w_ptr, 2 * HK * DK + h * DV + dv, pos, t, KC, RING, True
+        )
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        beta = round_bf16(tl.sigmoid(tl.load(row + b_off + h).to(tl.float32)))
+        a = tl.load(row + a_off + h).to(tl.float32) + dt_bias
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        state = state * tl.exp(-a_log * softplus)
+        predicted = tl.sum(state * k[:, None], 0)
+        u = (v - predicted) * beta
+        state = state + k[:, None] * u[None, :]
+        if T > 1:  # the state after each token, for rollback to the last accepted one
+            h_ptrs = hist_ptr + (first_row + t) * stride_hb + h * DK * DV + dk[:, None] * DV + dv[None, :]
+            tl.store(h_ptrs, state)
+        o = round_bf16(tl.sum(state * q[:, None], 0))
+        out_row = out_ptr + (first_row + t) * stride_o
+        if BV < DV:  # the gated norm needs the whole head: a second kernel applies it
+            tl.store(out_row + h * DV + dv, o.to(out_ptr.dtype.element_ty))
+        else:
+            normed = round_bf16(o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps))
+            w = tl.load(norm_w_ptr + dv).to(tl.float32)
+            z = tl.load(row + z_off + h * DV + dv).to(tl.float32)
+            y = round_bf16(w * normed) * (z * tl.sigmoid(z))
+            tl.store(out_row + h * DV + dv, round_bf16(y).to(out_ptr.dtype.element_ty))
+    if T == 1:
+        tl.store(s_ptrs, state)
 
 
 @triton.jit
@@ -109,28 +140,38 @@ def gdn_decode(
     out=None,
     v_splits=None,
     num_warps=None,
+    tokens_per_seq: int = 1,
+    history=None,
 ):
-    """proj [B, conv_dim + Hv*Dv + 2*Hv] (fused in_proj output: qkv | z | b | a), conv_w [C, KC],
-    ring [slots, KC, C], state [slots, Hv, Dk, Dv] fp32, slots/positions [B] int32 -> [B, Hv*Dv].
-    ``dims`` = (Hk, Hv, Dk, Dv)."""
+    """proj [B*T, conv_dim + Hv*Dv + 2*Hv] (fused in_proj output: qkv | z | b | a; a sequence's T rows
+    consecutive), conv_w [C, KC], ring [slots, RING, C], state [slots, Hv, Dk, Dv] fp32, slots/positions
+    [B*T] int32 (per row; a sequence's rows at consecutive positions) -> [B*T, Hv*Dv]. ``dims`` = (Hk, Hv,
+    Dk, Dv). With ``tokens_per_seq`` T > 1 the slot's state is left as it was and ``history`` [>= B*T, Hv,
+    Dk, Dv] fp32 receives the state after each row."""
     hk, hv, dk, dv = dims
-    b = proj.shape[0]
+    t = tokens_per_seq
+    rows = proj.shape[0]
+    b = rows // t
+    kc, ring_len = conv_w.shape[-1], ring.shape[1]
+    if rows % t or ring_len < kc - 1 + t or (t > 1 and history is None):
+        raise ValueError(f"{rows} rows, {t} tokens per sequence, a ring of {ring_len} for a conv of {kc}")
     conv_dim = 2 * hk * dk + hv * dv
     if out is None:
-        out = torch.empty(b, hv * dv, dtype=proj.dtype, device=proj.device)
+        out = torch.empty(rows, hv * dv, dtype=proj.dtype, device=proj.device)
     if v_splits is None:  # enough programs to fill the GPU at small batch (H200 sweep: tune_kernels.py)
         v_splits = max(1, min(8, 256 // (b * hv), dv // 16))
         v_splits = 1 << (v_splits.bit_length() - 1)  # a power of two, so it divides Dv (a power of two)
     if num_warps is None:
         num_warps = 8 if v_splits >= 8 else 4
     raw = out if v_splits == 1 else torch.empty_like(out)
+    hist = state if history is None else history
     z_off = conv_dim
     _gdn_decode_kernel[(b, hv, v_splits)](
         proj, proj.stride(0), conv_w, ring, ring.stride(0), ring.stride(1), state, state.stride(0),
-        slots, positions, a_log, dt_bias, norm_w, raw, raw.stride(0),
+        hist, hist.stride(0), slots, positions, a_log, dt_bias, norm_w, raw, raw.stride(0),
         z_off, conv_dim + hv * dv, conv_dim + hv * dv + hv, eps,
-        HK=hk, HV=hv, DK=dk, DV=dv, KC=conv_w.shape[-1], BV=dv // v_splits, num_warps=num_warps,
+        HK=hk, HV=hv, DK=dk, DV=dv, KC=kc, BV=dv // v_splits, T=t, RING=ring_len, num_warps=num_warps,
     )  # fmt: skip
     if v_splits > 1:
-        _gated_norm_kernel[(b, hv)](raw, proj, proj.stride(0), z_off, norm_w, out, eps, HV=hv, DV=dv)
+        _gated_norm_kernel[(rows, hv)](raw, proj, proj.stride(0), z_off, norm_w, out, eps, HV=hv, DV=dv)
     return out
