@@ -28,6 +28,9 @@ from fp4moe.layers.rope import RopeConfig, Rotary  # noqa: E402
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BF16 = torch.bfloat16
 RTOL = 2e-2
+# modes 4/5 compute in bf16 on bf16 bit patterns, subnormals included; Triton's interpreter flushes bf16
+# subnormals and its bf16 multiply is not IEEE, so they are checked on the GPU only
+BF16_INTERPRETER = "bf16-bit dequantization needs IEEE bf16 arithmetic: GPU only"
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -65,9 +68,11 @@ def test_align_matches_torch_sorting(tokens, experts, top_k):
         assert covered == list(range(tokens * top_k))  # every pair exactly once
 
 
-@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("mode", [1, 2, 4, 5])
 @pytest.mark.parametrize("tokens,inter", [(1, 32), (5, 32), (70, 32), (4, 48)])
 def test_moe_experts_match_the_dequantized_reference(tokens, inter, mode, monkeypatch):
+    if mode >= 4 and DEV.type != "cuda":
+        pytest.skip(BF16_INTERPRETER)
     monkeypatch.setattr(gemm, "DEQUANT_MODE", mode)
     gen = torch.Generator().manual_seed(100 + tokens)
     e, h, i, k = 8, 64, inter, 3
@@ -89,6 +94,25 @@ def test_dense_nvfp4_linear(m, k):
     p, s, d = quantized((96, k), gen)  # K = 192: 64-wide tiles; K = 48: a masked ragged 32-wide tile
     x = torch.randn(m, k, generator=gen).to(BF16).to(DEV)
     assert rel(gemm.nvfp4_linear(x, p, s, d), gemm.linear_reference(x.double(), p, s, d.double())) < RTOL
+
+
+@pytest.mark.parametrize("m", [1, 20])
+def test_bf16_bit_dequantization_is_exact(m, monkeypatch):
+    """Mode 4 (codes written into bf16 bits, one bf16 multiply by the block scale) gives mode 1's outputs
+    bit for bit: every code, every finite positive block scale (subnormal ones too)."""
+    if DEV.type != "cuda":
+        pytest.skip(BF16_INTERPRETER)
+    gen = torch.Generator().manual_seed(3)
+    n, k = 64, 256
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8).to(DEV)
+    scales = torch.randint(1, 0x7F, (n, k // 16), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    decode = torch.tensor(3e-3).to(DEV)
+    x = torch.randn(m, k, generator=gen).to(BF16).to(DEV)
+    outs = {}
+    for mode in (1, 4):
+        monkeypatch.setattr(gemm, "DEQUANT_MODE", mode)
+        outs[mode] = gemm.nvfp4_linear(x, packed, scales.to(DEV), decode)
+    assert torch.equal(outs[1], outs[4])
 
 
 @pytest.mark.parametrize("m,k", [(1, 128), (20, 192), (3, 48)])

@@ -52,6 +52,27 @@ def _dequant_half(codes, scales, BN: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _bf16_codes(codes, s_ptrs, s_mask, BN: tl.constexpr, BK: tl.constexpr, PER: tl.constexpr):
+    """MODES 4/5: codes [BN, BK*PER/16] (uint16 nibbles; PER consecutive codes share a block scale) ->
+    bf16 value * block scale * 2^-8, exact, with no conversion instruction per element: the code's e1 e0 m
+    bits go into the low exponent bits and the top mantissa bit of a bf16 (that is the E2M1 value times
+    2^-126), and one bf16 multiply by scale * 2^118 (the 2^8 left over goes on the accumulator)."""
+    vals = (((codes & 8) << 12) | ((codes & 7) << 6)).to(tl.bfloat16, bitcast=True)
+    scales = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    scales = (scales * 3.3230699894622794e35).to(tl.bfloat16)  # * 2^118: exact
+    w = tl.reshape(vals, (BN, BK // 16, PER)) * scales[:, :, None]
+    return tl.reshape(w, (BN, BK // 16 * PER))
+
+
+@triton.jit
+def _dot(a, w, DOT_F32: tl.constexpr):
+    """a [BM, K] @ w [BN, K]^T in fp32 (bf16 operands; fp32 ones under the interpreter)."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
+    return tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+
+
+@triton.jit
 def _tile_dot(a_base, a_mask, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, offs_ks,
               MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
               DOT_F32: tl.constexpr):  # fmt: skip
@@ -76,17 +97,27 @@ def _tile_dot(a_base, a_mask, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, of
         w_even = _dequant_half(packed & 0xF, scales, BN, BK)
         w_odd = _dequant_half((packed >> 4) & 0xF, scales, BN, BK)
         return tl.dot(a_even, tl.trans(w_even)) + tl.dot(a_odd, tl.trans(w_odd))
+    if MODE == 5:  # even and odd k apart in bf16: no interleaving, bf16 dots
+        packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint16)
+        a_half = a_mask & kh_ok[None, :]
+        a_even = tl.load(a_base + (k0 + 2 * offs_kh)[None, :], mask=a_half, other=0.0)
+        a_odd = tl.load(a_base + (k0 + 2 * offs_kh + 1)[None, :], mask=a_half, other=0.0)
+        w_even = _bf16_codes(packed & 0xF, s_ptrs, s_mask, BN, BK, 8)
+        w_odd = _bf16_codes(packed >> 4, s_ptrs, s_mask, BN, BK, 8)
+        return _dot(a_even, w_even, DOT_F32) + _dot(a_odd, w_odd, DOT_F32)
     a = tl.load(a_base + (k0 + offs_k)[None, :], mask=a_mask & k_ok[None, :], other=0.0)
     if MODE == 0:  # bf16 weights (the all-bf16 model through the same kernel)
         w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
     elif MODE == 3:  # per-tensor FP8-E4M3 weights (bytes): exact in bf16, the scale goes on the accumulator
         w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0)
         w = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    elif MODE == 4:
+        packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint16)
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK))  # even k from the low nibble
+        w = _bf16_codes(codes, s_ptrs, s_mask, BN, BK, 16)
     else:
         w = _dequant_bf16(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
-    return tl.dot(a.to(tl.bfloat16), tl.trans(w))
+    return _dot(a, w, DOT_F32)
 
 
 @triton.jit
@@ -166,6 +197,9 @@ def _w4a16_kernel(
                 a_base, a_mask, k0, K, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n, offs_k, offs_kh,
                 offs_ks, MODE, BN, BK, EVEN_K, DOT_F32,
             )  # fmt: skip
+    if MODE >= 4:  # the bf16-bit dequantization leaves a factor 2^-8 in the weights
+        acc = acc * 256.0
+        acc_up = acc_up * 256.0
     if GATED:  # the CPU path rounds gate, up and silu(gate) to bf16 on the way; so do we
         gate = round_bf16(acc * tl.load(d_ptr + e * stride_de))
         up = round_bf16(acc_up * tl.load(d_ptr + e * stride_de + 1))
@@ -314,9 +348,10 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routin
 # ---- launchers ----------------------------------------------------------------------------------------
 
 
-DEQUANT_MODE = (
-    1  # 1: interleaved bf16 tiles; 2: even/odd fp32 tiles, tf32 dot (slower on the H200: BENCHMARKS.md)
-)
+# 1: interleaved bf16 tiles through fp16 bits and fp32; 2: even/odd fp32 tiles, tf32 dot (slower on the H200:
+# BENCHMARKS.md); 4: interleaved, codes straight into bf16 bits, one bf16 multiply; 5: as 4, even/odd
+# halves with bf16 dots (no interleaving)
+DEQUANT_MODE = 1
 
 
 def _mode(packed: torch.Tensor) -> int:
