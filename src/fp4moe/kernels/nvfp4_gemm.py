@@ -16,6 +16,8 @@ silu(gate) * up; down programs multiply by the pair's routing weight. References
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -351,7 +353,7 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routin
 # 1: interleaved bf16 tiles through fp16 bits and fp32; 2: even/odd fp32 tiles, tf32 dot (slower on the H200:
 # BENCHMARKS.md); 4: interleaved, codes straight into bf16 bits, one bf16 multiply; 5: as 4, even/odd
 # halves with bf16 dots (no interleaving)
-DEQUANT_MODE = 1
+DEQUANT_MODE = int(os.environ.get("FP4MOE_DEQUANT_MODE", "1"))  # benchmarks may pick another
 
 
 def _mode(packed: torch.Tensor) -> int:
