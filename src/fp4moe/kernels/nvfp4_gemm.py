@@ -3,11 +3,13 @@ NVFP4 linear (one "expert", every row).
 
 Weights stay packed ([E, N, K/2] uint8, two E2M1 codes per byte, even element in the low nibble),
 with FP8-E4M3 block scales per 16 along K and one FP32 decode scale per projection. A program dequantizes
-one [BN, BK] weight tile in registers (``DEQUANT_MODE`` 1, the default: code -> fp16 bits -> fp32, times its
-block scale, exact in bf16; mode 2: even/odd fp32 tiles for a tf32 dot, measured slower), multiplies it
+one [BN, BK] weight tile in registers, exactly (``DEQUANT_MODE`` 4, the GPU default: each code's bits
+written into a bf16 and one bf16 multiply by its block scale; mode 1, the interpreter's: code -> fp16 bits
+-> fp32, times the block scale -> bf16; modes 2 and 5 split even and odd k, measured slower), multiplies it
 with up to BM activation rows on the tensor cores, and applies the decode scale once to the fp32
-accumulator. BK divides K where a power of two >= 32 does, else the last K tile is masked. Rows are (token, expert) pairs sorted by expert; a block table
-says which expert and which run of sorted pairs each program row-block covers (``align``).
+accumulator. BK divides K where a power of two >= 32 does, else the last K tile is masked. Rows are
+(token, expert) pairs sorted by expert; a block table says which expert and which run of sorted pairs
+each program row-block covers (``align``).
 
 Gate/up programs compute the gate rows n and the up rows I + n of one expert together and store
 silu(gate) * up; down programs multiply by the pair's routing weight. References: ``moe_reference``,
@@ -353,7 +355,9 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routin
 # 1: interleaved bf16 tiles through fp16 bits and fp32; 2: even/odd fp32 tiles, tf32 dot (slower on the H200:
 # BENCHMARKS.md); 4: interleaved, codes straight into bf16 bits, one bf16 multiply; 5: as 4, even/odd
 # halves with bf16 dots (no interleaving)
-DEQUANT_MODE = int(os.environ.get("FP4MOE_DEQUANT_MODE", "1"))  # benchmarks may pick another
+# the default: 4 on the GPU (H200, full-size decode at batch 1/16/64: 273/1476/3237 tok/s vs mode 1's
+# 274/1440/3051, mode 5's 249/1386/3088); 1 under Triton's interpreter, whose bf16 arithmetic is not IEEE
+DEQUANT_MODE = int(os.environ.get("FP4MOE_DEQUANT_MODE", "1" if INTERPRET else "4"))
 
 
 def _mode(packed: torch.Tensor) -> int:
