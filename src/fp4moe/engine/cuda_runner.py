@@ -344,10 +344,11 @@ class CudaModelRunner(ModelRunner):
             h, x = self._moe(layer.mlp, router, h, x, next_w)
         return h, x
 
-    def mtp_rows(self, ids, hidden, pos, slots, rope) -> torch.Tensor:
+    def mtp_rows(self, ids, hidden, pos, slots, rope, keep=None) -> torch.Tensor:
         """The MTP head over rows: token ``ids`` after each row's target (or own) final-normed ``hidden`` at
         ``pos`` (the hidden state's position) -> the head's normed output [rows, H]; its keys/values go
-        into the MTP layer's pages."""
+        into the MTP layer's pages. ``keep`` (row indices): every row's keys/values are stored, but only
+        these rows go on through the MoE and come back."""
         from fp4moe.kernels import norm
 
         model, mtp, a = self.model, self.model.mtp, self.args
@@ -358,6 +359,8 @@ class CudaModelRunner(ModelRunner):
         mix, router = self.fused[-1]
         _, x = norm.add_rms_norm(h, None, layer.input_layernorm.weight, a.eps)
         out = self._attention(layer.self_attn, mtp.layer_id, mix(x), cos, sin, self._row_geometry(pos, slots))
+        if keep is not None:
+            h, out = h[keep], out[keep]
         h, x = norm.add_rms_norm(h, out, layer.post_attention_layernorm.weight, a.eps)
         _, x = self._moe(layer.mlp, router, h, x, mtp.norm.weight)
         return x

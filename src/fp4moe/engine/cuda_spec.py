@@ -14,7 +14,8 @@ round (or from the module path's first drafting after prefill). The round:
 4. catches the MTP head up on positions p..p+k with (target hidden h_{p+t}, token y_t) -- for t <= a, y_t
    is the token that really follows -- and drafts the next round's d'_1 from row a, then d'_2..d'_k from
    the head's own hidden states at positions p+a+1..p+a+k-1. Rows past a write MTP keys/values at
-   positions the next round overwrites before anything reads them.
+   positions the next round overwrites before anything reads them. Only row a goes on through the head's
+   MoE (the other rows are needed for their keys/values alone).
 
 Greedy only (temperature 0, no penalties, no logprobs): drafts and acceptance are argmax comparisons on
 the GPU. Other sequences use the module path's round (``MTPSpeculator.step_many``), which is exact for
@@ -105,7 +106,7 @@ class FusedSpecRound:
         rows = torch.arange(b, device=pos.device) * t + accepted
         st = r.states
         st.rec.index_copy_(1, self.slots[:b].long(), r.history[:, rows])
-        hidden = r.mtp_rows(choices.reshape(-1), x, pos, slots, rope)[rows]  # the head after the bonus token
+        hidden = r.mtp_rows(choices.reshape(-1), x, pos, slots, rope, keep=rows)  # after the bonus token
         drafts = [model.lm_head(hidden).argmax(-1)]
         for j in range(1, k):
             p = self.pos[:b] + accepted.int() + j
