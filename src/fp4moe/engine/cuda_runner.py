@@ -245,9 +245,8 @@ class CudaModelRunner(ModelRunner):
         b = len(slots)
         for slot, pos in zip(slots, positions, strict=True):
             self.kv.reserve(slot, pos + 1)
-        bucket = next((g for g in GRAPH_BATCH_SIZES if g >= b), None)
-        use_graph = self.cuda_graphs and bucket is not None and bucket <= self.max_num_seqs
-        if use_graph and bucket not in self.graphs:
+        bucket = self.graph_bucket(b)
+        if bucket is not None and bucket not in self.graphs:
             self._capture(bucket)  # before the live inputs go in: the warm-up really runs a step
         self.buf_slots.fill_(self.scratch)
         self.buf_pos.zero_()
@@ -262,7 +261,7 @@ class CudaModelRunner(ModelRunner):
             self.buf_ids[:b] = tokens
         else:
             self.buf_ids[:b] = torch.tensor(tokens, dtype=torch.long)
-        if use_graph:
+        if bucket is not None:
             graph, out = self.graphs[bucket]
             graph.replay()
             logits = out[:b]
@@ -279,14 +278,24 @@ class CudaModelRunner(ModelRunner):
         self.buf_pos.zero_()
         self.buf_rope.zero_()
         self.buf_ids.zero_()
-        self.decode_forward(b)
+        self.graphs[b] = self.graph_of(lambda: self.decode_forward(b))
+
+    def graph_bucket(self, b: int) -> int | None:
+        """The captured batch size that serves ``b`` rows, or None where graphs are off or ``b`` is too big."""
+        bucket = next((g for g in GRAPH_BATCH_SIZES if g >= b), None)
+        return bucket if self.cuda_graphs and bucket is not None and bucket <= self.max_num_seqs else None
+
+    def graph_of(self, fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Run ``fn`` once (compiles its kernels), then capture it in a CUDA graph that shares the runner's
+        memory pool; returns the graph and ``fn``'s output buffer."""
+        fn()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.decode_forward(b)
-        self.graphs[b] = (graph, out)
+            out = fn()
+        return graph, out
 
     def capture(self, batch_sizes=None) -> None:
         """Capture the decode graphs ahead of serving (else each bucket is captured on first use)."""

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import torch
 
-from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
-
 
 class FusedSpecRound:
     def __init__(self, runner, k: int):
@@ -50,16 +48,16 @@ class FusedSpecRound:
         r, b = self.runner, len(slots)
         for slot, p in zip(slots, positions, strict=True):
             r.kv.reserve(slot, p + 2 * self.k)  # verification to p+k, MTP drafts to p+2k-1
-        bucket = next((g for g in GRAPH_BATCH_SIZES if g >= b), None)
-        use_graph = r.cuda_graphs and bucket is not None and bucket <= r.max_num_seqs
-        if use_graph and bucket not in self.graphs:
-            self._capture(bucket)
+        bucket = r.graph_bucket(b)
+        if bucket is not None and bucket not in self.graphs:
+            self._park()  # the warm-up round writes only the scratch slot
+            self.graphs[bucket] = r.graph_of(lambda: self.forward(bucket))
         self._park()
         self.slots[:b] = torch.tensor(slots, dtype=torch.int32)
         self.pos[:b] = torch.tensor(positions, dtype=torch.int32)
         self.delta[:b] = torch.tensor(deltas, dtype=torch.int32)
         self.ids[:b] = torch.tensor(tokens, dtype=torch.long)
-        if use_graph:
+        if bucket is not None:
             graph, out = self.graphs[bucket]
             graph.replay()
         else:
@@ -76,18 +74,6 @@ class FusedSpecRound:
         self.pos.zero_()
         self.delta.zero_()
         self.ids.zero_()
-
-    def _capture(self, b: int) -> None:
-        self._park()
-        self.forward(b)  # warm-up: compiles the kernels; writes only the scratch slot
-        torch.cuda.synchronize(self.runner.device)
-        graph = torch.cuda.CUDAGraph()
-        r = self.runner
-        if r._pool is None:
-            r._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=r._pool):
-            out = self.forward(b)
-        self.graphs[b] = (graph, out)
 
     def forward(self, b: int) -> torch.Tensor:
         """The round over the first ``b`` buffer rows -> [b, 1 + (k+1) + k] int64: a, y, next drafts."""

@@ -165,7 +165,9 @@ class SlotStates:
         self.ring_len = ring_len or conv_kernel
         if self.ring_len < conv_kernel:
             raise ValueError(f"a conv ring of {self.ring_len} cannot hold a conv of width {conv_kernel}")
-        self.ring = torch.zeros(len(layer_ids), max_slots, self.ring_len, conv_dim, dtype=dtype, device=device)
+        self.ring = torch.zeros(
+            len(layer_ids), max_slots, self.ring_len, conv_dim, dtype=dtype, device=device
+        )
         self.rec = torch.zeros(len(layer_ids), max_slots, num_v_heads, k_dim, v_dim, device=device)
 
     def _ring_rows(self, end: int) -> tuple[list[int], list[bool]]:

@@ -34,6 +34,14 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     disabled_steps: int = 0  # steps run without drafts because the batch was over the limit
 
+    def record(self, drafted: int, accepted: int) -> None:
+        """One draft-and-verify round of one sequence."""
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted += accepted
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.draft_tokens if self.draft_tokens else 0.0
@@ -199,21 +207,22 @@ class MTPSpeculator:
         appended = []
         for i, (seq, p) in enumerate(zip(seqs, ps, strict=True)):
             a = int(accepted[i])
-            self.stats.drafts += 1
-            self.stats.draft_tokens += self.k
-            self.stats.accepted += a
-            for j in range(a):
-                self.stats.accepted_per_position[j] += 1
+            self.stats.record(self.k, a)
             seq.num_cached = seq.mtp_cached = p + a + 1
             seq.hidden_tail = seq.hidden_tail[:0]  # the MTP head has seen every kept position
             seq.drafts = drafts[i].tolist()
-            seq.delta, before = "", len(seq.output_ids)
-            for token in choices[i, : a + 1].tolist():
-                seq.delta += seq.append(SampleResult(token), self.llm.tokenizer)
-                if seq.finished:
-                    break
-            appended.append(len(seq.output_ids) - before)
+            appended.append(self._append(seq, [SampleResult(t) for t in choices[i, : a + 1].tolist()]))
         return appended
+
+    def _append(self, seq: Sequence, results) -> int:
+        """Append a round's tokens (SampleResults) until a stop; sets the sequence's text delta; returns how
+        many went in."""
+        seq.delta, before = "", len(seq.output_ids)
+        for result in results:
+            seq.delta += seq.append(result, self.llm.tokenizer)
+            if seq.finished:
+                break
+        return len(seq.output_ids) - before
 
     @torch.no_grad()
     def step(self, seq: Sequence, kv, states) -> int:
@@ -235,7 +244,6 @@ class MTPSpeculator:
         else:  # a custom drafter (tests force acceptance or rejection): one sequence at a time
             proposals = [self.drafter(seq, kv, states) for seq in seqs]
         for seq, (drafts, draft_logits) in zip(seqs, proposals, strict=True):
-            seq.delta = ""
             p = len(seq.all_ids) - 1  # position of the pending (sampled, uncached) token
             tokens = [seq.all_ids[-1], *drafts]
             rounds.append((seq, p, tokens, drafts, draft_logits, states.snapshot(seq.slot)))
@@ -245,11 +253,7 @@ class MTPSpeculator:
         for (seq, p, tokens, drafts, draft_logits, snapshot), (start, end) in zip(rounds, spans, strict=True):
             new = self._verify(seq, drafts, draft_logits, target[start:end])
             accepted = len(new) - 1
-            self.stats.drafts += 1
-            self.stats.draft_tokens += len(drafts)
-            self.stats.accepted += accepted
-            for j in range(accepted):
-                self.stats.accepted_per_position[j] += 1
+            self.stats.record(len(drafts), accepted)
             if accepted < len(
                 drafts
             ):  # roll back: restore DeltaNet states, drop the KV, recompute the kept part
@@ -267,12 +271,8 @@ class MTPSpeculator:
         appended = []
         for seq, p, new, target_rows in done:
             seq.num_cached = p + len(new)
-            before = len(seq.output_ids)
-            for j, token in enumerate(new):
-                seq.delta += seq.append(sample_result(token, target_rows[j], seq.params), self.llm.tokenizer)
-                if seq.finished:
-                    break
-            appended.append(len(seq.output_ids) - before)
+            results = (sample_result(token, target_rows[j], seq.params) for j, token in enumerate(new))
+            appended.append(self._append(seq, results))
         return appended
 
     def _forward(self, items: list[tuple[Sequence, int, list[int]]], kv, states):
