@@ -401,7 +401,7 @@ def main() -> int:
         "--dequant-modes",
         default="",
         help="also time these NVFP4 dequantization modes of the expert kernels (nvfp4_gemm.DEQUANT_MODE, "
-        "e.g. 1,4,5) at context 1K over --batches; with --only-mixes, nothing else runs",
+        "e.g. 1,4) at context 1K over --batches; with --only-mixes, nothing else runs",
     )
     ap.add_argument(
         "--skip-gate", action="store_true", help="skip the correctness gate (not for reported runs)"
@@ -469,18 +469,6 @@ def main() -> int:
                         f"{row['tok_s_replay']:8.1f} graph, {row['gbs']:6.0f} GB/s, {row['pct_roofline']:.1%} of roofline "
                         f"({row['roofline_tok_s']:.0f} tok/s), finite {row['finite']}"
                     )
-        if quantized:  # the other NVFP4 dequantization of the expert kernels, for comparison
-            from fp4moe.kernels import nvfp4_gemm
-
-            default = nvfp4_gemm.DEQUANT_MODE
-            nvfp4_gemm.DEQUANT_MODE = 3 - default
-            for b in batches:
-                t = time_decode(model, b, 1024, "auto")
-                rows.append(dict(model=f"nvfp4-mode{3 - default}", kv="auto", batch=b, context=1024, **t))
-                log(
-                    f"dequant mode {3 - default}: B={b:3d} ctx=1024: {b / t['engine_s']:8.1f} tok/s engine, {b / t['replay_s']:8.1f} graph"
-                )
-            nvfp4_gemm.DEQUANT_MODE = default
         if args.prefill and quantized:
             p = time_prefill(model, args.prefill)
             p["pct_peak"] = p["flops"] / p["seconds"] / peak

@@ -43,29 +43,18 @@ def _dequant_bf16(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.const
 
 
 @triton.jit
-def _dequant_half(codes, scales, BN: tl.constexpr, BK: tl.constexpr):
-    """MODE 2: one parity's codes [BN, BK/2] (int32 nibbles) -> fp32 values * block scale, the E2M1 value
-    written straight into fp32 bits (code m = 2..7: (m << 22) + 0x3F000000; m = 1: 0.5; m = 0: 0), so no
-    conversion instruction runs per element; the tile feeds a tf32 dot, exact for these values."""
-    mag = codes & 7
-    bits = tl.where(mag >= 2, (mag << 22) + 0x3F000000, tl.where(mag == 1, 0x3F000000, 0)) | (
-        (codes & 8) << 28
-    )
-    w = tl.reshape(bits.to(tl.float32, bitcast=True), (BN, BK // 16, 8)) * scales[:, :, None]
-    return tl.reshape(w, (BN, BK // 2))
-
-
-@triton.jit
-def _bf16_codes(codes, s_ptrs, s_mask, BN: tl.constexpr, BK: tl.constexpr, PER: tl.constexpr):
-    """MODES 4/5: codes [BN, BK*PER/16] (uint16 nibbles; PER consecutive codes share a block scale) ->
-    bf16 value * block scale * 2^-8, exact, with no conversion instruction per element: the code's e1 e0 m
-    bits go into the low exponent bits and the top mantissa bit of a bf16 (that is the E2M1 value times
-    2^-126), and one bf16 multiply by scale * 2^118 (the 2^8 left over goes on the accumulator)."""
+def _dequant_bf16_bits(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.constexpr):
+    """MODE 4: packed codes [BN, BK/2] -> interleaved [BN, BK] bf16 tile of value * block scale * 2^-8,
+    exact, with no conversion instruction per element: the code's e1 e0 m bits go into the low exponent
+    bits and the top mantissa bit of a bf16 (that is the E2M1 value times 2^-126), and one bf16 multiply
+    by scale * 2^118 (the 2^8 left over goes on the accumulator)."""
+    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint16)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK))  # even k from the low nibble
     vals = (((codes & 8) << 12) | ((codes & 7) << 6)).to(tl.bfloat16, bitcast=True)
     scales = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     scales = (scales * 3.3230699894622794e35).to(tl.bfloat16)  # * 2^118: exact
-    w = tl.reshape(vals, (BN, BK // 16, PER)) * scales[:, :, None]
-    return tl.reshape(w, (BN, BK // 16 * PER))
+    w = tl.reshape(vals, (BN, BK // 16, 16)) * scales[:, :, None]
+    return tl.reshape(w, (BN, BK))
 
 
 @triton.jit
@@ -77,11 +66,28 @@ def _dot(a, w, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _tile_dot(a_base, a_mask, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, offs_ks,
+def _load_a(a_base, k_idx, mask, K, stride_as, ACT_SPLITS: tl.constexpr):
+    """The activation tile [BM, BK] at columns ``k_idx``: bf16 rows, or (ACT_SPLITS > 0) silu(gate) * up
+    computed from the gate/up partial sums of a split gate/up launch (fp32 [splits, pairs, 2K], summed in
+    split order, then rounded where the CPU path rounds: gate, up, silu(gate), the product)."""
+    if ACT_SPLITS == 0:
+        return tl.load(a_base + k_idx, mask=mask, other=0.0)
+    gate = tl.load(a_base + k_idx, mask=mask, other=0.0)
+    up = tl.load(a_base + K + k_idx, mask=mask, other=0.0)
+    for s in tl.static_range(1, ACT_SPLITS):
+        gate += tl.load(a_base + s * stride_as + k_idx, mask=mask, other=0.0)
+        up += tl.load(a_base + s * stride_as + K + k_idx, mask=mask, other=0.0)
+    gate = round_bf16(gate)
+    act = round_bf16(gate * tl.sigmoid(gate))
+    return round_bf16(act * round_bf16(up)).to(tl.bfloat16)
+
+
+@triton.jit
+def _tile_dot(a, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, offs_ks,
               MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
               DOT_F32: tl.constexpr):  # fmt: skip
-    """One K tile's contribution a[:, k0:k0+BK] @ W[n, k0:k0+BK]^T -> [BM, BN] fp32 (masked along K
-    unless EVEN_K: every load past K reads zeros, so a ragged last tile adds nothing)."""
+    """One K tile's contribution a @ W[n, k0:k0+BK]^T -> [BM, BN] fp32 (masked along K unless EVEN_K:
+    every load past K reads zeros, so a ragged last tile adds nothing)."""
     if EVEN_K:
         k_ok = offs_k >= 0
         kh_ok = offs_kh >= 0
@@ -90,37 +96,19 @@ def _tile_dot(a_base, a_mask, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, of
         k_ok = k0 + offs_k < K
         kh_ok = k0 + 2 * offs_kh < K
         ks_ok = k0 + 16 * offs_ks < K
-    w_mask = mask_n[:, None] & kh_ok[None, :]
-    s_mask = mask_n[:, None] & ks_ok[None, :]
-    if MODE == 2:  # even and odd k apart: no interleaving of the weight tile
-        packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
-        scales = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        a_half = a_mask & kh_ok[None, :]
-        a_even = tl.load(a_base + (k0 + 2 * offs_kh)[None, :], mask=a_half, other=0.0).to(tl.float32)
-        a_odd = tl.load(a_base + (k0 + 2 * offs_kh + 1)[None, :], mask=a_half, other=0.0).to(tl.float32)
-        w_even = _dequant_half(packed & 0xF, scales, BN, BK)
-        w_odd = _dequant_half((packed >> 4) & 0xF, scales, BN, BK)
-        return tl.dot(a_even, tl.trans(w_even)) + tl.dot(a_odd, tl.trans(w_odd))
-    if MODE == 5:  # even and odd k apart in bf16: no interleaving, bf16 dots
-        packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint16)
-        a_half = a_mask & kh_ok[None, :]
-        a_even = tl.load(a_base + (k0 + 2 * offs_kh)[None, :], mask=a_half, other=0.0)
-        a_odd = tl.load(a_base + (k0 + 2 * offs_kh + 1)[None, :], mask=a_half, other=0.0)
-        w_even = _bf16_codes(packed & 0xF, s_ptrs, s_mask, BN, BK, 8)
-        w_odd = _bf16_codes(packed >> 4, s_ptrs, s_mask, BN, BK, 8)
-        return _dot(a_even, w_even, DOT_F32) + _dot(a_odd, w_odd, DOT_F32)
-    a = tl.load(a_base + (k0 + offs_k)[None, :], mask=a_mask & k_ok[None, :], other=0.0)
     if MODE == 0:  # bf16 weights (the all-bf16 model through the same kernel)
         w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
     elif MODE == 3:  # per-tensor FP8-E4M3 weights (bytes): exact in bf16, the scale goes on the accumulator
         w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0)
         w = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
     elif MODE == 4:
-        packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint16)
-        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK))  # even k from the low nibble
-        w = _bf16_codes(codes, s_ptrs, s_mask, BN, BK, 16)
+        w = _dequant_bf16_bits(
+            w_ptrs, s_ptrs, mask_n[:, None] & kh_ok[None, :], mask_n[:, None] & ks_ok[None, :], BN, BK
+        )
     else:
-        w = _dequant_bf16(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
+        w = _dequant_bf16(
+            w_ptrs, s_ptrs, mask_n[:, None] & kh_ok[None, :], mask_n[:, None] & ks_ok[None, :], BN, BK
+        )
     return _dot(a, w, DOT_F32)
 
 
@@ -128,11 +116,13 @@ def _tile_dot(a_base, a_mask, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, of
 def _w4a16_kernel(
     a_ptr,
     stride_am,
+    stride_as,
     w_ptr,
     s_ptr,
     d_ptr,
     out_ptr,
     stride_om,
+    stride_os,
     order_ptr,
     blk_expert_ptr,
     blk_start_ptr,
@@ -142,6 +132,7 @@ def _w4a16_kernel(
     M,
     N,
     K,
+    K_SPLIT,
     TOPK,
     stride_we,
     stride_wn,
@@ -150,16 +141,21 @@ def _w4a16_kernel(
     stride_de,
     DENSE: tl.constexpr,
     MODE: tl.constexpr,
-    GATED: tl.constexpr,
-    WEIGHTED: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    ACT_SPLITS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
+    """EPILOGUE 0: y = acc * decode (dense); 1 (GATED): silu(gate) * up from the gate rows n and up rows
+    N + n; 2 (WEIGHTED): y * the pair's routing weight; 3 (PARTIAL): acc * decode of rows n < N/2 (gate)
+    or >= N/2 (up), fp32, for K range ``program_id(2) * K_SPLIT`` onwards, into split plane
+    ``program_id(2)`` of ``out``. ACT_SPLITS > 0: the A operand is computed from such partials."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     offs_m = tl.arange(0, BM)
     if DENSE:
         e = pid_b * 0
@@ -175,7 +171,7 @@ def _w4a16_kernel(
         count = tl.load(blk_count_ptr + pid_b)
         mask_m = offs_m < count
         pairs = tl.load(order_ptr + start + offs_m, mask=mask_m, other=0)
-        rows = pairs // TOPK if GATED else pairs
+        rows = pairs // TOPK  # gate/up read token rows (TOPK = k), down reads pair rows (TOPK = 1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     offs_kh = tl.arange(0, BK // 2)
@@ -186,36 +182,46 @@ def _w4a16_kernel(
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     a_base = a_ptr + rows[:, None].to(tl.int64) * stride_am
-    a_mask = mask_m[:, None]
-    for k0 in range(0, K, BK):
+    k_lo = pid_s * K_SPLIT
+    for k0 in range(k_lo, k_lo + K_SPLIT, BK):
         if MODE == 0 or MODE == 3:
             w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
             s_ptrs = w_ptrs
         else:
             w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 // 2 + offs_kh)[None, :]
             s_ptrs = s_base + offs_n[:, None] * stride_sn + (k0 // 16 + offs_ks)[None, :]
-        acc += _tile_dot(a_base, a_mask, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, offs_ks,
-                         MODE, BN, BK, EVEN_K, DOT_F32)  # fmt: skip
-        if GATED:
+        a_mask = mask_m[:, None] & ((k0 + offs_k < K)[None, :] if not EVEN_K else (offs_k >= 0)[None, :])
+        a = _load_a(a_base, (k0 + offs_k)[None, :], a_mask, K, stride_as, ACT_SPLITS)
+        acc += _tile_dot(
+            a, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, offs_ks, MODE, BN, BK, EVEN_K, DOT_F32
+        )
+        if EPILOGUE == 1:
             acc_up += _tile_dot(
-                a_base, a_mask, k0, K, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n, offs_k, offs_kh,
-                offs_ks, MODE, BN, BK, EVEN_K, DOT_F32,
+                a, k0, K, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n, offs_k, offs_kh, offs_ks,
+                MODE, BN, BK, EVEN_K, DOT_F32,
             )  # fmt: skip
-    if MODE >= 4:  # the bf16-bit dequantization leaves a factor 2^-8 in the weights
+    if MODE == 4:  # the bf16-bit dequantization leaves a factor 2^-8 in the weights
         acc = acc * 256.0
         acc_up = acc_up * 256.0
-    if GATED:  # the CPU path rounds gate, up and silu(gate) to bf16 on the way; so do we
+    out_ptrs = (
+        out_ptr + pid_s.to(tl.int64) * stride_os + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    )
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if EPILOGUE == 3:  # fp32 partial sums, decode scale of the gate or the up half applied
+        d = tl.load(d_ptr + e * stride_de + (offs_n >= N // 2).to(tl.int32), mask=mask_n, other=0.0)
+        tl.store(out_ptrs, acc * d[None, :], mask=out_mask)
+        return
+    if EPILOGUE == 1:  # the CPU path rounds gate, up and silu(gate) to bf16 on the way; so do we
         gate = round_bf16(acc * tl.load(d_ptr + e * stride_de))
         up = round_bf16(acc_up * tl.load(d_ptr + e * stride_de + 1))
         act = round_bf16(gate * tl.sigmoid(gate))
         y = act * up
     else:
         y = acc * tl.load(d_ptr + e * stride_de)
-        if WEIGHTED:
+        if EPILOGUE == 2:
             topw = round_bf16(tl.load(topw_ptr + pairs, mask=mask_m, other=0.0))
             y = round_bf16(y) * topw[:, None]
-    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, round_bf16(y).to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(out_ptrs, round_bf16(y).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 # ---- routing: (token, expert) pairs sorted by expert, and the block table --------------------------------
@@ -352,12 +358,12 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routin
 # ---- launchers ----------------------------------------------------------------------------------------
 
 
-# 1: interleaved bf16 tiles through fp16 bits and fp32; 2: even/odd fp32 tiles, tf32 dot (slower on the H200:
-# BENCHMARKS.md); 4: interleaved, codes straight into bf16 bits, one bf16 multiply; 5: as 4, even/odd
-# halves with bf16 dots (no interleaving)
-# the default: 4 on the GPU (H200, full-size decode at batch 1/16/64: 273/1476/3237 tok/s vs mode 1's
-# 274/1440/3051, mode 5's 249/1386/3088); 1 under Triton's interpreter, whose bf16 arithmetic is not IEEE
+# 1: interleaved bf16 tiles through fp16 bits and fp32; 4: codes straight into bf16 bits, one bf16 multiply
+# by the block scale (bit-identical outputs). The default: 4 on the GPU (H200, full-size decode at batch
+# 1/16/64: 273/1476/3237 tok/s vs mode 1's 274/1440/3051); 1 under Triton's interpreter, whose bf16
+# arithmetic is not IEEE. (Even/odd half tiles with tf32 or bf16 dots were measured slower and removed.)
 DEQUANT_MODE = int(os.environ.get("FP4MOE_DEQUANT_MODE", "1" if INTERPRET else "4"))
+GATED, WEIGHTED, PARTIAL = 1, 2, 3  # the kernel's EPILOGUE (0: dense)
 
 
 def _mode(packed: torch.Tensor) -> int:
@@ -381,57 +387,98 @@ def _block_k(k: int, cap: int = 128) -> int:
     return bk
 
 
-def _tiles(bm: int, n: int, k: int, rows: int = 1) -> tuple[int, int, int, int]:
-    """(BN, BK, warps, stages) for a row block of ``bm`` and ``rows`` tokens in the launch (H200 sweep,
-    benchmarks/tune_kernels.py: narrow N tiles while only a few experts are active)."""
+class Tiles:
+    """Launch settings of one expert GEMM: output tile width BN, K tile BK (a cap: the largest power of
+    two dividing the K range), warps, pipeline stages, and the number of K splits (gate/up only: 0 fuses
+    silu(gate) * up into the launch; s >= 1 writes fp32 partial sums of s K ranges, gate and up rows in
+    separate programs, and the down launch computes the activation from them)."""
+
+    def __init__(self, bn: int, bk: int, warps: int, stages: int, split: int = 0):
+        self.bn, self.bk, self.warps, self.stages, self.split = bn, bk, warps, stages, split
+
+    def __repr__(self) -> str:
+        return (
+            f"Tiles(bn={self.bn}, bk={self.bk}, warps={self.warps}, stages={self.stages}, split={self.split})"
+        )
+
+
+def plan(bm: int, tokens: int) -> tuple[Tiles, Tiles]:
+    """(gate/up, down) launch settings for a row block of ``bm`` and ``tokens`` tokens in the launch (H200
+    sweep, benchmarks/tune_experts.py: graph-replayed launches over 40 layers' experts)."""
     if bm <= 16:
-        return (32 if rows <= 4 else 64), _block_k(k), 4, 4
-    return 64, _block_k(k), 4, 3
+        bn = 32 if tokens <= 4 else 64
+        return Tiles(bn, 128, 4, 4), Tiles(bn, 128, 4, 4)
+    return Tiles(64, 128, 4, 3), Tiles(64, 128, 4, 3)
 
 
-def moe_gate_up(x, packed, scales, decode, routing: Routing, top_k: int, out=None, tiles=None):
+def _launch(a, a_strides, act_splits, w, s, stride_sn, decode, out, routing, topw, n, k, top_k, epilogue,
+            mode, t: Tiles, split: int = 1, dense_m: int = 0):  # fmt: skip
+    """One ``_w4a16_kernel`` launch: grid (row blocks, N / BN, K splits)."""
+    k_split = k // split
+    bk = _block_k(k_split, t.bk)
+    if split > 1 and k_split % bk:
+        raise ValueError(f"K = {k} does not split into {split} ranges of whole {bk}-wide tiles")
+    if dense_m:
+        bm = 16 if dense_m <= 16 else 64
+        grid_m, tables = triton.cdiv(dense_m, bm), (decode,) * 5
+    else:
+        bm = routing.bm
+        grid_m = routing.blk_expert.numel()
+        tables = (routing.order, routing.blk_expert, routing.blk_start, routing.blk_count, routing.nblk)
+    stride_os = out.stride(0) if out.ndim == 3 else 0
+    _w4a16_kernel[(grid_m, triton.cdiv(n, t.bn), split)](
+        a, *a_strides, w, s, decode, out, out.stride(-2), stride_os, *tables, topw,
+        dense_m, n, k, k_split, top_k,
+        w.stride(0) if w.ndim == 3 else 0, w.stride(-2), s.stride(0) if s.ndim == 3 else 0, stride_sn,
+        decode.stride(0) if decode.ndim else 0,
+        DENSE=bool(dense_m), MODE=mode, EPILOGUE=epilogue, ACT_SPLITS=act_splits, BM=bm, BN=t.bn, BK=bk,
+        EVEN_K=k_split % bk == 0, DOT_F32=INTERPRET, num_warps=t.warps, num_stages=t.stages,
+    )  # fmt: skip
+    return out
+
+
+def moe_gate_up(
+    x, packed, scales, decode, routing: Routing, top_k: int, out=None, tiles: Tiles | None = None
+):
     """x [T, H] bf16; packed [E, 2I, H/2] (or bf16 [E, 2I, H], scales unused) -> silu(gate) * up per pair
-    [T*k, I] (rows = pair index)."""
-    e, two_i, _ = packed.shape
-    inter, hidden = two_i // 2, x.shape[1]
+    [T*k, I] bf16 (rows = pair index), or with ``tiles.split`` = s >= 1 the gate/up partial sums
+    [s, T*k, 2I] fp32 that ``moe_down`` finishes."""
+    two_i, hidden = packed.shape[1], x.shape[1]
+    t = tiles or plan(routing.bm, x.shape[0])[0]
     tk = x.shape[0] * top_k
-    bm = routing.bm
-    bn, bk, warps, stages = tiles or _tiles(bm, inter, hidden, x.shape[0])
-    if out is None:
-        out = torch.empty(tk, inter, dtype=x.dtype, device=x.device)
-    grid = (routing.blk_expert.numel(), triton.cdiv(inter, bn))
     s = uint8_view(scales)
-    _w4a16_kernel[grid](
-        x, x.stride(0), packed, s, decode, out, out.stride(0),
-        routing.order, routing.blk_expert, routing.blk_start, routing.blk_count, routing.nblk, decode,
-        0, inter, hidden, top_k,
-        packed.stride(0), packed.stride(1), s.stride(0), s.stride(1), decode.stride(0),
-        DENSE=False, MODE=_mode(packed), GATED=True, WEIGHTED=False, BM=bm, BN=bn, BK=bk, EVEN_K=hidden % bk == 0, DOT_F32=INTERPRET,
-        num_warps=warps, num_stages=stages,
+    if t.split:
+        if out is None:
+            out = torch.empty(t.split, tk, two_i, dtype=torch.float32, device=x.device)
+        n, epilogue = two_i, PARTIAL
+    else:
+        if out is None:
+            out = torch.empty(tk, two_i // 2, dtype=x.dtype, device=x.device)
+        n, epilogue = two_i // 2, GATED
+    return _launch(
+        x, (x.stride(0), 0), 0, packed, s, s.stride(1), decode, out, routing, decode, n, hidden, top_k,
+        epilogue, _mode(packed), t, max(1, t.split),
     )  # fmt: skip
-    return out
 
 
-def moe_down(act, packed, scales, decode, routing: Routing, topk_weights, out=None, tiles=None):
-    """act [T*k, I] (pair rows); packed [E, H, I/2] -> weight * down(act) per pair [T*k, H] (fp32)."""
-    e, hidden, _ = packed.shape
-    inter = act.shape[1]
-    bm = routing.bm
-    bn, bk, warps, stages = tiles or _tiles(bm, hidden, inter, act.shape[0] // max(1, topk_weights.shape[-1]))
+def moe_down(
+    act, packed, scales, decode, routing: Routing, topk_weights, out=None, tiles: Tiles | None = None
+):
+    """act [T*k, I] bf16 (pair rows), or gate/up partial sums [s, T*k, 2I] fp32; packed [E, H, I/2] ->
+    weight * down(silu(gate) * up) per pair [T*k, H] (fp32)."""
+    hidden = packed.shape[1]
+    splits = act.shape[0] if act.ndim == 3 else 0
+    pairs = act.shape[-2]
+    inter = act.shape[-1] // 2 if splits else act.shape[-1]
+    t = tiles or plan(routing.bm, pairs // max(1, topk_weights.shape[-1]))[1]
     if out is None:
-        out = torch.empty(act.shape[0], hidden, dtype=torch.float32, device=act.device)
-    grid = (routing.blk_expert.numel(), triton.cdiv(hidden, bn))
+        out = torch.empty(pairs, hidden, dtype=torch.float32, device=act.device)
     s = uint8_view(scales)
-    _w4a16_kernel[grid](
-        act, act.stride(0), packed, s, decode, out, out.stride(0),
-        routing.order, routing.blk_expert, routing.blk_start, routing.blk_count, routing.nblk,
-        topk_weights.reshape(-1),
-        0, hidden, inter, 1,
-        packed.stride(0), packed.stride(1), s.stride(0), s.stride(1), decode.stride(0) if decode.ndim else 0,
-        DENSE=False, MODE=_mode(packed), GATED=False, WEIGHTED=True, BM=bm, BN=bn, BK=bk, EVEN_K=inter % bk == 0, DOT_F32=INTERPRET,
-        num_warps=warps, num_stages=stages,
+    a_strides = (act.stride(1), act.stride(0)) if splits else (act.stride(0), 0)
+    return _launch(
+        act, a_strides, splits, packed, s, s.stride(1), decode, out, routing, topk_weights.reshape(-1),
+        hidden, inter, 1, WEIGHTED, _mode(packed), t,
     )  # fmt: skip
-    return out
 
 
 def nvfp4_linear(x, packed, scales, decode, out=None):
@@ -451,20 +498,10 @@ def _dense(x, w, s, stride_sn, d, mode: int, out):
     """One weight matrix over every row of x (the kernel's DENSE branch)."""
     m, k = x.shape
     n = w.shape[0]
-    bm = 16 if m <= 16 else 64
-    bn, bk, warps, stages = _tiles(bm, n, k)
+    t = Tiles(32, 128, 4, 4) if m <= 16 else Tiles(64, 128, 4, 3)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _w4a16_kernel[grid](
-        x, x.stride(0), w, s, d, out, out.stride(0),
-        d, d, d, d, d, d,
-        m, n, k, 1,
-        0, w.stride(0), 0, stride_sn, 0,
-        DENSE=True, MODE=mode, GATED=False, WEIGHTED=False, BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0, DOT_F32=INTERPRET,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
+    return _launch(x, (x.stride(0), 0), 0, w, s, stride_sn, d, out, None, d, n, k, 1, 0, mode, t, dense_m=m)
 
 
 # ---- references ---------------------------------------------------------------------------------------

@@ -1,0 +1,208 @@
+# ruff: noqa: B023  (each closure is called inside the loop iteration that defines it)
+"""Launch settings of the NVFP4 expert GEMMs for decode, timed the way the engine runs them: one CUDA graph
+of 40 layers' launches (each layer its own experts and its own random routing, so nothing is served from
+L2 that a real step would read from memory), median over replays, per launch.
+
+Full-size shapes: hidden 2048, 256 experts top-8 with I = 512. For each token count T (1: batch-1 decode;
+3: a batch-1 speculative verification with k = 2; 16, 64: batched decode) it sweeps the gate/up launch
+(K splits: 0 = silu(gate) * up fused in the launch, s >= 1 = fp32 partial sums of s K ranges, activation in
+the down launch) and the down launch (for each way its input arrives), then prints the best pair per T and
+the bytes they move against the copy bandwidth. Two phases keep the number of compilations down: tiles
+(BN, BK, split) at 4 warps / 4 stages, then warps and stages around the best few.
+
+    python3 benchmarks/tune_experts.py --out tune-experts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+
+import torch
+
+from fp4moe.kernels import nvfp4_gemm as gemm
+
+E, H, I, K = 256, 2048, 512, 8
+LAYERS = 40
+GU_BYTES = 2 * I * H // 2 + 2 * I * H // 16  # one expert's packed codes + block scales
+DN_BYTES = H * I // 2 + H * I // 16
+
+
+def graph_time(fn, reps: int = 20) -> float:
+    """Seconds per call of ``fn`` (which runs LAYERS launches), from graph replays (a single timed call
+    without a GPU: a smoke test of the sweep under Triton's interpreter)."""
+    fn()
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) / LAYERS
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    return statistics.median(times) / LAYERS
+
+
+def weights(dev):
+    def fp8(*shape):
+        return (torch.rand(*shape, device=dev) + 0.5).to(torch.float8_e4m3fn)
+
+    layers = []
+    for _ in range(LAYERS):
+        layers.append(
+            dict(
+                gu=(
+                    torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, device=dev),
+                    fp8(E, 2 * I, H // 16),
+                    torch.full((E, 2), 2e-3, device=dev),
+                ),
+                dn=(
+                    torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, device=dev),
+                    fp8(E, H, I // 16),
+                    torch.full((E,), 2e-3, device=dev),
+                ),
+            )
+        )
+    return layers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1,3,16,64", help="token counts per launch to tune for")
+    ap.add_argument("--splits", default="0,1,2,4", help="gate/up K splits to try (0: fused activation)")
+    ap.add_argument("--budget", type=float, default=330, help="seconds of sweeping before it stops early")
+    ap.add_argument("--out", default="", help="write every timing to this JSON file")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    t_start = time.time()
+    layers = weights(dev)
+    splits = [int(s) for s in args.splits.split(",")]
+    results = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rows=[], best={})
+    for t in [int(x) for x in args.tokens.split(",")]:
+        gen = torch.Generator(device=dev).manual_seed(t)
+        x = torch.randn(t, H, device=dev, dtype=torch.bfloat16)
+        ids = [
+            torch.stack([torch.randperm(E, device=dev, generator=gen)[:K] for _ in range(t)]).int()
+            for _ in range(LAYERS)
+        ]
+        w = torch.rand(t, K, device=dev)
+        bm = gemm.block_m(t, K, E)
+        routes = [gemm.align(i, E, bm) for i in ids]
+        distinct = statistics.mean(i.unique().numel() for i in ids)
+        gu_bytes, dn_bytes = distinct * GU_BYTES, distinct * DN_BYTES
+        inputs = {}  # split -> the down launch's input (bf16 act or fp32 partials)
+
+        def gate_up(tiles):
+            out = inputs.setdefault(("gu", tiles.split), None)
+
+            def fn():
+                for lay, r in zip(layers, routes, strict=True):
+                    gemm.moe_gate_up(x, *lay["gu"], r, K, out=out, tiles=tiles)
+
+            if out is None:
+                inputs[("gu", tiles.split)] = gemm.moe_gate_up(x, *layers[0]["gu"], routes[0], K, tiles=tiles)
+                return gate_up(tiles)
+            return graph_time(fn)
+
+        def down(tiles, split):
+            act = inputs[("gu", split)]
+            out = torch.empty(t * K, H, device=dev)
+
+            def fn():
+                for lay, r in zip(layers, routes, strict=True):
+                    gemm.moe_down(act, *lay["dn"], r, w, out=out, tiles=tiles)
+
+            return graph_time(fn)
+
+        def sweep(kind, configs, timer):
+            found = []
+            for cfg in configs:
+                if time.time() - t_start > args.budget:
+                    print(f"budget spent: {kind} T={t} stops early", flush=True)
+                    break
+                try:
+                    s = timer(cfg)
+                except Exception as exc:  # a config the compiler or the tile rules refuse
+                    print(f"skip {kind} T={t} {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+                    continue
+                nbytes = gu_bytes if kind == "gate_up" else dn_bytes
+                row = dict(kind=kind, tokens=t, cfg=repr(cfg), us=s * 1e6, gbs=nbytes / s / 1e9)
+                results["rows"].append(row)
+                found.append((s, cfg))
+            return sorted(found, key=lambda r: r[0])
+
+        best_gu = {}
+        for split in splits:
+            phase1 = [
+                gemm.Tiles(bn, bk, 4, 4, split)
+                for bn, bk in itertools.product((16, 32, 64), (128, 256))
+                if not (split and (H // split) % bk)
+            ]
+            ranked = sweep("gate_up", phase1, gate_up)
+            if not ranked:
+                continue
+            top = ranked[:2]
+            phase2 = [
+                gemm.Tiles(c.bn, c.bk, wa, st, split)
+                for (_, c), wa, st in itertools.product(top, (2, 4, 8), (2, 3, 5))
+            ]
+            ranked = sorted(ranked + sweep("gate_up", phase2, gate_up), key=lambda r: r[0])
+            best_gu[split] = ranked[0]
+        best_dn = {}
+        for split in best_gu:
+            phase1 = [gemm.Tiles(bn, bk, 4, 4) for bn, bk in itertools.product((16, 32, 64, 128), (128, 256))]
+            ranked = sweep("down", phase1, lambda c, split=split: down(c, split))
+            if not ranked:
+                continue
+            top = ranked[:2]
+            phase2 = [
+                gemm.Tiles(c.bn, c.bk, wa, st)
+                for (_, c), wa, st in itertools.product(top, (2, 4, 8), (2, 3, 5))
+            ]
+            ranked = sorted(
+                ranked + sweep("down", phase2, lambda c, split=split: down(c, split)), key=lambda r: r[0]
+            )
+            best_dn[split] = ranked[0]
+        print(f"\nT={t} (block rows {bm}, {distinct:.1f} distinct experts per layer):", flush=True)
+        pairs = []
+        for split in best_dn:
+            (sg, cg), (sd, cd) = best_gu[split], best_dn[split]
+            total = sg + sd
+            pairs.append((total, split))
+            print(
+                f"  split {split}: gate_up {sg * 1e6:6.1f} us ({gu_bytes / sg / 1e9:5.0f} GB/s) {cg}\n"
+                f"           down    {sd * 1e6:6.1f} us ({dn_bytes / sd / 1e9:5.0f} GB/s) {cd}\n"
+                f"           both    {total * 1e6:6.1f} us = {(gu_bytes + dn_bytes) / total / 1e9:5.0f} GB/s",
+                flush=True,
+            )
+        if pairs:
+            total, split = min(pairs)
+            results["best"][t] = dict(
+                split=split, gate_up=repr(best_gu[split][1]), down=repr(best_dn[split][1]), us=total * 1e6,
+                gate_up_us=best_gu[split][0] * 1e6, down_us=best_dn[split][0] * 1e6,
+                gbs=(gu_bytes + dn_bytes) / total / 1e9,
+            )  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    print("\nbest per token count:")
+    for t, b in results["best"].items():
+        print(
+            f"  T={t}: {b['us']:.1f} us/layer, {b['gbs']:.0f} GB/s, split {b['split']}: {b['gate_up']} + {b['down']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
