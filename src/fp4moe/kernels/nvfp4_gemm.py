@@ -71,15 +71,17 @@ def _load_a(a_base, k_idx, mask, K, stride_as, ACT_SPLITS: tl.constexpr):
     computed from the gate/up partial sums of a split gate/up launch (fp32 [splits, pairs, 2K], summed in
     split order, then rounded where the CPU path rounds: gate, up, silu(gate), the product)."""
     if ACT_SPLITS == 0:
-        return tl.load(a_base + k_idx, mask=mask, other=0.0)
-    gate = tl.load(a_base + k_idx, mask=mask, other=0.0)
-    up = tl.load(a_base + K + k_idx, mask=mask, other=0.0)
-    for s in tl.static_range(1, ACT_SPLITS):
-        gate += tl.load(a_base + s * stride_as + k_idx, mask=mask, other=0.0)
-        up += tl.load(a_base + s * stride_as + K + k_idx, mask=mask, other=0.0)
-    gate = round_bf16(gate)
-    act = round_bf16(gate * tl.sigmoid(gate))
-    return round_bf16(act * round_bf16(up)).to(tl.bfloat16)
+        a = tl.load(a_base + k_idx, mask=mask, other=0.0)
+    else:  # (the compiler needs both branches to end in one return)
+        gate = tl.load(a_base + k_idx, mask=mask, other=0.0)
+        up = tl.load(a_base + K + k_idx, mask=mask, other=0.0)
+        for s in tl.static_range(1, ACT_SPLITS):
+            gate += tl.load(a_base + s * stride_as + k_idx, mask=mask, other=0.0)
+            up += tl.load(a_base + s * stride_as + K + k_idx, mask=mask, other=0.0)
+        gate = round_bf16(gate)
+        act = round_bf16(gate * tl.sigmoid(gate))
+        a = round_bf16(act * round_bf16(up)).to(tl.bfloat16)
+    return a
 
 
 @triton.jit
@@ -210,18 +212,17 @@ def _w4a16_kernel(
     if EPILOGUE == 3:  # fp32 partial sums, decode scale of the gate or the up half applied
         d = tl.load(d_ptr + e * stride_de + (offs_n >= N // 2).to(tl.int32), mask=mask_n, other=0.0)
         tl.store(out_ptrs, acc * d[None, :], mask=out_mask)
-        return
-    if EPILOGUE == 1:  # the CPU path rounds gate, up and silu(gate) to bf16 on the way; so do we
+    elif EPILOGUE == 1:  # the CPU path rounds gate, up and silu(gate) to bf16 on the way; so do we
         gate = round_bf16(acc * tl.load(d_ptr + e * stride_de))
         up = round_bf16(acc_up * tl.load(d_ptr + e * stride_de + 1))
         act = round_bf16(gate * tl.sigmoid(gate))
-        y = act * up
+        tl.store(out_ptrs, round_bf16(act * up).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         y = acc * tl.load(d_ptr + e * stride_de)
         if EPILOGUE == 2:
             topw = round_bf16(tl.load(topw_ptr + pairs, mask=mask_m, other=0.0))
             y = round_bf16(y) * topw[:, None]
-    tl.store(out_ptrs, round_bf16(y).to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptrs, round_bf16(y).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 # ---- routing: (token, expert) pairs sorted by expert, and the block table --------------------------------
