@@ -4,11 +4,11 @@ of 40 layers' launches (each layer its own experts and its own random routing, s
 L2 that a real step would read from memory), median over replays, per launch.
 
 Full-size shapes: hidden 2048, 256 experts top-8 with I = 512. For each token count T (1: batch-1 decode;
-3: a batch-1 speculative verification with k = 2; 16, 64: batched decode) it sweeps the gate/up launch
-(K splits: 0 = silu(gate) * up fused in the launch, s >= 1 = fp32 partial sums of s K ranges, activation in
-the down launch) and the down launch (for each way its input arrives), then prints the best pair per T and
-the bytes they move against the copy bandwidth. Two phases keep the number of compilations down: tiles
-(BN, BK, split) at 4 warps / 4 stages, then warps and stages around the best few.
+3: a batch-1 speculative verification with k = 2; 16, 64: batched decode), each NVFP4 dequantization mode
+and each gate/up K split (0 = silu(gate) * up fused in the launch, s >= 1 = fp32 partial sums of s K ranges,
+activation in the down launch) it times a short list of launch settings (BN, BK, warps, stages) for the
+gate/up and the down launch, then prints the best pair per T and the bytes they move against the copy
+bandwidth.
 
     python3 benchmarks/tune_experts.py --out tune-experts.json
 """
@@ -81,7 +81,10 @@ def weights(dev):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1,3,16,64", help="token counts per launch to tune for")
-    ap.add_argument("--splits", default="0,1,2,4", help="gate/up K splits to try (0: fused activation)")
+    ap.add_argument("--splits", default="0", help="gate/up K splits to try (0: fused activation)")
+    ap.add_argument(
+        "--modes", default="4,7", help="NVFP4 dequantization modes to try (nvfp4_gemm.DEQUANT_MODE)"
+    )
     ap.add_argument("--budget", type=float, default=330, help="seconds of sweeping before it stops early")
     ap.add_argument("--out", default="", help="write every timing to this JSON file")
     args = ap.parse_args()
@@ -89,6 +92,8 @@ def main() -> None:
     t_start = time.time()
     layers = weights(dev)
     splits = [int(s) for s in args.splits.split(",")]
+    modes = [int(m) for m in args.modes.split(",")]
+    default_mode = gemm.DEQUANT_MODE
     results = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rows=[], best={})
     for t in [int(x) for x in args.tokens.split(",")]:
         gen = torch.Generator(device=dev).manual_seed(t)
@@ -103,6 +108,7 @@ def main() -> None:
         distinct = statistics.mean(i.unique().numel() for i in ids)
         gu_bytes, dn_bytes = distinct * GU_BYTES, distinct * DN_BYTES
         inputs = {}  # split -> the down launch's input (bf16 act or fp32 partials)
+        # the sweep's order: for each dequantization mode and split, gate/up launch settings, then down
 
         def gate_up(tiles):
             out = inputs.setdefault(("gu", tiles.split), None)
@@ -143,55 +149,43 @@ def main() -> None:
                 found.append((s, cfg))
             return sorted(found, key=lambda r: r[0])
 
-        best_gu = {}
-        for split in splits:
-            phase1 = [
-                gemm.Tiles(bn, bk, 4, 4, split)
-                for bn, bk in itertools.product((16, 32, 64), (128, 256))
+        best_gu, best_dn = {}, {}
+        for mode, split in itertools.product(modes, splits):
+            gemm.DEQUANT_MODE = mode
+            key = (mode, split)
+            gu_cfgs = [
+                gemm.Tiles(bn, bk, wa, st, split)
+                for bn, bk, wa, st in itertools.product((32, 64), (128, 256), (4,), (2, 3))
                 if not (split and (H // split) % bk)
             ]
-            ranked = sweep("gate_up", phase1, gate_up)
+            ranked = sweep(f"gate_up mode {mode}", gu_cfgs, gate_up)
             if not ranked:
                 continue
-            top = ranked[:2]
-            phase2 = [
-                gemm.Tiles(c.bn, c.bk, wa, st, split)
-                for (_, c), wa, st in itertools.product(top, (2, 4, 8), (2, 3, 5))
+            best_gu[key] = ranked[0]
+            dn_cfgs = [
+                gemm.Tiles(bn, 128, wa, st) for bn, wa, st in itertools.product((32, 64, 128), (2, 4), (2, 3))
             ]
-            ranked = sorted(ranked + sweep("gate_up", phase2, gate_up), key=lambda r: r[0])
-            best_gu[split] = ranked[0]
-        best_dn = {}
-        for split in best_gu:
-            phase1 = [gemm.Tiles(bn, bk, 4, 4) for bn, bk in itertools.product((16, 32, 64, 128), (128, 256))]
-            ranked = sweep("down", phase1, lambda c, split=split: down(c, split))
-            if not ranked:
-                continue
-            top = ranked[:2]
-            phase2 = [
-                gemm.Tiles(c.bn, c.bk, wa, st)
-                for (_, c), wa, st in itertools.product(top, (2, 4, 8), (2, 3, 5))
-            ]
-            ranked = sorted(
-                ranked + sweep("down", phase2, lambda c, split=split: down(c, split)), key=lambda r: r[0]
-            )
-            best_dn[split] = ranked[0]
+            ranked = sweep(f"down mode {mode}", dn_cfgs, lambda c, split=split: down(c, split))
+            if ranked:
+                best_dn[key] = ranked[0]
+        gemm.DEQUANT_MODE = default_mode
         print(f"\nT={t} (block rows {bm}, {distinct:.1f} distinct experts per layer):", flush=True)
         pairs = []
-        for split in best_dn:
-            (sg, cg), (sd, cd) = best_gu[split], best_dn[split]
+        for key in best_dn:
+            (sg, cg), (sd, cd) = best_gu[key], best_dn[key]
             total = sg + sd
-            pairs.append((total, split))
+            pairs.append((total, key))
             print(
-                f"  split {split}: gate_up {sg * 1e6:6.1f} us ({gu_bytes / sg / 1e9:5.0f} GB/s) {cg}\n"
+                f"  mode {key[0]} split {key[1]}: gate_up {sg * 1e6:6.1f} us ({gu_bytes / sg / 1e9:5.0f} GB/s) {cg}\n"
                 f"           down    {sd * 1e6:6.1f} us ({dn_bytes / sd / 1e9:5.0f} GB/s) {cd}\n"
                 f"           both    {total * 1e6:6.1f} us = {(gu_bytes + dn_bytes) / total / 1e9:5.0f} GB/s",
                 flush=True,
             )
         if pairs:
-            total, split = min(pairs)
+            total, key = min(pairs)
             results["best"][t] = dict(
-                split=split, gate_up=repr(best_gu[split][1]), down=repr(best_dn[split][1]), us=total * 1e6,
-                gate_up_us=best_gu[split][0] * 1e6, down_us=best_dn[split][0] * 1e6,
+                mode=key[0], split=key[1], gate_up=repr(best_gu[key][1]), down=repr(best_dn[key][1]),
+                us=total * 1e6, gate_up_us=best_gu[key][0] * 1e6, down_us=best_dn[key][0] * 1e6,
                 gbs=(gu_bytes + dn_bytes) / total / 1e9,
             )  # fmt: skip
     if args.out:

@@ -28,8 +28,9 @@ from fp4moe.layers.rope import RopeConfig, Rotary  # noqa: E402
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BF16 = torch.bfloat16
 RTOL = 2e-2
-# mode 4 computes in bf16 on bf16 bit patterns, subnormals included; Triton's interpreter flushes bf16
-# subnormals and its bf16 multiply is not IEEE, so they are checked on the GPU only
+# modes 4, 6, 7 compute in bf16 on bf16 bit patterns, subnormals included (6 and 7 through inline PTX);
+# Triton's interpreter flushes bf16 subnormals, its bf16 multiply is not IEEE and it runs no PTX, so they
+# are checked on the GPU only
 BF16_INTERPRETER = "bf16-bit dequantization needs IEEE bf16 arithmetic: GPU only"
 
 
@@ -68,7 +69,7 @@ def test_align_matches_torch_sorting(tokens, experts, top_k):
         assert covered == list(range(tokens * top_k))  # every pair exactly once
 
 
-@pytest.mark.parametrize("mode", [1, 4])
+@pytest.mark.parametrize("mode", [1, 4, 6, 7])
 @pytest.mark.parametrize(
     "tokens,inter,split",
     [(1, 32, 0), (5, 32, 0), (70, 32, 0), (4, 48, 0), (1, 32, 2), (5, 48, 1), (20, 32, 2)],
@@ -76,7 +77,7 @@ def test_align_matches_torch_sorting(tokens, experts, top_k):
 def test_moe_experts_match_the_dequantized_reference(tokens, inter, split, mode, monkeypatch):
     """Fused silu(gate) * up epilogue (split 0), or gate/up partial sums over ``split`` K ranges finished by
     the down launch."""
-    if mode == 4 and DEV.type != "cuda":
+    if mode >= 4 and DEV.type != "cuda":
         pytest.skip(BF16_INTERPRETER)
     monkeypatch.setattr(gemm, "DEQUANT_MODE", mode)
     gen = torch.Generator().manual_seed(100 + tokens)
@@ -106,8 +107,9 @@ def test_dense_nvfp4_linear(m, k):
 
 @pytest.mark.parametrize("m", [1, 20])
 def test_bf16_bit_dequantization_is_exact(m, monkeypatch):
-    """Mode 4 (codes written into bf16 bits, one bf16 multiply by the block scale) gives mode 1's outputs
-    bit for bit: every code, every finite positive block scale (subnormal ones too)."""
+    """Modes 4, 6 and 7 (codes written into bf16 bits -- by Triton ops, or two at a time by inline PTX --
+    and one bf16 multiply by the block scale) give mode 1's outputs bit for bit: every code, every finite
+    positive block scale (subnormal ones too)."""
     if DEV.type != "cuda":
         pytest.skip(BF16_INTERPRETER)
     gen = torch.Generator().manual_seed(3)
@@ -117,10 +119,11 @@ def test_bf16_bit_dequantization_is_exact(m, monkeypatch):
     decode = torch.tensor(3e-3).to(DEV)
     x = torch.randn(m, k, generator=gen).to(BF16).to(DEV)
     outs = {}
-    for mode in (1, 4):
+    for mode in (1, 4, 6, 7):
         monkeypatch.setattr(gemm, "DEQUANT_MODE", mode)
         outs[mode] = gemm.nvfp4_linear(x, packed, scales.to(DEV), decode)
-    assert torch.equal(outs[1], outs[4])
+    for mode in (4, 6, 7):
+        assert torch.equal(outs[1], outs[mode]), mode
 
 
 @pytest.mark.parametrize("m,k", [(1, 128), (20, 192), (3, 48)])

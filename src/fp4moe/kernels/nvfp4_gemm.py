@@ -57,6 +57,71 @@ def _dequant_bf16_bits(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.
     return tl.reshape(w, (BN, BK))
 
 
+# E2M1 nibbles -> bf16 bits of value * 2^-126 (as in mode 4), four bytes per 32-bit register, two values
+# per instruction: spread bytes 0,1 (2,3) to the low bytes of the two halves of a register (prmt), keep one
+# nibble per half, and one multiply by 2^6 + 2^12 (low nibble; 2^2 + 2^8 for the high one) puts copies of
+# the nibble at bits 6-9 and 12-15 of each half (they cannot overlap); the mask keeps e1 e0 m under the
+# bf16's low exponent bits / top mantissa bit (6-8) and the sign at bit 15
+_E2M1_LO = tl.constexpr("""{
+.reg .b32 r<4>;
+prmt.b32 r0, $2, 0, 0x4140;
+prmt.b32 r1, $2, 0, 0x4342;
+and.b32 r2, r0, 0x000F000F;
+and.b32 r3, r1, 0x000F000F;
+mul.lo.u32 r2, r2, 0x1040;
+mul.lo.u32 r3, r3, 0x1040;
+and.b32 $0, r2, 0x81C081C0;
+and.b32 $1, r3, 0x81C081C0;
+}""")
+_E2M1_HI = tl.constexpr("""{
+.reg .b32 r<4>;
+prmt.b32 r0, $2, 0, 0x4140;
+prmt.b32 r1, $2, 0, 0x4342;
+and.b32 r2, r0, 0x00F000F0;
+and.b32 r3, r1, 0x00F000F0;
+mul.lo.u32 r2, r2, 0x104;
+mul.lo.u32 r3, r3, 0x104;
+and.b32 $0, r2, 0x81C081C0;
+and.b32 $1, r3, 0x81C081C0;
+}""")
+# both nibbles in one block (the byte spreading shared): outputs $0,$1 (low nibbles) and $2,$3 (high)
+_E2M1_BOTH = tl.constexpr("""{
+.reg .b32 r<4>;
+prmt.b32 r0, $4, 0, 0x4140;
+prmt.b32 r1, $4, 0, 0x4342;
+and.b32 r2, r0, 0x000F000F;
+and.b32 r3, r1, 0x000F000F;
+mul.lo.u32 r2, r2, 0x1040;
+mul.lo.u32 r3, r3, 0x1040;
+and.b32 $0, r2, 0x81C081C0;
+and.b32 $1, r3, 0x81C081C0;
+and.b32 r2, r0, 0x00F000F0;
+and.b32 r3, r1, 0x00F000F0;
+mul.lo.u32 r2, r2, 0x104;
+mul.lo.u32 r3, r3, 0x104;
+and.b32 $2, r2, 0x81C081C0;
+and.b32 $3, r3, 0x81C081C0;
+}""")
+
+
+@triton.jit
+def _dequant_asm(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """MODES 6/7: packed codes [BN, BK/2] -> (even k, odd k) tiles [BN, BK/2] bf16 of value * block scale *
+    2^-8, exactly mode 4's values, with the nibbles converted two at a time by inline PTX (GPU only)."""
+    packed = tl.load(w_ptrs, mask=w_mask, other=0)
+    if ONE_BLOCK:
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1_BOTH, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+        )
+    else:
+        lo = tl.inline_asm_elementwise(_E2M1_LO, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_E2M1_HI, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
+    scales = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    scales = (scales * 3.3230699894622794e35).to(tl.bfloat16)  # * 2^118: exact
+    scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (BN, BK // 16, 8)), (BN, BK // 2))
+    return lo * scales, hi * scales
+
+
 @triton.jit
 def _dot(a, w, DOT_F32: tl.constexpr):
     """a [BM, K] @ w [BN, K]^T in fp32 (bf16 operands; fp32 ones under the interpreter)."""
@@ -98,20 +163,26 @@ def _tile_dot(a, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, offs_ks,
         k_ok = k0 + offs_k < K
         kh_ok = k0 + 2 * offs_kh < K
         ks_ok = k0 + 16 * offs_ks < K
-    if MODE == 0:  # bf16 weights (the all-bf16 model through the same kernel)
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
-    elif MODE == 3:  # per-tensor FP8-E4M3 weights (bytes): exact in bf16, the scale goes on the accumulator
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0)
-        w = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-    elif MODE == 4:
-        w = _dequant_bf16_bits(
-            w_ptrs, s_ptrs, mask_n[:, None] & kh_ok[None, :], mask_n[:, None] & ks_ok[None, :], BN, BK
-        )
+    w_mask = mask_n[:, None] & kh_ok[None, :]
+    s_mask = mask_n[:, None] & ks_ok[None, :]
+    if MODE >= 6:  # even and odd k apart: two dots over half tiles
+        lo, hi = _dequant_asm(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK, MODE == 7)
+        a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
+        out = tl.dot(a_odd, tl.trans(hi), acc=tl.dot(a_even, tl.trans(lo)))
     else:
-        w = _dequant_bf16(
-            w_ptrs, s_ptrs, mask_n[:, None] & kh_ok[None, :], mask_n[:, None] & ks_ok[None, :], BN, BK
-        )
-    return _dot(a, w, DOT_F32)
+        if MODE == 0:  # bf16 weights (the all-bf16 model through the same kernel)
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
+        elif (
+            MODE == 3
+        ):  # per-tensor FP8-E4M3 weights (bytes): exact in bf16, the scale goes on the accumulator
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0)
+            w = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        elif MODE == 4:
+            w = _dequant_bf16_bits(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
+        else:
+            w = _dequant_bf16(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
+        out = _dot(a, w, DOT_F32)
+    return out
 
 
 @triton.jit
@@ -202,7 +273,7 @@ def _w4a16_kernel(
                 a, k0, K, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n, offs_k, offs_kh, offs_ks,
                 MODE, BN, BK, EVEN_K, DOT_F32,
             )  # fmt: skip
-    if MODE == 4:  # the bf16-bit dequantization leaves a factor 2^-8 in the weights
+    if MODE >= 4:  # the bf16-bit dequantization leaves a factor 2^-8 in the weights
         acc = acc * 256.0
         acc_up = acc_up * 256.0
     out_ptrs = (
