@@ -3,16 +3,19 @@ NVFP4 linear (one "expert", every row).
 
 Weights stay packed ([E, N, K/2] uint8, two E2M1 codes per byte, even element in the low nibble),
 with FP8-E4M3 block scales per 16 along K and one FP32 decode scale per projection. A program dequantizes
-one [BN, BK] weight tile in registers, exactly (``DEQUANT_MODE`` 4, the GPU default: each code's bits
-written into a bf16 and one bf16 multiply by its block scale; mode 1, the interpreter's: code -> fp16 bits
--> fp32, times the block scale -> bf16; modes 2 and 5 split even and odd k, measured slower), multiplies it
-with up to BM activation rows on the tensor cores, and applies the decode scale once to the fp32
-accumulator. BK divides K where a power of two >= 32 does, else the last K tile is masked. Rows are
-(token, expert) pairs sorted by expert; a block table says which expert and which run of sorted pairs
-each program row-block covers (``align``).
+one [BN, BK] weight tile in registers, exactly (``DEQUANT_MODE`` 7, the GPU default: inline PTX writes two
+codes' bits into bf16s per instruction, one bf16 multiply by the block scale, even and odd k as two half
+tiles; mode 4: the same bits through Triton ops; mode 1, the interpreter's: code -> fp16 bits -> fp32, times
+the block scale -> bf16), multiplies it with up to BM activation rows on the tensor cores, and applies the
+decode scale once to the fp32 accumulator. BK divides K where a power of two >= 32 does, else the last K
+tile is masked. Rows are (token, expert) pairs sorted by expert; a block table says which expert and which
+run of sorted pairs each program row-block covers (``align``).
 
 Gate/up programs compute the gate rows n and the up rows I + n of one expert together and store
-silu(gate) * up; down programs multiply by the pair's routing weight. References: ``moe_reference``,
+silu(gate) * up; down programs multiply by the pair's routing weight. Optionally (``Tiles.split``) the
+gate/up launch splits K into ranges and stores fp32 partial sums, and the down launch computes the
+activation as it loads them (measured slower end to end on the H200: the down launch recomputes the
+activation for every output tile; kept as a tuning option). References: ``moe_reference``,
 ``linear_reference`` (the engine's CPU path through ``formats.nvfp4``).
 """
 
@@ -431,10 +434,13 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routin
 
 
 # 1: interleaved bf16 tiles through fp16 bits and fp32; 4: codes straight into bf16 bits, one bf16 multiply
-# by the block scale (bit-identical outputs). The default: 4 on the GPU (H200, full-size decode at batch
-# 1/16/64: 273/1476/3237 tok/s vs mode 1's 274/1440/3051); 1 under Triton's interpreter, whose bf16
-# arithmetic is not IEEE. (Even/odd half tiles with tf32 or bf16 dots were measured slower and removed.)
-DEQUANT_MODE = int(os.environ.get("FP4MOE_DEQUANT_MODE", "1" if INTERPRET else "4"))
+# by the block scale; 6/7: the same values two at a time by inline PTX, even and odd k in two dots (7: one
+# PTX block for both nibbles). All give the same weights bit for bit. The default: 7 on the GPU (H200,
+# tune_experts: 21.3 / 38.8 / 125 / 244 us per layer at 1 / 3 / 16 / 64 tokens vs mode 4's 23.7 / 50.1 /
+# 151 / 310; full-size decode 279 / 1528 / 3446 tok/s at batch 1 / 16 / 64 vs 287 / 1414 / 3076); 1 under
+# Triton's interpreter, whose bf16 arithmetic is not IEEE and which runs no PTX. (Even/odd tiles with tf32 or
+# bf16 dots through Triton ops were measured slower and removed.)
+DEQUANT_MODE = int(os.environ.get("FP4MOE_DEQUANT_MODE", "1" if INTERPRET else "7"))
 GATED, WEIGHTED, PARTIAL = 1, 2, 3  # the kernel's EPILOGUE (0: dense)
 
 
@@ -477,9 +483,12 @@ class Tiles:
 def plan(bm: int, tokens: int) -> tuple[Tiles, Tiles]:
     """(gate/up, down) launch settings for a row block of ``bm`` and ``tokens`` tokens in the launch (H200
     sweep, benchmarks/tune_experts.py: graph-replayed launches over 40 layers' experts)."""
+    if bm <= 16 and tokens <= 1:
+        return Tiles(32, 256, 4, 3), Tiles(32, 128, 2, 3)
+    if bm <= 16 and tokens <= 4:
+        return Tiles(64, 256, 4, 3), Tiles(64, 128, 4, 2)
     if bm <= 16:
-        bn = 32 if tokens <= 4 else 64
-        return Tiles(bn, 128, 4, 4), Tiles(bn, 128, 4, 4)
+        return Tiles(64, 256, 4, 3), Tiles(64, 128, 4, 3)
     return Tiles(64, 128, 4, 3), Tiles(64, 128, 4, 3)
 
 

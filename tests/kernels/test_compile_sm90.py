@@ -1,0 +1,81 @@
+"""The expert GEMM kernel's GPU-only variants compile for the H200 (sm90) here, without a GPU: Triton's
+front end and the ptxas it ships turn them into machine code. The interpreter runs Python, so it accepts
+kernels the GPU compiler refuses (a constexpr branch that returns early, inline PTX) -- this catches those
+before a device run does. Runs in a subprocess: the test session has Triton's interpreter switched on,
+which replaces every jitted function."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+VARIANTS = [
+    (7, 1, 0, False),  # decode gate/up (GATED), the default dequantization
+    (7, 2, 0, False),  # decode down (WEIGHTED)
+    (6, 3, 0, False),  # split gate/up (PARTIAL), two PTX blocks
+    (4, 2, 2, False),  # down finishing split partial sums
+    (7, 0, 0, True),  # dense NVFP4 linear
+    (3, 0, 0, True),  # FP8 linear
+    (0, 1, 0, False),  # bf16 experts
+]
+
+SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fp4moe.kernels import nvfp4_gemm as gemm
+
+POINTERS = {
+    "a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "d_ptr": "*fp32", "out_ptr": "*bf16", "order_ptr": "*i32",
+    "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_count_ptr": "*i32", "nblk_ptr": "*i32",
+    "topw_ptr": "*fp32",
+}
+fn = gemm._w4a16_kernel
+results = []
+for mode, epilogue, act_splits, dense in json.loads(sys.argv[1]):
+    consts = dict(DENSE=dense, MODE=mode, EPILOGUE=epilogue, ACT_SPLITS=act_splits, BM=16, BN=64, BK=128,
+                  EVEN_K=True, DOT_F32=False)
+    pointers = dict(POINTERS)
+    if act_splits:
+        pointers["a_ptr"] = "*fp32"
+    if epilogue in (gemm.WEIGHTED, gemm.PARTIAL):
+        pointers["out_ptr"] = "*fp32"
+    if mode == 0:
+        pointers["w_ptr"] = pointers["s_ptr"] = "*bf16"
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
+    # as the launcher specializes them: pointers, strides and sizes of the full-size model are multiples of 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and n not in ("TOPK", "stride_de")}
+    src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+        results.append(dict(ok=bool(k.asm["cubin"]), prmt="prmt.b32" in k.asm["ptx"], error=""))
+    except Exception as exc:
+        results.append(dict(ok=False, prmt=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_expert_kernel_variants_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(VARIANTS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    for variant, r in zip(VARIANTS, results, strict=True):
+        assert r["ok"], (variant, r["error"])
+        if variant[0] >= 6:
+            assert r["prmt"], variant  # the inline PTX made it in
