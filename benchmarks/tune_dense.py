@@ -1,0 +1,107 @@
+# ruff: noqa: B023  (each closure is called inside the loop iteration that defines it)
+"""The decode step's bf16 projections at the full-size shapes, cuBLAS against our grouped kernel's dense
+branch (``nvfp4_gemm._dense`` with bf16 weights, tensor cores on up to 16 rows), timed the way the engine
+runs them: one CUDA graph of 40 launches over 40 different weight copies (nothing served from L2), median
+over replays, per launch; GB/s over the weight bytes.
+
+    python3 benchmarks/tune_dense.py --out tune-dense.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+from tune_experts import LAYERS, graph_time
+
+from fp4moe.kernels import nvfp4_gemm as gemm
+
+# (name, N, K) of the bf16 matrices a decode step multiplies (Qwen3.5-35B-A3B)
+SHAPES = [
+    ("deltanet in_proj (qkv, z, b, a)", 12352, 2048),
+    ("deltanet out_proj", 2048, 4096),
+    ("attention q (gated), k, v", 9216, 2048),
+    ("router + shared gate/up", 1281, 2048),
+    ("shared down", 2048, 512),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,3,16", help="activation rows (tokens) per launch")
+    ap.add_argument("--budget", type=float, default=150, help="seconds of sweeping before it stops early")
+    ap.add_argument("--out", default="", help="write every timing to this JSON file")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    one = torch.ones(1, device=dev)
+    t0 = time.time()
+    results = dict(device=torch.cuda.get_device_name(), rows=[])
+    configs = [
+        gemm.Tiles(bn, bk, wa, st)
+        for bn, bk, wa, st in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 5))
+    ]
+    for name, n, k in SHAPES:
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+        nbytes = n * k * 2
+        for m in [int(x) for x in args.rows.split(",")]:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+
+            def cublas():
+                for w in ws:
+                    torch.nn.functional.linear(x, w, out=out)
+
+            base = graph_time(cublas)
+            best = (base, "cuBLAS")
+            for cfg in configs:
+                if time.time() - t0 > args.budget:
+                    break
+
+                def ours(cfg=cfg):
+                    for w in ws:
+                        gemm._launch(
+                            x,
+                            (x.stride(0), 0),
+                            0,
+                            w,
+                            w,
+                            0,
+                            one,
+                            out,
+                            None,
+                            one,
+                            n,
+                            k,
+                            1,
+                            0,
+                            0,
+                            cfg,
+                            dense_m=m,
+                        )
+
+                try:
+                    s = graph_time(ours)
+                except Exception as exc:
+                    print(f"skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+                    continue
+                results["rows"].append(dict(shape=name, m=m, cfg=repr(cfg), us=s * 1e6, gbs=nbytes / s / 1e9))
+                best = min(best, (s, repr(cfg)))
+            results["rows"].append(
+                dict(shape=name, m=m, cfg="cuBLAS", us=base * 1e6, gbs=nbytes / base / 1e9)
+            )
+            print(
+                f"{name:32s} M={m:2d}: cuBLAS {base * 1e6:6.1f} us ({nbytes / base / 1e9:5.0f} GB/s), "
+                f"best {best[0] * 1e6:6.1f} us ({nbytes / best[0] / 1e9:5.0f} GB/s) {best[1]}",
+                flush=True,
+            )
+        del ws
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
