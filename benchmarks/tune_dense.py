@@ -97,7 +97,6 @@ def main() -> None:
                 f"best {best[0] * 1e6:6.1f} us ({nbytes / best[0] / 1e9:5.0f} GB/s) {best[1]}",
                 flush=True,
             )
-        del ws
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
