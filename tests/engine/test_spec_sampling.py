@@ -120,3 +120,109 @@ def test_acceptance_step_with_degenerate_distributions_is_greedy():
         accepted, final = accept_drafts(p, q, drafts, u, u[:, 0])
         assert accepted.tolist() == [2, 1, 0, 2, 1, 0]
         assert final.tolist() == [0, 3, 1, 2, 0, 0]
+
+
+class _ChainRunner:
+    """A stand-in for CudaModelRunner under FusedSpecRound: the target's next-token logits after token c
+    are log P[c], the MTP head's are log Q[c] (hidden states are one-hot tokens, target half then head
+    half, through one shared lm_head), whatever the position; caches are no-ops. The Gated DeltaNet
+    history holds each verified row's index, so the rollback copy can be checked."""
+
+    def __init__(self, p: torch.Tensor, q: torch.Tensor, k: int, max_num_seqs: int):
+        v = p.shape[0]
+        self.spec_tokens, self.max_num_seqs, self.scratch, self.device = k, max_num_seqs, max_num_seqs, "cpu"
+        self.args = type("Args", (), {"vocab_size": v})()
+        weight = torch.cat([p.log(), q.log()])  # [2V, V]
+        self.model = type("Model", (), {"lm_head": staticmethod(lambda h: h @ weight)})()
+        self.kv = type("KV", (), {"reserve": lambda *_: None, "advance": lambda *_: None})()
+        self.states = type("States", (), {"rec": torch.zeros(1, max_num_seqs + 1)})()
+        self.history = torch.zeros(1, max_num_seqs * (k + 1))
+        self.v = v
+
+    def graph_bucket(self, b):
+        return None
+
+    def forward_rows(self, ids, pos, slots, rope, tokens_per_seq):
+        self.history[0, : len(ids)] = torch.arange(len(ids), dtype=torch.float32)
+        x = torch.nn.functional.one_hot(ids, 2 * self.v).float()
+        return x, x
+
+    def mtp_rows(self, ids, hidden, pos, slots, rope, keep=None):
+        out = torch.nn.functional.one_hot(ids + self.v, 2 * self.v).float()
+        return out if keep is None else out[keep]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=4, top_p=0.9),
+        dict(temperature=1.3, min_p=0.15),
+    ],
+    ids=["plain", "top-k-top-p", "min-p"],
+)
+def test_fused_round_emits_the_target_chain(params):
+    """FusedSpecRound.forward's sampling (filter per row, acceptance, final token, next drafts drawn and
+    their distributions kept by slot for the next round) on 50,000 sequences at once, three rounds, over a
+    Markov chain target P and a different draft head Q on 6 tokens. Sequences take turns: ``params``, a
+    second setting (temperature 2, top-p 0.8 or none) and, every tenth, greedy. The first three emitted
+    tokens of each sampled group are distributed as sampling its filtered chain alone (pairs and the third
+    token's marginal, TV < 0.03 with noise ~0.01), greedy sequences follow the argmax chain, and the
+    rolled-back state is the one after the last accepted row."""
+    from fp4moe.engine.cuda_spec import SAMPLED, SORTED, FusedSpecRound
+    from fp4moe.engine.sampler import SamplingParams
+
+    v, k, n = 6, 2, 50_000
+    g = torch.Generator().manual_seed(4)
+    target = (torch.randn(v, v, generator=g) * 1.5).softmax(-1)
+    draft = (0.5 * target.log() + torch.randn(v, v, generator=g)).softmax(-1)  # related, not equal
+    runner = _ChainRunner(target, draft, k, n)
+    fused = FusedSpecRound(runner, k)
+    modes = []
+    forward = fused.forward
+    fused.forward = lambda b, mode: modes.append(mode) or forward(b, mode)
+    settings = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(**params),
+        SamplingParams(temperature=2.0, top_p=0.8 if "top_k" in params else 1.0),
+    ]
+    group = torch.where(torch.arange(n) % 10 == 0, 0, 1 + torch.arange(n) % 2)
+    seq_params = [settings[i] for i in group.tolist()]
+
+    def filtered(dist, sp):  # the sampler's distribution after each token c, as a [V, V] transition matrix
+        return torch.stack([filter_logits(dist[c].log().clone(), sp).softmax(-1) for c in range(v)])
+
+    # the first drafts, as the module path draws them: d_1 ~ Q[x_p], d_2 ~ Q[d_1], filtered (argmax: greedy)
+    pending = torch.zeros(n, dtype=torch.long)
+    d1, d2 = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+    d1[group == 0] = draft[0].argmax()
+    d2[group == 0] = draft[d1[group == 0]].argmax(-1)
+    for i in (1, 2):
+        qf, rows = filtered(draft, settings[i]), group == i
+        d1[rows] = torch.multinomial(qf[pending[rows]], 1, generator=g).squeeze(1)
+        d2[rows] = torch.multinomial(qf[d1[rows]], 1, generator=g).squeeze(1)
+    slots = list(range(n))
+    sampled = (group > 0).nonzero().squeeze(1)
+    logits = draft.log()[torch.stack([pending, d1], 1)[sampled]]
+    fused.set_draft_probs(sampled.tolist(), logits, [seq_params[i] for i in sampled.tolist()])
+    drafts, emitted = torch.stack([d1, d2], 1), [[] for _ in range(n)]
+    for _ in range(3):
+        uniforms = torch.rand(n, 2 * k + 1, generator=g)
+        tokens = torch.cat([pending[:, None], drafts], 1).tolist()
+        accepted, ys, drafts = fused(slots, [0] * n, tokens, [0] * n, sampling=(seq_params, uniforms))
+        assert torch.equal(runner.states.rec[0, :n], (torch.arange(n) * (k + 1) + accepted).float())
+        for i, (a, y) in enumerate(zip(accepted.tolist(), ys.tolist(), strict=True)):
+            emitted[i] += y[: a + 1]
+        pending = torch.tensor([e[-1] for e in emitted])
+    assert modes == [SORTED if "top_k" in params else SAMPLED] * 3
+    first3 = torch.tensor([e[:3] for e in emitted])
+    chain = [int(target[0].argmax())]
+    while len(chain) < 3:
+        chain.append(int(target[chain[-1]].argmax()))
+    assert (first3[group == 0] == torch.tensor(chain)).all()
+    for i in (1, 2):
+        pf, got = filtered(target, settings[i]), first3[group == i]
+        pairs = torch.bincount(got[:, 0] * v + got[:, 1], minlength=v * v).float() / len(got)
+        assert 0.5 * (pairs - (pf[0][:, None] * pf).reshape(-1)).abs().sum() < 0.03
+        third = torch.bincount(got[:, 2], minlength=v).float() / len(got)
+        assert 0.5 * (third - pf[0] @ pf @ pf).abs().sum() < 0.03
