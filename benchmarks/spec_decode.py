@@ -21,7 +21,8 @@ shapes -- its work does not depend on how many drafts are accepted -- so the acc
 (engine rounds: host work and the read-back included). k = 0 is the plain engine decode step. From these,
 tok/s at forced acceptance a is B (a + 1) / round time, and the expected speedup at a per-draft acceptance
 rate alpha (independent positions, as the draft head's acceptance is usually quoted) is
-(1 + alpha + ... + alpha^k) x step time / round time.
+(1 + alpha + ... + alpha^k) x step time / round time. ``--sampling temperature`` / ``top-p`` times the
+round's sampled variants instead (rejection sampling on the device; top-p sorts every vocabulary row).
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ def main() -> int:
         "--contexts", nargs="+", type=int, default=[1024, 32768], help="--full-size: context lengths"
     )
     ap.add_argument("--rounds", type=int, default=20, help="--full-size: timed rounds per point")
+    ap.add_argument(
+        "--sampling",
+        choices=list(SAMPLING),
+        default="greedy",
+        help="--full-size: the fused round's variant to time: greedy (default), temperature (0.7: sampled, "
+        "no sort) or top-p (0.7 and top-p 0.95: sampled with a sort of each vocabulary row)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
         "--ks", nargs="+", type=int, default=[0, 1, 2, 3], help="draft tokens per step to compare"
@@ -150,6 +158,11 @@ def main() -> int:
 
 
 ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+SAMPLING = {
+    "greedy": {"temperature": 0.0},
+    "temperature": {"temperature": 0.7},
+    "top-p": {"temperature": 0.7, "top_p": 0.95},
+}
 
 
 def full_size(args) -> int:
@@ -157,8 +170,10 @@ def full_size(args) -> int:
     import decode as dec
 
     from fp4moe.engine.cuda_spec import FusedSpecRound
+    from fp4moe.engine.sampler import SamplingParams
 
     dev = torch.device("cuda")
+    sampling_params = SamplingParams(**SAMPLING[args.sampling])
     model = dec.build_model(True, dev)
     dec.add_mtp_head(model)
     rows = []
@@ -177,16 +192,21 @@ def full_size(args) -> int:
                     fused.forced.fill_(a)
                     position = ctx
 
-                    def one_round(fused=fused, a=a, slots=slots, tokens=tokens):
+                    def one_round(fused=fused, a=a, slots=slots, tokens=tokens, k=k):
                         nonlocal position
-                        fused(slots, [position] * len(slots), tokens, [0] * len(slots))
+                        sampling = None
+                        if not sampling_params.greedy:  # the uniforms are drawn per round, as in serving
+                            uniforms = torch.rand(len(slots), 2 * k + 1)
+                            sampling = ([sampling_params] * len(slots), uniforms)
+                        fused(slots, [position] * len(slots), tokens, [0] * len(slots), sampling=sampling)
                         position += a + 1
 
                     one_round()  # captures the bucket's graph on the first use
                     by_accepted[a] = statistics.median(dec.event_seconds(one_round, args.rounds))
                 round_s = statistics.median(by_accepted.values())
                 row = dict(
-                    k=k, batch=b, context=ctx, round_s=round_s, round_over_step=round_s / step_s,
+                    k=k, batch=b, context=ctx, sampling=args.sampling, round_s=round_s,
+                    round_over_step=round_s / step_s,
                     round_s_by_accepted=by_accepted,
                     tok_s_by_accepted={a: b * (a + 1) / t for a, t in by_accepted.items()},
                     speedup_at_alpha={al: sum(al**j for j in range(k + 1)) * step_s / round_s for al in ALPHAS},

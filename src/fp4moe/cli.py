@@ -250,8 +250,9 @@ def _add_generate(sub) -> None:
         default=0,
         help="draft this many tokens per step with the checkpoint's MTP head and verify them (0 = off). On a "
         "GPU greedy requests run a fused, graph-captured round (1.2-2.3x faster decoding at 70-90%% acceptance, by batch and k; "
-        "BENCHMARKS.md); sampled ones and requests with penalties or logprobs run an unfused round that is "
-        "slower than plain decoding there; on the CPU speculation does not pay (compute-bound)",
+        "BENCHMARKS.md), sampled ones (temperature, top-k/top-p/min-p) the same round with rejection sampling on the "
+        "GPU; requests with penalties or logprobs run an unfused round that is slower than plain decoding there; on "
+        "the CPU speculation does not pay (compute-bound)",
     )
     p.add_argument(
         "--dtype",
@@ -343,8 +344,8 @@ def _add_serve(sub) -> None:
         default=0,
         help="MTP speculative decoding: draft this many tokens per step and verify them (0 = off). On a GPU "
         "greedy requests run a fused, graph-captured round (1.2-2.3x faster decoding at 70-90%% acceptance, by batch and k; "
-        "BENCHMARKS.md); sampled ones and requests with penalties or logprobs run an unfused round that is "
-        "slower than plain decoding there",
+        "BENCHMARKS.md), sampled ones (temperature, top-k/top-p/min-p) the same round with rejection sampling on the "
+        "GPU; requests with penalties or logprobs run an unfused round that is slower than plain decoding there",
     )
     p.add_argument(
         "--speculative-disable-by-batch-size",

@@ -211,3 +211,70 @@ def test_fused_speculative_round_gives_plain_greedy_tokens(checkpoints, drafts):
         assert stats.accepted_per_position[1] == 0
         assert stats.accepted_per_position[0] > 0 or DEV == "cuda"
     assert llm.runner.kv.num_free_pages == llm.runner.kv.k.shape[1] - 1 or DEV == "cuda"
+
+
+@pytest.mark.parametrize("variant", ["sorted", "unsorted"])
+def test_fused_speculative_round_samples(checkpoints, variant):
+    """Sampled sequences take the fused round next to a greedy one (rejection sampling on the device, one
+    graph variant with a sort for top-k/top-p, one without for temperature/min-p): a seeded run is
+    reproducible; the greedy sequence keeps plain greedy tokens; temperature > 0 with a filter that keeps
+    one token (top-k 1, min-p 1) gives greedy tokens too, here with drafts that are the true continuation
+    (every one accepted: the sampled rows' bonus path); every token of a freely sampled sequence (the
+    random MTP head's drafts, mostly rejected: residual draws) is one the target's filtered distribution at
+    its position keeps."""
+    from fp4moe.engine.cuda_spec import GREEDY, SAMPLED, SORTED
+    from fp4moe.engine.sampler import filter_logits
+    from fp4moe.eval.quality import window_outputs
+
+    path = checkpoints.bf16()
+    k, n = 2, 6
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
+    ref_llm = LLM(path, dtype="bfloat16", device="cpu")
+    ref = ref_llm.generate(prompts, greedy)
+    truth = [o.outputs[0].token_ids for o in ref]
+    if variant == "sorted":
+        free, one = dict(temperature=1.0, top_k=3, top_p=0.9), dict(temperature=0.8, top_k=1)
+    else:
+        free, one = dict(temperature=0.3, min_p=0.5), dict(temperature=0.8, min_p=1.0)
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=n, ignore_eos=True, seed=7, **free),
+        SamplingParams(max_tokens=n, ignore_eos=True, seed=3, **one),
+    ]
+    llm = LLM(path, dtype="bfloat16", device=DEV, num_speculative_tokens=k)
+    if DEV == "cpu":
+        _fused(llm, spec_tokens=k)
+    spec, fused = llm.speculator, llm.speculator.fused
+    modes, forward, stored, set_probs = [], fused.forward, [], fused.set_draft_probs
+    fused.forward = lambda b, mode=GREEDY: modes.append(mode) or forward(b, mode)
+    fused.set_draft_probs = lambda slots, *rest: stored.extend(slots) or set_probs(slots, *rest)
+
+    class Oracle:  # sequence i sits in slot i; the third one's drafts are its true continuation
+        def __getattr__(self, name):
+            return getattr(fused, name)
+
+        def __call__(self, slots, positions, tokens, deltas, **sampling):
+            for slot, p, row in zip(slots, positions, tokens, strict=True):
+                if slot == 2:
+                    row[1:] = (truth[2][p - len(PROMPTS[2]) + 1 :] + [0] * k)[:k]
+            return fused(slots, positions, tokens, deltas, **sampling)
+
+    spec.fused = Oracle()
+    runs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for _ in range(2)]
+    assert runs[0] == runs[1]  # the same seeds, the same tokens
+    got = runs[0]
+    if DEV == "cpu":
+        assert [got[0], got[2]] == [truth[0], truth[2]]
+        want = SORTED if variant == "sorted" else SAMPLED
+        assert modes.count(want) >= 4 and set(modes) <= {GREEDY, want}  # >= 2 sampled rounds per run
+    else:
+        _agree_up_to_near_ties([ref[0], ref[2]], [got[0], got[2]])
+    assert sorted(set(stored)) == [1, 2]  # the module path's first drafts of the sampled sequences
+    assert spec.stats.accepted_per_position[k - 1] > 0
+    sampled = PROMPTS[1] + got[1]
+    logprobs, _ = window_outputs(ref_llm, sampled)
+    for i in range(len(PROMPTS[1]), len(sampled)):
+        kept = filter_logits(logprobs[i - 1], params[1]) > float("-inf")
+        assert kept[sampled[i]], f"token {i - len(PROMPTS[1])} ({sampled[i]}) is not one the filter keeps"
+    assert llm.runner.kv.num_free_pages == llm.runner.kv.k.shape[1] - 1 or DEV == "cuda"

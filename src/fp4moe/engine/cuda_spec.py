@@ -1,5 +1,5 @@
-"""A whole greedy speculative round on the GPU runner as one static-shape step (one CUDA graph per batch
-bucket): verify, accept, roll back, draft the next round -- the host reads back three small tensors.
+"""A whole speculative round on the GPU runner as one static-shape step (one CUDA graph per batch bucket and
+sampling variant): verify, accept, roll back, draft the next round -- the host reads back one small tensor.
 
 A sequence enters a round with its pending token x_p at position p and k drafts d_1..d_k from the last
 round (or from the module path's first drafting after prefill). The round:
@@ -7,24 +7,41 @@ round (or from the module path's first drafting after prefill). The round:
 1. runs the target over rows (sequence, t), t = 0..k: tokens x_p, d_1..d_k at positions p..p+k
    (``CudaModelRunner.forward_rows`` with T = k + 1: attention rows see the rows before them, the Gated
    DeltaNet kernel walks the k + 1 tokens in order and keeps the state after each one);
-2. takes the target's greedy choices y_t and accepts a = the length of the prefix where d_{t+1} = y_t:
-   the sequence gains d_1..d_a and the bonus token y_a;
+2. accepts a drafts and picks the token y_a that follows them. Greedy rows: a = the length of the prefix
+   where d_{t+1} equals the target's argmax y_t, and y_a is the argmax at row a. Sampled rows: speculative
+   rejection sampling (``engine.spec_sampling.accept_drafts``) with the target's filtered distributions
+   p_t and the draft distributions q_t the drafts were drawn from -- draft j is accepted when
+   u_j q_j(d_j) <= p_j(d_j), the final token comes from max(0, p_a - q_a) (or p_k after k acceptances);
+   the sequence gains d_1..d_a and y_a, distributed as plain sampling from the target;
 3. rolls back: each Gated DeltaNet state becomes the one after token a (a copy from the history); the
    conv rings are long enough that nothing was lost, and keys/values past p+a are simply not counted;
 4. catches the MTP head up on positions p..p+k with (target hidden h_{p+t}, token y_t) -- for t <= a, y_t
-   is the token that really follows -- and drafts the next round's d'_1 from row a, then d'_2..d'_k from
-   the head's own hidden states at positions p+a+1..p+a+k-1. Rows past a write MTP keys/values at
-   positions the next round overwrites before anything reads them. Only row a goes on through the head's
-   MoE (the other rows are needed for their keys/values alone).
+   is the token that really follows (d_{t+1}, then the final token) -- and drafts the next round's d'_1
+   from row a, then d'_2..d'_k from the head's own hidden states at positions p+a+1..p+a+k-1 (argmax for
+   greedy rows; sampled rows draw from the head's filtered distributions, which are kept for the next
+   round's acceptance test in ``q``, by cache slot). Rows past a write MTP keys/values at positions the
+   next round overwrites before anything reads them. Only row a goes on through the head's MoE (the
+   other rows are needed for their keys/values alone).
 
-Greedy only (temperature 0, no penalties, no logprobs): drafts and acceptance are argmax comparisons on
-the GPU. Other sequences use the module path's round (``MTPSpeculator.step_many``), which is exact for
-sampling too. Padded rows of a bucket point at the runner's scratch slot.
+Sampling parameters (temperature, top-k, top-p, min-p) and the round's uniforms ([b, 2k+1]: k acceptance
+tests, the final token, k next drafts; drawn on the host from each sequence's generator) go in with the
+other inputs; draws are by inverse CDF, so a graph is deterministic given its inputs. Three variants per
+bucket: greedy only (argmax comparisons, no sampling work), sampled without top-k/top-p (no sort), and
+sampled with a sort of each row (only when some sampled row asks for top-k or top-p); greedy rows ride
+along in the sampled variants with their argmax results. Penalties and logprobs are not handled here:
+those sequences use the module path's round (``MTPSpeculator.step_many``). Padded rows of a bucket point
+at the runner's scratch slot.
 """
 
 from __future__ import annotations
 
 import torch
+
+from fp4moe.engine.sampler import SamplingParams
+from fp4moe.engine.spec_sampling import accept_drafts, filter_probs, needs_sort, row_params, sample_rows
+
+GREEDY, SAMPLED, SORTED = 0, 1, 2  # graph variants: all rows greedy; sampled rows, without / with a sort
+PARAMS = 4  # sampling-buffer columns before the uniforms: temperature (0 = greedy), top_k, top_p, min_p
 
 
 class FusedSpecRound:
@@ -33,49 +50,92 @@ class FusedSpecRound:
             raise ValueError(f"the runner was built for {runner.spec_tokens} speculative tokens, not {k}")
         self.runner, self.k, self.t = runner, k, k + 1
         n, dev = runner.max_num_seqs, runner.device
+        self.vocab = runner.args.vocab_size
         self.ids = torch.zeros(n, self.t, dtype=torch.long, device=dev)  # x_p, d_1..d_k
         self.pos = torch.zeros(n, dtype=torch.int32, device=dev)  # p
         self.slots = torch.full((n,), runner.scratch, dtype=torch.int32, device=dev)
         self.delta = torch.zeros(n, dtype=torch.int32, device=dev)  # rotary position - cache position
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # per row: temperature, top_k, top_p, min_p, then uniforms for k acceptance tests, the final token
+        # and k next drafts (one upload per round; the greedy variant never reads it)
+        self.sampling = torch.zeros(n, PARAMS + 2 * k + 1, device=dev)
+        # the distributions each sequence's current drafts were drawn from, by cache slot (the scratch slot
+        # last): [max_num_seqs + 1, k, V] fp32, allocated when a sampled sequence first needs it
+        self.q: torch.Tensor | None = None
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # benchmarks only (timing, not output): every sequence accepts ``forced[0]`` drafts; set before the
         # first round, since graphs are captured with or without it
         self.forced: torch.Tensor | None = None
 
-    def __call__(self, slots: list[int], positions: list[int], tokens: list[list[int]], deltas: list[int]):
+    def __call__(
+        self,
+        slots: list[int],
+        positions: list[int],
+        tokens: list[list[int]],
+        deltas: list[int],
+        sampling: tuple[list[SamplingParams], torch.Tensor] | None = None,
+    ):
         """One round for ``len(slots)`` sequences (pending position p, tokens [x_p, d_1..d_k], rotary
-        offset) -> (accepted a [b], target choices y [b, k+1], next drafts [b, k]) as host tensors."""
+        offset) -> (accepted a [b], tokens y [b, k+1], next drafts [b, k]) as host tensors; the sequence
+        gains y[:a+1]. ``sampling``: None where every sequence is greedy, else (SamplingParams per
+        sequence, uniforms [b, 2k+1] in [0, 1): k acceptance tests, the final token, k next drafts); the
+        drafts of a sampled sequence must have been drawn from the distributions in ``q`` (this round's
+        output, or ``set_draft_probs`` after drafting on the module path)."""
         r, b = self.runner, len(slots)
+        mode = GREEDY
+        if sampling is not None and not all(p.greedy for p in sampling[0]):
+            mode = SORTED if needs_sort(sampling[0], self.vocab) else SAMPLED
+            self._allocate_q()
         for slot, p in zip(slots, positions, strict=True):
             r.kv.reserve(slot, p + 2 * self.k)  # verification to p+k, MTP drafts to p+2k-1
         bucket = r.graph_bucket(b)
-        if bucket is not None and bucket not in self.graphs:
+        if bucket is not None and (bucket, mode) not in self.graphs:
             self._park()  # the warm-up round writes only the scratch slot
-            self.graphs[bucket] = r.graph_of(lambda: self.forward(bucket))
+            self.graphs[bucket, mode] = r.graph_of(lambda: self.forward(bucket, mode))
         self._park()
         self.slots[:b] = torch.tensor(slots, dtype=torch.int32)
         self.pos[:b] = torch.tensor(positions, dtype=torch.int32)
         self.delta[:b] = torch.tensor(deltas, dtype=torch.int32)
         self.ids[:b] = torch.tensor(tokens, dtype=torch.long)
+        if mode != GREEDY:
+            params, uniforms = sampling
+            columns = torch.tensor(row_params(params), dtype=torch.float32).T
+            self.sampling[:b] = torch.cat([columns, uniforms.float().reshape(b, 2 * self.k + 1)], dim=1)
         if bucket is not None:
-            graph, out = self.graphs[bucket]
+            graph, out = self.graphs[bucket, mode]
             graph.replay()
         else:
-            out = self.forward(b)
+            out = self.forward(b, mode)
         out = out[:b].cpu()
         accepted, choices, drafts = out[:, 0], out[:, 1 : 1 + self.t], out[:, 1 + self.t :]
         for slot, p, a in zip(slots, positions, accepted.tolist(), strict=True):
             r.kv.advance(slot, p + a + 1)
         return accepted, choices, drafts
 
+    def set_draft_probs(self, slots: list[int], logits: torch.Tensor, params: list[SamplingParams]) -> None:
+        """Keep the distributions of drafts drawn elsewhere (the module path's first drafting): draft
+        ``logits`` [n, k, V] of sampled sequences in ``slots``, filtered with their ``params``."""
+        self._allocate_q()
+        n, dev = len(slots), self.q.device
+        rows = [torch.tensor(c, device=dev).repeat_interleave(self.k) for c in row_params(params)]
+        probs = filter_probs(
+            logits.reshape(n * self.k, -1).to(dev), *rows, sort=needs_sort(params, self.vocab)
+        )
+        self.q[torch.tensor(slots, device=dev)] = probs.view(n, self.k, -1)
+
+    def _allocate_q(self) -> None:
+        if self.q is None:
+            r = self.runner
+            self.q = torch.zeros(r.max_num_seqs + 1, self.k, self.vocab, device=r.device)
+
     def _park(self) -> None:
-        """Every row at the scratch slot, position 0 (the padding of a bucket)."""
+        """Every row at the scratch slot, position 0, greedy (the padding of a bucket)."""
         self.slots.fill_(self.runner.scratch)
         self.pos.zero_()
         self.delta.zero_()
         self.ids.zero_()
+        self.sampling.zero_()
 
-    def forward(self, b: int) -> torch.Tensor:
+    def forward(self, b: int, mode: int = GREEDY) -> torch.Tensor:
         """The round over the first ``b`` buffer rows -> [b, 1 + (k+1) + k] int64: a, y, next drafts."""
         r, t, k = self.runner, self.t, self.k
         model = r.model
@@ -84,20 +144,53 @@ class FusedSpecRound:
         slots = self.slots[:b].repeat_interleave(t)
         rope = (pos + self.delta[:b].repeat_interleave(t)).long().expand(3, -1)
         _, x = r.forward_rows(self.ids[:b].reshape(-1), pos, slots, rope, tokens_per_seq=t)
-        choices = model.lm_head(x).argmax(-1).view(b, t)
+        logits = model.lm_head(x)
+        choices = logits.argmax(-1).view(b, t)
         agree = (self.ids[:b, 1:] == choices[:, :-1]).long().cumprod(1)
         accepted = agree.sum(1)  # [b]
+        if mode != GREEDY:  # sampled rows: rejection sampling against the kept draft distributions
+            sampled = self.sampling[:b, 0] > 0
+            u = self.sampling[:b, PARAMS:]
+            p = self._filter(logits, b, mode, repeat=t).view(b, t, -1)
+            q = self.q[self.slots[:b].long()]  # read before this round's drafts overwrite it
+            a, final = accept_drafts(p, q, self.ids[:b, 1:], u[:, :k], u[:, k])
+            accepted = torch.where(sampled, a, accepted)
+            follow = torch.cat([self.ids[:b, 1:], final[:, None]], dim=1).scatter(
+                1, a[:, None], final[:, None]
+            )
+            choices = torch.where(sampled[:, None], follow, choices)  # y_t for t <= a: what really follows
         if self.forced is not None:
             accepted = self.forced.expand(b)
         rows = torch.arange(b, device=pos.device) * t + accepted
         st = r.states
         st.rec.index_copy_(1, self.slots[:b].long(), r.history[:, rows])
-        hidden = r.mtp_rows(choices.reshape(-1), x, pos, slots, rope, keep=rows)  # after the bonus token
-        drafts = [model.lm_head(hidden).argmax(-1)]
+        hidden = r.mtp_rows(choices.reshape(-1), x, pos, slots, rope, keep=rows)  # after the final token
+        drafts = [self._draft(hidden, b, mode, 0)]
         for j in range(1, k):
             p = self.pos[:b] + accepted.int() + j
             hidden = r.mtp_rows(
                 drafts[-1], hidden, p, self.slots[:b], (p + self.delta[:b]).long().expand(3, -1)
             )
-            drafts.append(model.lm_head(hidden).argmax(-1))
+            drafts.append(self._draft(hidden, b, mode, j))
         return torch.cat([accepted[:, None], choices, torch.stack(drafts, 1)], dim=1)
+
+    def _filter(self, logits: torch.Tensor, b: int, mode: int, repeat: int = 1) -> torch.Tensor:
+        """The sampler's distributions [b * repeat, V] of logits rows (``repeat`` consecutive rows per
+        sequence), with each sequence's parameters from the sampling buffer."""
+        temperature, top_k, top_p, min_p = (
+            self.sampling[:b, i].repeat_interleave(repeat) if repeat > 1 else self.sampling[:b, i]
+            for i in range(PARAMS)
+        )
+        return filter_probs(logits, temperature, top_k, top_p, min_p, sort=mode == SORTED)
+
+    def _draft(self, hidden: torch.Tensor, b: int, mode: int, j: int) -> torch.Tensor:
+        """Draft j of the next round from the MTP head's output: argmax for greedy rows; sampled rows draw
+        from the filtered distribution, which goes into ``q`` for the next round's acceptance test."""
+        logits = self.runner.model.lm_head(hidden)
+        choice = logits.argmax(-1)
+        if mode == GREEDY:
+            return choice
+        q = self._filter(logits, b, mode)
+        self.q[:, j].index_copy_(0, self.slots[:b].long(), q)
+        drawn = sample_rows(q, self.sampling[:b, PARAMS + self.k + 1 + j])
+        return torch.where(self.sampling[:b, 0] > 0, drawn, choice)

@@ -10,9 +10,12 @@ over the (token, target hidden) pairs of every accepted position, caught up befo
 Sequences decoding together share the forwards: one flat MTP forward per draft position, one flat target
 forward to verify, one more for the kept tokens of the sequences that rejected a draft.
 
-On the GPU runner, greedy sequences (no penalties, no logprobs) take the fused round instead
-(``engine.cuda_spec``): verification, acceptance, rollback from per-token states and the next round's
-drafts in one captured graph; their drafts are made a round ahead and kept on the sequence (``drafts``).
+On the GPU runner, sequences without penalties and without logprobs -- greedy or sampled (temperature,
+top-k, top-p, min-p) -- take the fused round instead (``engine.cuda_spec``): verification, acceptance
+(rejection sampling on the GPU for sampled ones, with uniforms drawn here from each sequence's generator),
+rollback from per-token states and the next round's drafts in one captured graph; their drafts are made a
+round ahead and kept on the sequence (``drafts``; the distributions sampled drafts came from stay on the
+GPU, by cache slot). Sequences with penalties or logprobs keep the module path's round.
 """
 
 from __future__ import annotations
@@ -173,13 +176,14 @@ class MTPSpeculator:
         return [counts[id(seq)] for seq in seqs]
 
     def _fusable(self, seq: Sequence, kv, max_model_len: int) -> bool:
-        """Whether the sequence can take the GPU runner's fused greedy round."""
+        """Whether the sequence can take the GPU runner's fused round: greedy or sampled (temperature, top-k,
+        top-p, min-p), but no penalties (they depend on the history the round extends) and no logprobs
+        (the round returns tokens only) -- those take the module path's round."""
         p = seq.params
         return (
             self.fused is not None
             and self.drafter == self._mtp_drafts
             and kv is self.llm.runner.kv
-            and p.greedy
             and p.logprobs is None
             and p.repetition_penalty == 1.0
             and not p.presence_penalty
@@ -190,19 +194,37 @@ class MTPSpeculator:
 
     @torch.no_grad()
     def fused_round(self, seqs: list[Sequence], kv, states) -> list[int]:
-        """The GPU runner's fused greedy round for ``seqs`` (drafted first through the module path where they
-        hold no drafts yet: after prefill or a plain step); returns the tokens each appended."""
+        """The GPU runner's fused round for ``seqs`` (drafted first through the module path where they hold
+        no drafts yet: after prefill or a plain step; the distributions sampled drafts were drawn from go to
+        the round's buffer); returns the tokens each appended. Sampled sequences get 2k+1 uniforms a round
+        from their own generator (seeded requests stay reproducible)."""
         fresh = [s for s in seqs if getattr(s, "drafts", None) is None]
-        for seq, (drafts, _) in zip(
-            fresh, self._mtp_drafts_many(fresh, kv, states) if fresh else [], strict=True
-        ):
+        proposals = self._mtp_drafts_many(fresh, kv, states) if fresh else []
+        for seq, (drafts, _) in zip(fresh, proposals, strict=True):
             seq.drafts = drafts
+        sampled = [
+            (s, logits) for s, (_, logits) in zip(fresh, proposals, strict=True) if not s.params.greedy
+        ]
+        if sampled:
+            self.fused.set_draft_probs(
+                [s.slot for s, _ in sampled],
+                torch.stack([torch.stack(logits) for _, logits in sampled]),
+                [s.params for s, _ in sampled],
+            )
+        extra = {}
+        if not all(s.params.greedy for s in seqs):
+            n = 2 * self.k + 1
+            uniforms = torch.stack([
+                torch.zeros(n) if s.params.greedy else torch.rand(n, generator=s.generator) for s in seqs
+            ])  # fmt: skip
+            extra["sampling"] = ([s.params for s in seqs], uniforms)
         ps = [len(s.all_ids) - 1 for s in seqs]
         accepted, choices, drafts = self.fused(
             [s.slot for s in seqs],
             ps,
             [[s.all_ids[-1], *s.drafts] for s in seqs],
             [s.rope_delta for s in seqs],
+            **extra,
         )
         appended = []
         for i, (seq, p) in enumerate(zip(seqs, ps, strict=True)):
