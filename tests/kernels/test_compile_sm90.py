@@ -23,6 +23,7 @@ VARIANTS = [
     (7, 0, 0, True),  # dense NVFP4 linear
     (3, 0, 0, True),  # FP8 linear
     (0, 1, 0, False),  # bf16 experts
+    (0, 0, 0, True),  # bf16 linear for a few rows
 ]
 
 SCRIPT = r"""

@@ -128,6 +128,14 @@ def test_bf16_bit_dequantization_is_exact(m, monkeypatch):
         assert torch.equal(outs[1], outs[mode]), mode
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 96, 128), (3, 1281, 256), (4, 64, 192)])
+def test_bf16_linear_for_a_few_rows(m, n, k):
+    gen = torch.Generator().manual_seed(20 + m)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(BF16).to(DEV)
+    x = torch.randn(m, k, generator=gen).to(BF16).to(DEV)
+    assert rel(gemm.bf16_linear(x, w), x.double() @ w.double().T) < RTOL
+
+
 @pytest.mark.parametrize("m,k", [(1, 128), (20, 192), (3, 48)])
 def test_fp8_weight_only_linear(m, k):
     gen = torch.Generator().manual_seed(10 + m)

@@ -83,8 +83,19 @@ def _concat_into(modules: list, name: str) -> torch.Tensor:
 
 
 def _dense_part(linears: list):
+    from fp4moe.kernels.nvfp4_gemm import bf16_linear
+
     weight = _concat_into(linears, "weight")
-    return lambda x: F.linear(x, weight)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if x.is_cuda and 2 <= rows <= 4 and weight.dtype == torch.bfloat16:
+            # 2-4 rows (a batch-1 speculative verification, small batches): cuBLAS is up to 5x slower than
+            # at 1 row on the fused router GEMM (H200, benchmarks/tune_dense.py); the grouped kernel is not
+            return bf16_linear(x.reshape(rows, -1), weight).view(*x.shape[:-1], -1)
+        return F.linear(x, weight)
+
+    return run
 
 
 def _nvfp4_part(linears: list):

@@ -575,11 +575,20 @@ def fp8_linear(x, weight, scale, out=None):
     return _dense(x, w, w, 0, scale.reshape(1).float(), 3, out)
 
 
-def _dense(x, w, s, stride_sn, d, mode: int, out):
+def bf16_linear(x, weight, out=None):
+    """x [M, K] @ weight [N, K]^T for a few bf16 rows (M <= 16), through the same kernel: cuBLAS picks a
+    slow kernel for some thin shapes (H200, the fused router + shared-expert GEMM, N = 1281, K = 2048: 23.3 us
+    at M = 3 against 4.5 us at M = 1; this kernel: 6.6 us; benchmarks/tune_dense.py)."""
+    one = torch.ones(1, device=x.device)
+    t = Tiles(16 if weight.shape[0] < 4096 else 32, 128, 4, 5)
+    return _dense(x, weight, weight, 0, one, 0, out, t)
+
+
+def _dense(x, w, s, stride_sn, d, mode: int, out, t: Tiles | None = None):
     """One weight matrix over every row of x (the kernel's DENSE branch)."""
     m, k = x.shape
     n = w.shape[0]
-    t = Tiles(32, 128, 4, 4) if m <= 16 else Tiles(64, 128, 4, 3)
+    t = t or (Tiles(32, 128, 4, 4) if m <= 16 else Tiles(64, 128, 4, 3))
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     return _launch(x, (x.stride(0), 0), 0, w, s, stride_sn, d, out, None, d, n, k, 1, 0, mode, t, dense_m=m)
