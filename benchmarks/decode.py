@@ -43,7 +43,7 @@ def log(*a):
 
 
 def correctness_gate() -> dict:
-    from fp4moe.engine.compare import greedy_agreement
+    from fp4moe.engine.compare import RouterMargins, greedy_agreement
     from fp4moe.engine.llm import LLM
     from fp4moe.engine.sampler import SamplingParams
     from fp4moe.models.tiny import write_tiny_checkpoint
@@ -62,7 +62,13 @@ def correctness_gate() -> dict:
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
         for name, path in (("bf16", src), ("nvfp4", dst)):
             for kv in ("auto", "fp8"):
-                ref = LLM(path, dtype="bfloat16", device="cpu", kv_cache_dtype=kv).generate(prompts, params)
+                # the reference one prompt at a time, recording its router near ties per forward
+                cpu_llm = LLM(path, dtype="bfloat16", device="cpu", kv_cache_dtype=kv)
+                ref, margins = [], []
+                for prompt in prompts:
+                    with RouterMargins(len(cpu_llm.model.layers)) as rm:
+                        ref += cpu_llm.generate([prompt], params)
+                    margins.append(rm.forwards)
                 gpu_llm = LLM(
                     path,
                     dtype="bfloat16",
@@ -72,7 +78,7 @@ def correctness_gate() -> dict:
                     max_model_len=1024,
                 )
                 got = gpu_llm.generate(prompts, params)
-                agree = greedy_agreement(ref, got)
+                agree = greedy_agreement(ref, got, router_margins=margins)
                 graphs = sorted(gpu_llm.runner.graphs)
                 result[f"{name}/{kv}"] = dict(vars(agree), graphs=graphs)
                 log(f"gate {name:5s} kv={kv:4s}: {agree}, graphs {graphs}")
