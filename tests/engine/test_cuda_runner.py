@@ -278,3 +278,30 @@ def test_fused_speculative_round_samples(checkpoints, variant):
         kept = filter_logits(logprobs[i - 1], params[1]) > float("-inf")
         assert kept[sampled[i]], f"token {i - len(PROMPTS[1])} ({sampled[i]}) is not one the filter keeps"
     assert llm.runner.kv.num_free_pages == llm.runner.kv.k.shape[1] - 1 or DEV == "cuda"
+
+
+def test_fused_projection_of_a_few_rows_through_the_grouped_kernel(monkeypatch):
+    """FusedLinear's bf16 part at 2-4 rows (the GPU takes the grouped kernel there, cuBLAS being slow for
+    some thin shapes) gives the concatenated Linears' outputs, in their order, for [T, K] and [B, T, K]."""
+    from fp4moe.engine import cuda_runner
+    from fp4moe.engine.cuda_runner import FusedLinear
+    from fp4moe.kernels import nvfp4_gemm
+    from fp4moe.layers.linear import Linear
+
+    monkeypatch.setattr(cuda_runner, "_few_rows_kernel", lambda x: True)
+    calls = []
+    kernel = nvfp4_gemm.bf16_linear
+    monkeypatch.setattr(nvfp4_gemm, "bf16_linear", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
+    torch.manual_seed(0)
+    linears = [Linear(64, n) for n in (48, 17, 1)]
+    for lin in linears:
+        lin.weight.data = (torch.randn(lin.out_features, 64) * 0.1).to(torch.bfloat16)
+    expected = lambda x: torch.cat([x.double() @ lin.weight.double().T for lin in linears], -1)  # noqa: E731
+    fused = FusedLinear(linears)
+    for shape in ((3, 64), (1, 2, 64), (4, 64)):
+        x = torch.randn(*shape).to(torch.bfloat16)
+        out = fused(x)
+        assert out.shape == (*shape[:-1], 66)
+        ref = expected(x)
+        assert float((out.double() - ref).norm() / ref.norm()) < 2e-2
+    assert calls == [3, 2, 4]  # every one of them went through the kernel

@@ -82,6 +82,12 @@ def _concat_into(modules: list, name: str) -> torch.Tensor:
     return whole
 
 
+def _few_rows_kernel(x: torch.Tensor) -> bool:
+    """Whether bf16 projections of 2-4 rows take the grouped kernel (on the GPU; tests switch it on for
+    the interpreter)."""
+    return x.is_cuda
+
+
 def _dense_part(linears: list):
     from fp4moe.kernels.nvfp4_gemm import bf16_linear
 
@@ -89,7 +95,7 @@ def _dense_part(linears: list):
 
     def run(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if x.is_cuda and 2 <= rows <= 4 and weight.dtype == torch.bfloat16:
+        if 2 <= rows <= 4 and weight.dtype == torch.bfloat16 and _few_rows_kernel(x):
             # 2-4 rows (a batch-1 speculative verification, small batches): cuBLAS is up to 5x slower than
             # at 1 row on the fused router GEMM (H200, benchmarks/tune_dense.py); the grouped kernel is not
             return bf16_linear(x.reshape(rows, -1), weight).view(*x.shape[:-1], -1)
