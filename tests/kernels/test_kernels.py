@@ -28,7 +28,7 @@ from fp4moe.layers.rope import RopeConfig, Rotary  # noqa: E402
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BF16 = torch.bfloat16
 RTOL = 2e-2
-# modes 4, 6, 7 compute in bf16 on bf16 bit patterns, subnormals included (6 and 7 through inline PTX);
+# modes 4 and 7 compute in bf16 on bf16 bit patterns, subnormals included (7 through inline PTX);
 # Triton's interpreter flushes bf16 subnormals, its bf16 multiply is not IEEE and it runs no PTX, so they
 # are checked on the GPU only
 BF16_INTERPRETER = "bf16-bit dequantization needs IEEE bf16 arithmetic: GPU only"
@@ -69,7 +69,7 @@ def test_align_matches_torch_sorting(tokens, experts, top_k):
         assert covered == list(range(tokens * top_k))  # every pair exactly once
 
 
-@pytest.mark.parametrize("mode", [1, 4, 6, 7])
+@pytest.mark.parametrize("mode", [1, 4, 7])
 @pytest.mark.parametrize(
     "tokens,inter,split",
     [(1, 32, 0), (5, 32, 0), (70, 32, 0), (4, 48, 0), (1, 32, 2), (5, 48, 1), (20, 32, 2)],
@@ -107,10 +107,10 @@ def test_dense_nvfp4_linear(m, k):
 
 @pytest.mark.parametrize("m", [1, 20])
 def test_bf16_bit_dequantization_is_exact(m, monkeypatch):
-    """Modes 4, 6 and 7 (codes written into bf16 bits -- by Triton ops, or two at a time by inline PTX --
+    """Modes 4 and 7 (codes written into bf16 bits -- by Triton ops, or two at a time by inline PTX --
     and one bf16 multiply by the block scale) dequantize exactly as mode 1 does: every code, every finite
     positive block scale (subnormal ones too). Rows of the identity as inputs make each output one weight
-    times the decode scale, with no sum whose order could differ (modes 6/7 add even and odd k apart)."""
+    times the decode scale, with no sum whose order could differ (mode 7 adds even and odd k apart)."""
     if DEV.type != "cuda":
         pytest.skip(BF16_INTERPRETER)
     gen = torch.Generator().manual_seed(3)
@@ -121,10 +121,10 @@ def test_bf16_bit_dequantization_is_exact(m, monkeypatch):
     picks = torch.randperm(k, generator=gen)[:m] if m < k else torch.arange(k)
     x = torch.eye(k, dtype=BF16)[picks].to(DEV)
     outs = {}
-    for mode in (1, 4, 6, 7):
+    for mode in (1, 4, 7):
         monkeypatch.setattr(gemm, "DEQUANT_MODE", mode)
         outs[mode] = gemm.nvfp4_linear(x, packed, scales.to(DEV), decode)
-    for mode in (4, 6, 7):
+    for mode in (4, 7):
         assert torch.equal(outs[1], outs[mode]), mode
 
 

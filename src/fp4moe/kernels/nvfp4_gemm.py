@@ -64,30 +64,8 @@ def _dequant_bf16_bits(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.
 # per instruction: spread bytes 0,1 (2,3) to the low bytes of the two halves of a register (prmt), keep one
 # nibble per half, and one multiply by 2^6 + 2^12 (low nibble; 2^2 + 2^8 for the high one) puts copies of
 # the nibble at bits 6-9 and 12-15 of each half (they cannot overlap); the mask keeps e1 e0 m under the
-# bf16's low exponent bits / top mantissa bit (6-8) and the sign at bit 15
-_E2M1_LO = tl.constexpr("""{
-.reg .b32 r<4>;
-prmt.b32 r0, $2, 0, 0x4140;
-prmt.b32 r1, $2, 0, 0x4342;
-and.b32 r2, r0, 0x000F000F;
-and.b32 r3, r1, 0x000F000F;
-mul.lo.u32 r2, r2, 0x1040;
-mul.lo.u32 r3, r3, 0x1040;
-and.b32 $0, r2, 0x81C081C0;
-and.b32 $1, r3, 0x81C081C0;
-}""")
-_E2M1_HI = tl.constexpr("""{
-.reg .b32 r<4>;
-prmt.b32 r0, $2, 0, 0x4140;
-prmt.b32 r1, $2, 0, 0x4342;
-and.b32 r2, r0, 0x00F000F0;
-and.b32 r3, r1, 0x00F000F0;
-mul.lo.u32 r2, r2, 0x104;
-mul.lo.u32 r3, r3, 0x104;
-and.b32 $0, r2, 0x81C081C0;
-and.b32 $1, r3, 0x81C081C0;
-}""")
-# both nibbles in one block (the byte spreading shared): outputs $0,$1 (low nibbles) and $2,$3 (high)
+# bf16's low exponent bits / top mantissa bit (6-8) and the sign at bit 15. Outputs $0,$1: the low nibbles
+# of bytes 0,1 and 2,3; $2,$3: the high nibbles
 _E2M1_BOTH = tl.constexpr("""{
 .reg .b32 r<4>;
 prmt.b32 r0, $4, 0, 0x4140;
@@ -108,17 +86,13 @@ and.b32 $3, r3, 0x81C081C0;
 
 
 @triton.jit
-def _dequant_asm(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """MODES 6/7: packed codes [BN, BK/2] -> (even k, odd k) tiles [BN, BK/2] bf16 of value * block scale *
+def _dequant_asm(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.constexpr):
+    """MODE 7: packed codes [BN, BK/2] -> (even k, odd k) tiles [BN, BK/2] bf16 of value * block scale *
     2^-8, exactly mode 4's values, with the nibbles converted two at a time by inline PTX (GPU only)."""
     packed = tl.load(w_ptrs, mask=w_mask, other=0)
-    if ONE_BLOCK:
-        lo, hi = tl.inline_asm_elementwise(
-            _E2M1_BOTH, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
-        )
-    else:
-        lo = tl.inline_asm_elementwise(_E2M1_LO, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
-        hi = tl.inline_asm_elementwise(_E2M1_HI, "=r,=r,r", [packed], dtype=tl.bfloat16, is_pure=True, pack=4)
+    lo, hi = tl.inline_asm_elementwise(
+        _E2M1_BOTH, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+    )
     scales = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     scales = (scales * 3.3230699894622794e35).to(tl.bfloat16)  # * 2^118: exact
     scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (BN, BK // 16, 8)), (BN, BK // 2))
@@ -168,8 +142,8 @@ def _tile_dot(a, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, offs_ks,
         ks_ok = k0 + 16 * offs_ks < K
     w_mask = mask_n[:, None] & kh_ok[None, :]
     s_mask = mask_n[:, None] & ks_ok[None, :]
-    if MODE >= 6:  # even and odd k apart: two dots over half tiles
-        lo, hi = _dequant_asm(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK, MODE == 7)
+    if MODE == 7:  # even and odd k apart: two dots over half tiles
+        lo, hi = _dequant_asm(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
         a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
         out = tl.dot(a_odd, tl.trans(hi), acc=tl.dot(a_even, tl.trans(lo)))
     else:
@@ -434,8 +408,8 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routin
 
 
 # 1: interleaved bf16 tiles through fp16 bits and fp32; 4: codes straight into bf16 bits, one bf16 multiply
-# by the block scale; 6/7: the same values two at a time by inline PTX, even and odd k in two dots (7: one
-# PTX block for both nibbles). All give the same weights bit for bit. The default: 7 on the GPU (H200,
+# by the block scale; 7: the same values two at a time by inline PTX, even and odd k in two dots. All give
+# the same weights bit for bit. The default: 7 on the GPU (H200,
 # tune_experts: 21.3 / 38.8 / 125 / 244 us per layer at 1 / 3 / 16 / 64 tokens vs mode 4's 23.7 / 50.1 /
 # 151 / 310; full-size decode 279 / 1528 / 3446 tok/s at batch 1 / 16 / 64 vs 287 / 1414 / 3076); 1 under
 # Triton's interpreter, whose bf16 arithmetic is not IEEE and which runs no PTX. (Even/odd tiles with tf32 or
