@@ -35,3 +35,24 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0 and "fp4moe" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_speculative_tokens_default_to_auto(command):
+    base = ["m", "x"] if command == "generate" else ["m"]
+    args = build_parser().parse_args([command, *base])
+    assert args.num_speculative_tokens == "auto"
+    assert (
+        build_parser().parse_args([command, *base, "--num-speculative-tokens", "3"]).num_speculative_tokens
+        == 3
+    )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, *base, "--num-speculative-tokens", "-1"])
+
+
+def test_auto_speculation_is_off_on_the_cpu(checkpoints):
+    """auto drafts only where the fused round pays (the GPU engine with an MTP head); on the CPU it is 0,
+    also for a checkpoint without an MTP head (no error, unlike an explicit k > 0)."""
+    from fp4moe.engine.llm import LLM
+
+    assert LLM(checkpoints.bf16(), num_speculative_tokens="auto").speculator is None

@@ -183,6 +183,19 @@ def _add_eval(sub) -> None:
     p.add_argument("--json", help="also write the results as JSON to this file")
 
 
+def _spec_tokens(value: str) -> int | str:
+    """--num-speculative-tokens: a count >= 0 or "auto"."""
+    if value == "auto":
+        return value
+    try:
+        k = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {value!r}") from None
+    if k < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more tokens, got {k}")
+    return k
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser(
         "generate",
@@ -246,12 +259,14 @@ def _add_generate(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument(
         "--num-speculative-tokens",
-        type=int,
-        default=0,
-        help="draft this many tokens per step with the checkpoint's MTP head and verify them (0 = off). On a "
+        type=_spec_tokens,
+        default="auto",
+        help="draft this many tokens per step with the checkpoint's MTP head and verify them (0 = off; default "
+        "auto: 2 on a GPU when the checkpoint has an MTP head, else 0). On a "
         "GPU greedy requests run a fused, graph-captured round (1.4-2.2x faster decoding at 70-90%% acceptance, by batch and k; "
         "BENCHMARKS.md), sampled ones (temperature, top-k/top-p/min-p) the same round with rejection sampling on the "
-        "GPU (top-k/top-p sort each vocabulary row: 1.1x at 80%% acceptance, batch 1); requests with penalties or logprobs run an unfused round that is slower than plain decoding there; on "
+        "GPU (except top-k/top-p, which decode without drafts: their round sorts each vocabulary row, 1.1x at 80%% "
+        "acceptance, batch 1); requests with penalties or logprobs run an unfused round that is slower than plain decoding there; on "
         "the CPU speculation does not pay (compute-bound)",
     )
     p.add_argument(
@@ -340,12 +355,14 @@ def _add_serve(sub) -> None:
     )
     p.add_argument(
         "--num-speculative-tokens",
-        type=int,
-        default=0,
-        help="MTP speculative decoding: draft this many tokens per step and verify them (0 = off). On a GPU "
+        type=_spec_tokens,
+        default="auto",
+        help="MTP speculative decoding: draft this many tokens per step and verify them (0 = off; default auto: "
+        "2 on a GPU when the checkpoint has an MTP head, else 0). On a GPU "
         "greedy requests run a fused, graph-captured round (1.4-2.2x faster decoding at 70-90%% acceptance, by batch and k; "
         "BENCHMARKS.md), sampled ones (temperature, top-k/top-p/min-p) the same round with rejection sampling on the "
-        "GPU (top-k/top-p sort each vocabulary row: 1.1x at 80%% acceptance, batch 1); requests with penalties or logprobs run an unfused round that is slower than plain decoding there",
+        "GPU (except top-k/top-p, which decode without drafts: their round sorts each vocabulary row, 1.1x at 80%% "
+        "acceptance, batch 1); requests with penalties or logprobs run an unfused round that is slower than plain decoding there",
     )
     p.add_argument(
         "--speculative-disable-by-batch-size",

@@ -246,6 +246,7 @@ def test_fused_speculative_round_samples(checkpoints, variant):
     if DEV == "cpu":
         _fused(llm, spec_tokens=k)
     spec, fused = llm.speculator, llm.speculator.fused
+    spec.speculate_sorted_sampling = True  # (off by default: top-k/top-p sequences then decode plainly)
     modes, forward, stored, set_probs = [], fused.forward, [], fused.set_draft_probs
     fused.forward = lambda b, mode=GREEDY: modes.append(mode) or forward(b, mode)
     fused.set_draft_probs = lambda slots, *rest: stored.extend(slots) or set_probs(slots, *rest)
@@ -278,6 +279,45 @@ def test_fused_speculative_round_samples(checkpoints, variant):
         kept = filter_logits(logprobs[i - 1], params[1]) > float("-inf")
         assert kept[sampled[i]], f"token {i - len(PROMPTS[1])} ({sampled[i]}) is not one the filter keeps"
     assert llm.runner.kv.num_free_pages == llm.runner.kv.k.shape[1] - 1 or DEV == "cuda"
+
+
+def test_top_p_sequences_decode_plainly_next_to_speculating_ones(checkpoints):
+    """By default a sampled sequence with top-p (whose fused round would sort every vocabulary row) takes
+    the runner's fused plain step inside a speculative batch: it drafts nothing, keeps no MTP inputs, and
+    its seeded tokens are those of the same request without speculation; the greedy sequence beside it
+    speculates and keeps plain greedy tokens."""
+    path = checkpoints.bf16()
+    k, n = 2, 5
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True),
+    ]
+    plain = LLM(path, dtype="bfloat16", device=DEV)
+    if DEV == "cpu":
+        _fused(plain)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = LLM(path, dtype="bfloat16", device=DEV, num_speculative_tokens=k)
+    if DEV == "cpu":
+        _fused(llm, spec_tokens=k)
+    spec, runner = llm.speculator, llm.runner
+    steps, decode_step = [], runner.decode_step
+    runner.decode_step = lambda seqs: steps.append([s.params.top_p for s in seqs]) or decode_step(seqs)
+    seqs = []
+    make = llm._make_sequences
+
+    def keep(*args):
+        encoded, made = make(*args)
+        seqs.extend(made)
+        return encoded, made
+
+    llm._make_sequences = keep
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got[0] == expected[0] or DEV == "cuda"  # greedy: the interpreter keeps the roundings
+    assert got[1] == expected[1] or DEV == "cuda"  # the same seed, the same plain steps' logits
+    assert steps and all(p == [0.9] for p in steps)  # only the top-p sequence took plain steps
+    assert spec.stats.drafts > 0 and spec.stats.drafts == spec.stats.draft_tokens // k
+    assert seqs[1].hidden_tail.shape[0] == 0  # no MTP inputs kept for a sequence that never drafts
 
 
 def test_fused_projection_of_a_few_rows_through_the_grouped_kernel(monkeypatch):

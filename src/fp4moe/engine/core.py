@@ -171,12 +171,8 @@ def run_spec_batch(core: EngineCore, batch) -> list[Sequence]:
         # under load one batched plain step beats per-sequence draft-and-verify; the MTP head keeps its
         # inputs (hidden states) and catches up when the batch shrinks again
         spec.stats.disabled_steps += 1
-        hidden, spans = llm.runner.forward([(s, 1) for s in decoding], core.kv, core.states)
-        for seq, (start, end) in zip(decoding, spans, strict=True):
-            seq.num_cached += 1
-            seq.hidden_tail = torch.cat([seq.hidden_tail, hidden[start:end]])
-            seq.drafts = None  # drafts kept for the fused round no longer follow the last token
-            llm.sample_into(seq, llm.model.compute_logits(hidden[start:end])[0].cpu())
+        spec.plain_steps(decoding, core.kv, core.states)  # drafts kept for the fused round are dropped
+        for seq in decoding:
             seq.new_tokens = 1
             progressed.append(seq)
         return progressed

@@ -179,6 +179,7 @@ class CudaModelRunner(ModelRunner):
         self.buf_rope = torch.zeros(
             3, max_num_seqs, dtype=torch.long, device=device
         )  # rotary (mRoPE) positions
+        self.last_hidden: torch.Tensor | None = None  # the last decode step's final-normed hidden states
 
     # ---- set-up -------------------------------------------------------------------------------------
 
@@ -231,25 +232,36 @@ class CudaModelRunner(ModelRunner):
 
     # ---- module path (prefill, chunks, verification) ------------------------------------------------
 
-    @torch.no_grad()
-    def run(self, batch: list[tuple[Sequence, int]], kv, states):
+    def fusable_decode(self, batch: list[tuple[Sequence, int]], kv) -> bool:
+        """Whether ``batch`` is one decode token per sequence that the fused step can take."""
         decode = all(n == 1 and s.num_cached > 0 for s, n in batch) and len(batch) <= self.max_num_seqs
         decode = decode and all(s.image_embeds is None or s.num_cached >= len(s.prompt_ids) for s, _ in batch)
         # an fp8 cache's scales are set by the first prefill that writes each layer (the module path)
         decode = decode and (not kv.fp8 or all(layer in kv.scales for layer in self.attn_ids))
-        if not decode or kv is not self.kv:
+        return decode and kv is self.kv
+
+    @torch.no_grad()
+    def run(self, batch: list[tuple[Sequence, int]], kv, states):
+        if not self.fusable_decode(batch, kv):
             return super().run(batch, kv, states)
-        seqs = [s for s, _ in batch]
+        logits, _ = self.decode_step([s for s, _ in batch])
+        return [(s, logits[i]) for i, (s, _) in enumerate(batch)]
+
+    @torch.no_grad()
+    def decode_step(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused step for ``seqs`` (each decoding its next token; ``fusable_decode`` holds) -> (logits
+        [b, V] fp32 on the host, final-normed hidden states [b, H] on the device, a copy: the MTP head's
+        inputs)."""
         logits = self.decode_logits(
             [s.slot for s in seqs],
             [s.all_ids[s.num_cached] for s in seqs],
             [s.num_cached for s in seqs],
             torch.cat([s.positions(s.num_cached, s.num_cached + 1) for s in seqs], dim=1),
         )
+        hidden = self.last_hidden.clone()
         for s in seqs:
             s.num_cached += 1
-        logits = logits.float().cpu()
-        return [(s, logits[i]) for i, s in enumerate(seqs)]
+        return logits.float().cpu(), hidden
 
     # ---- fused decode -------------------------------------------------------------------------------
 
@@ -258,7 +270,8 @@ class CudaModelRunner(ModelRunner):
     ) -> torch.Tensor:
         """One decode token for each slot (token at ``positions``); ``rope_positions`` [3, B] when rotary
         positions differ from the cache positions (after an image). Returns logits [B, V] (GPU, bf16) --
-        with graphs, a view of the graph's output buffer, overwritten by the next step."""
+        with graphs, a view of the graph's output buffer, overwritten by the next step; ``last_hidden`` is
+        the step's final-normed hidden states, likewise."""
         b = len(slots)
         for slot, pos in zip(slots, positions, strict=True):
             self.kv.reserve(slot, pos + 1)
@@ -279,11 +292,11 @@ class CudaModelRunner(ModelRunner):
         else:
             self.buf_ids[:b] = torch.tensor(tokens, dtype=torch.long)
         if bucket is not None:
-            graph, out = self.graphs[bucket]
+            graph, (logits, hidden) = self.graphs[bucket]
             graph.replay()
-            logits = out[:b]
         else:
-            logits = self.decode_forward(b)
+            logits, hidden = self.decode_forward(b)
+        logits, self.last_hidden = logits[:b], hidden[:b]
         for slot, pos in zip(slots, positions, strict=True):
             self.kv.advance(slot, pos + 1)
         return logits
@@ -320,10 +333,11 @@ class CudaModelRunner(ModelRunner):
             if b not in self.graphs:
                 self._capture(b)
 
-    def decode_forward(self, b: int) -> torch.Tensor:
-        """The decode step over the first ``b`` rows of the static buffers -> logits [b, V] (bf16)."""
+    def decode_forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step over the first ``b`` rows of the static buffers -> (logits [b, V] bf16,
+        final-normed hidden [b, H])."""
         _, x = self.forward_rows(self.buf_ids[:b], self.buf_pos[:b], self.buf_slots[:b], self.buf_rope[:, :b])
-        return self.model.lm_head(x)
+        return self.model.lm_head(x), x
 
     def _row_geometry(self, pos: torch.Tensor, slots: torch.Tensor):
         """Block-table rows, cache rows written (slot_map) and attention lengths of rows at ``pos``."""

@@ -70,6 +70,10 @@ class MTPSpeculator:
         self.drafter = drafter or self._mtp_drafts  # tests may force acceptance or rejection
         self.stats = SpecStats(accepted_per_position=[0] * num_speculative_tokens)
         self.disable_by_batch_size = 0  # > 0: no drafts while more sequences than this are decoding
+        # sampled sequences with top-k / top-p on the GPU runner decode without drafts unless this is set:
+        # their fused round sorts every vocabulary row and measured 1.11x at 80% acceptance at batch 1,
+        # slower than plain decoding below ~70% (H200, BENCHMARKS.md)
+        self.speculate_sorted_sampling = False
         self.fused = None
         if getattr(llm.runner, "spec_tokens", 0) == num_speculative_tokens:
             from fp4moe.engine.cuda_spec import FusedSpecRound
@@ -164,16 +168,28 @@ class MTPSpeculator:
     def decode_round(self, seqs: list[Sequence], kv, states, max_model_len: int) -> list[int]:
         """One round for decoding sequences: draft-and-verify where k+1 more tokens fit in the context,
         a plain step where they do not; returns the tokens each sequence appended."""
-        room = [s for s in seqs if len(s.all_ids) + self.k + 1 < max_model_len]
+        room = [s for s in seqs if len(s.all_ids) + self.k + 1 < max_model_len and not self.plain_only(s, kv)]
         fused = [s for s in room if self._fusable(s, kv, max_model_len)]
         rest = [s for s in room if s not in fused]
         counts = dict(zip(map(id, fused), self.fused_round(fused, kv, states) if fused else [], strict=True))
         counts.update(zip(map(id, rest), self.step_many(rest, kv, states) if rest else [], strict=True))
-        for seq in seqs:
-            if id(seq) not in counts:
-                self.plain_step(seq, kv, states)
-                counts[id(seq)] = 1
+        plain = [seq for seq in seqs if id(seq) not in counts]
+        if plain:
+            self.plain_steps(plain, kv, states)
+            counts.update((id(seq), 1) for seq in plain)
         return [counts[id(seq)] for seq in seqs]
+
+    def plain_only(self, seq: Sequence, kv) -> bool:
+        """Sampled with top-k or top-p on the GPU runner (unless ``speculate_sorted_sampling``): the sequence
+        decodes without drafts, its fused round costing more than it gains."""
+        from fp4moe.engine.spec_sampling import needs_sort
+
+        return (
+            self.fused is not None
+            and not self.speculate_sorted_sampling
+            and kv is self.llm.runner.kv
+            and needs_sort([seq.params], self.fused.vocab)
+        )
 
     def _fusable(self, seq: Sequence, kv, max_model_len: int) -> bool:
         """Whether the sequence can take the GPU runner's fused round: greedy or sampled (temperature, top-k,
@@ -310,9 +326,26 @@ class MTPSpeculator:
 
     @torch.no_grad()
     def plain_step(self, seq: Sequence, kv, states) -> None:
-        """One ordinary decode step (near the end of the context), keeping the MTP head's inputs."""
-        hidden, _ = self.llm.runner.forward([(seq, 1)], kv, states)
-        seq.num_cached += 1
-        seq.drafts = None
-        seq.hidden_tail = torch.cat([seq.hidden_tail, hidden])
-        self.llm.sample_into(seq, self.model.compute_logits(hidden)[0].cpu())
+        self.plain_steps([seq], kv, states)
+
+    @torch.no_grad()
+    def plain_steps(self, seqs: list[Sequence], kv, states) -> None:
+        """One ordinary decode step for each of ``seqs`` (near the end of the context, under load, or
+        sampled with a sort) -- on the GPU runner its fused, graph-captured step -- keeping the MTP head's
+        inputs, except for sequences that never draft (``plain_only``: they drop them)."""
+        runner = self.llm.runner
+        batch = [(s, 1) for s in seqs]
+        if hasattr(runner, "fusable_decode") and runner.fusable_decode(batch, kv):
+            logits, hidden = runner.decode_step(seqs)
+        else:
+            hidden, _ = runner.forward(batch, kv, states)
+            logits = self.model.compute_logits(hidden).float().cpu()
+            for seq in seqs:
+                seq.num_cached += 1
+        for i, seq in enumerate(seqs):
+            seq.drafts = None
+            if self.plain_only(seq, kv):
+                seq.hidden_tail, seq.mtp_cached = hidden[:0], seq.num_cached
+            else:
+                seq.hidden_tail = torch.cat([seq.hidden_tail, hidden[i : i + 1]])
+            self.llm.sample_into(seq, logits[i])
