@@ -345,3 +345,53 @@ def test_fused_projection_of_a_few_rows_through_the_grouped_kernel(monkeypatch):
         ref = expected(x)
         assert float((out.double() - ref).norm() / ref.norm()) < 2e-2
     assert calls == [3, 2, 4]  # every one of them went through the kernel
+
+
+def test_graph_branches_on_the_cpu_with_an_emulated_graph(checkpoints):
+    """The runner's and the fused round's graph branches (outputs read from the buffers the capture
+    returned, refilled by every replay) with a stand-in graph whose replay reruns the captured function into
+    those buffers: the same tokens as without graphs, for plain decoding and for speculation with plain
+    steps mixed in (a top-p sequence)."""
+    if DEV == "cuda":
+        pytest.skip("real CUDA graphs run on the GPU")
+
+    class Replay:
+        def __init__(self, fn, out):
+            self.fn, self.out = fn, out
+
+        def replay(self):
+            new = self.fn()
+            pairs = zip(self.out, new, strict=True) if isinstance(self.out, tuple) else [(self.out, new)]
+            for buf, value in pairs:
+                buf.copy_(value)
+
+    def emulate(runner):
+        runner.cuda_graphs = True
+
+        def graph_of(fn):
+            out = fn()
+            return Replay(fn, out), out
+
+        runner.graph_of = graph_of
+
+    path = checkpoints.bf16()
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    params = [
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+    ]
+    for k in (0, 2):
+        outs = []
+        for graphs in (False, True):
+            llm = LLM(path, dtype="bfloat16", device=DEV, num_speculative_tokens=k)
+            _fused(llm, spec_tokens=k)
+            if graphs:
+                emulate(llm.runner)
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+            assert (
+                bool(llm.runner.graphs) == graphs
+            )  # the decode step's graph branch ran (top-p: plain steps)
+            if k and graphs:
+                assert llm.speculator.fused.graphs  # and the fused round's
+        assert outs[0] == outs[1], k
