@@ -395,3 +395,56 @@ def test_graph_branches_on_the_cpu_with_an_emulated_graph(checkpoints):
             if k and graphs:
                 assert llm.speculator.fused.graphs  # and the fused round's
         assert outs[0] == outs[1], k
+
+
+def test_plain_steps_under_load_leave_the_mtp_cache_to_the_head(checkpoints):
+    """Over --speculative-disable-by-batch-size the fused plain step runs (keeping the MTP head's inputs);
+    it writes the target's keys/values only, so the MTP layer's cache length stays where the head's own
+    catch-up left it (else the catch-up would write past it); once the batch shrinks, drafting resumes and
+    the tokens are plain greedy decoding's."""
+    from fp4moe.engine.core import EngineCore
+    from fp4moe.engine.scheduler import SchedulerConfig
+
+    path = checkpoints.bf16()
+    lengths = (3, 8)
+    ref = LLM(path, dtype="bfloat16", device="cpu")
+    truth = [
+        ref.generate(
+            [{"prompt_token_ids": p}], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        )[0]
+        .outputs[0]
+        .token_ids
+        for p, n in zip(PROMPTS, lengths, strict=False)
+    ]
+    llm = LLM(
+        path, dtype="bfloat16", device=DEV, num_speculative_tokens=2, speculative_disable_by_batch_size=1
+    )
+    if DEV == "cpu":
+        _fused(llm, spec_tokens=2)
+        llm.speculator.disable_by_batch_size = 1
+    spec, kv = llm.speculator, llm.runner.kv
+    mtp_layer = llm.model.mtp.layer_id
+    plain, checked = spec.plain_steps, []
+
+    def plain_steps(seqs, kv_, states):
+        plain(seqs, kv_, states)
+        for s in seqs:
+            checked.append((kv.length(mtp_layer, s.slot), s.mtp_cached))
+
+    spec.plain_steps = plain_steps
+    core = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64))
+    seqs = [
+        core.make_sequences(
+            {"prompt_token_ids": p}, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        )[0]
+        for p, n in zip(PROMPTS, lengths, strict=False)
+    ]
+    core.add(seqs)
+    for _ in range(100):
+        if all(s.finished for s in seqs):
+            break
+        core.step()
+    assert spec.stats.disabled_steps > 0 and spec.stats.drafts > 0  # paused under load, drafted when alone
+    assert checked and all(length == cached for length, cached in checked), checked
+    got = [s.output_ids for s in seqs]
+    assert got == truth or DEV == "cuda"

@@ -95,7 +95,12 @@ def _dense_part(linears: list):
 
     def run(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if 2 <= rows <= 4 and weight.dtype == torch.bfloat16 and _few_rows_kernel(x):
+        if (
+            2 <= rows <= 4
+            and weight.dtype == torch.bfloat16
+            and x.shape[-1] % 16 == 0
+            and _few_rows_kernel(x)
+        ):
             # 2-4 rows (a batch-1 speculative verification, small batches): cuBLAS is up to 5x slower than
             # at 1 row on the fused router GEMM (H200, benchmarks/tune_dense.py); the grouped kernel is not
             return bf16_linear(x.reshape(rows, -1), weight).view(*x.shape[:-1], -1)
@@ -234,7 +239,8 @@ class CudaModelRunner(ModelRunner):
 
     def fusable_decode(self, batch: list[tuple[Sequence, int]], kv) -> bool:
         """Whether ``batch`` is one decode token per sequence that the fused step can take."""
-        decode = all(n == 1 and s.num_cached > 0 for s, n in batch) and len(batch) <= self.max_num_seqs
+        decode = all(n == 1 and 0 < s.num_cached == len(s.all_ids) - 1 for s, n in batch)
+        decode = decode and len(batch) <= self.max_num_seqs
         decode = decode and all(s.image_embeds is None or s.num_cached >= len(s.prompt_ids) for s, _ in batch)
         # an fp8 cache's scales are set by the first prefill that writes each layer (the module path)
         decode = decode and (not kv.fp8 or all(layer in kv.scales for layer in self.attn_ids))
@@ -244,21 +250,21 @@ class CudaModelRunner(ModelRunner):
     def run(self, batch: list[tuple[Sequence, int]], kv, states):
         if not self.fusable_decode(batch, kv):
             return super().run(batch, kv, states)
-        logits, _ = self.decode_step([s for s, _ in batch])
+        logits, _ = self.decode_step([s for s, _ in batch], keep_hidden=False)
         return [(s, logits[i]) for i, (s, _) in enumerate(batch)]
 
     @torch.no_grad()
-    def decode_step(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_step(self, seqs: list[Sequence], keep_hidden: bool = True):
         """The fused step for ``seqs`` (each decoding its next token; ``fusable_decode`` holds) -> (logits
-        [b, V] fp32 on the host, final-normed hidden states [b, H] on the device, a copy: the MTP head's
-        inputs)."""
+        [b, V] fp32 on the host, final-normed hidden states [b, H] on the device -- a copy: the MTP head's
+        inputs -- or None)."""
         logits = self.decode_logits(
             [s.slot for s in seqs],
             [s.all_ids[s.num_cached] for s in seqs],
             [s.num_cached for s in seqs],
             torch.cat([s.positions(s.num_cached, s.num_cached + 1) for s in seqs], dim=1),
         )
-        hidden = self.last_hidden.clone()
+        hidden = self.last_hidden.clone() if keep_hidden else None
         for s in seqs:
             s.num_cached += 1
         return logits.float().cpu(), hidden
@@ -298,7 +304,8 @@ class CudaModelRunner(ModelRunner):
             logits, hidden = self.decode_forward(b)
         logits, self.last_hidden = logits[:b], hidden[:b]
         for slot, pos in zip(slots, positions, strict=True):
-            self.kv.advance(slot, pos + 1)
+            # the target's layers only: the MTP layer's keys/values are the head's, written as it catches up
+            self.kv.advance(slot, pos + 1, self.attn_ids)
         return logits
 
     def _capture(self, b: int) -> None:

@@ -105,9 +105,9 @@ class PagedKVCache:
             return fp8_decode(kc[rows], ks, k.dtype), fp8_decode(vc[rows], vs, k.dtype)
         return kc[rows], vc[rows]
 
-    def advance(self, slot: int, length: int) -> None:
-        """After a fused decode step wrote position length-1 of every layer."""
-        for layer in self.index:
+    def advance(self, slot: int, length: int, layers=None) -> None:
+        """After a fused step wrote position length-1 of every layer (or of ``layers``)."""
+        for layer in self.index if layers is None else layers:
             self._len[(layer, slot)] = length
 
     def truncate(self, layer: int, slot: int, length: int) -> None:

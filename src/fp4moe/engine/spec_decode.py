@@ -170,7 +170,9 @@ class MTPSpeculator:
         a plain step where they do not; returns the tokens each sequence appended."""
         room = [s for s in seqs if len(s.all_ids) + self.k + 1 < max_model_len and not self.plain_only(s, kv)]
         fused = [s for s in room if self._fusable(s, kv, max_model_len)]
-        rest = [s for s in room if s not in fused]
+        # the module path's round needs positions the MTP head has not seen: a sequence fresh from a fused
+        # round (drafts held, nothing to catch up; possible near the context end for k >= 4) steps plainly
+        rest = [s for s in room if s not in fused and getattr(s, "drafts", None) is None]
         counts = dict(zip(map(id, fused), self.fused_round(fused, kv, states) if fused else [], strict=True))
         counts.update(zip(map(id, rest), self.step_many(rest, kv, states) if rest else [], strict=True))
         plain = [seq for seq in seqs if id(seq) not in counts]
@@ -188,7 +190,7 @@ class MTPSpeculator:
             self.fused is not None
             and not self.speculate_sorted_sampling
             and kv is self.llm.runner.kv
-            and needs_sort([seq.params], self.fused.vocab)
+            and needs_sort([seq.params], self.model.args.vocab_size)
         )
 
     def _fusable(self, seq: Sequence, kv, max_model_len: int) -> bool:
@@ -332,7 +334,8 @@ class MTPSpeculator:
     def plain_steps(self, seqs: list[Sequence], kv, states) -> None:
         """One ordinary decode step for each of ``seqs`` (near the end of the context, under load, or
         sampled with a sort) -- on the GPU runner its fused, graph-captured step -- keeping the MTP head's
-        inputs, except for sequences that never draft (``plain_only``: they drop them)."""
+        inputs, except for sequences that never draft (``plain_only``: they drop them; their sampling
+        parameters, and ``speculate_sorted_sampling``, do not change while they run)."""
         runner = self.llm.runner
         batch = [(s, 1) for s in seqs]
         if hasattr(runner, "fusable_decode") and runner.fusable_decode(batch, kv):
