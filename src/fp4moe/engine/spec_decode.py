@@ -327,10 +327,6 @@ class MTPSpeculator:
         return self.model(ids, positions.to(device), ctx), ctx.spans()
 
     @torch.no_grad()
-    def plain_step(self, seq: Sequence, kv, states) -> None:
-        self.plain_steps([seq], kv, states)
-
-    @torch.no_grad()
     def plain_steps(self, seqs: list[Sequence], kv, states) -> None:
         """One ordinary decode step for each of ``seqs`` (near the end of the context, under load, or
         sampled with a sort) -- on the GPU runner its fused, graph-captured step -- keeping the MTP head's

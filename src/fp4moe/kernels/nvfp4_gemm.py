@@ -553,9 +553,19 @@ def bf16_linear(x, weight, out=None):
     """x [M, K] @ weight [N, K]^T for a few bf16 rows (M <= 16), through the same kernel: cuBLAS picks a
     slow kernel for some thin shapes (H200, the fused router + shared-expert GEMM, N = 1281, K = 2048: 23.3 us
     at M = 3 against 4.5 us at M = 1; this kernel: 6.6 us; benchmarks/tune_dense.py)."""
-    one = torch.ones(1, device=x.device)
     t = Tiles(16 if weight.shape[0] < 4096 else 32, 128, 4, 5)
-    return _dense(x, weight, weight, 0, one, 0, out, t)
+    return _dense(x, weight, weight, 0, _unit_scale(x.device), 0, out, t)
+
+
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A decode scale of 1 per device, made once (not a fill kernel per call in a captured step; the
+    first call runs in the warm-up before capture)."""
+    if device not in _UNIT_SCALES:
+        _UNIT_SCALES[device] = torch.ones(1, device=device)
+    return _UNIT_SCALES[device]
 
 
 def _dense(x, w, s, stride_sn, d, mode: int, out, t: Tiles | None = None):
