@@ -370,6 +370,9 @@ def kernel_breakdown(model, b: int = 1, ctx: int = 1024) -> list[dict]:
     runner.buf_slots[:b] = torch.arange(b, device=dev, dtype=torch.int32)
     runner.buf_pos[:b] = ctx
     runner.buf_rope[:, :b] = ctx
+    # distinct random tokens: the rows route to different experts, as in time_decode (equal tokens would
+    # all pick the same 8)
+    runner.buf_ids[:b] = torch.randint(0, model.args.vocab_size, (b,), device=dev)
     for _ in range(3):
         runner.decode_forward(b)
     torch.cuda.synchronize()

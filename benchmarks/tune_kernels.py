@@ -36,15 +36,9 @@ def main() -> None:
     for t in (1, 16, 64):
         ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)]).to(torch.int32)
         rows = []
-        for ch, warps in itertools.product((8, 32, 64), (1, 2, 4, 8)):
-            rows.append(
-                (
-                    bench(lambda ch=ch, warps=warps: gemm.align(ids, e, 16, ch=ch, num_warps=warps)),
-                    (ch, warps),
-                    None,
-                )
-            )
-        best(rows, f"T={t:3d} align (ch, warps)=")
+        for warps in (1, 2, 4, 8):
+            rows.append((bench(lambda warps=warps: gemm.align(ids, e, 16, num_warps=warps)), warps, None))
+        best(rows, f"T={t:3d} align warps=")
         proj = torch.randn(t, e + 2 * 512 + 1, device=dev, dtype=torch.bfloat16)
         rows = [
             (bench(lambda nw=nw: moe_router.route(proj, e, k, 512, num_warps=nw)), nw, None)

@@ -335,11 +335,11 @@ def test_fused_projection_of_a_few_rows_through_the_grouped_kernel(monkeypatch):
     torch.manual_seed(0)
     linears = [Linear(64, n) for n in (48, 17, 1)]
     for lin in linears:
-        lin.weight.data = (torch.randn(lin.out_features, 64) * 0.1).to(torch.bfloat16)
+        lin.weight.data = (torch.randn(lin.out_features, 64) * 0.1).to(torch.bfloat16).to(DEV)
     expected = lambda x: torch.cat([x.double() @ lin.weight.double().T for lin in linears], -1)  # noqa: E731
     fused = FusedLinear(linears)
     for shape in ((3, 64), (1, 2, 64), (4, 64)):
-        x = torch.randn(*shape).to(torch.bfloat16)
+        x = torch.randn(*shape).to(torch.bfloat16).to(DEV)
         out = fused(x)
         assert out.shape == (*shape[:-1], 66)
         ref = expected(x)

@@ -42,7 +42,7 @@ fn = gemm._w4a16_kernel
 results = []
 for mode, epilogue, act_splits, dense in json.loads(sys.argv[1]):
     consts = dict(DENSE=dense, MODE=mode, EPILOGUE=epilogue, ACT_SPLITS=act_splits, BM=16, BN=64, BK=128,
-                  EVEN_K=True, DOT_F32=False)
+                  EVEN_K=True, DOT_F32=False, PDL=True)
     pointers = dict(POINTERS)
     if act_splits:
         pointers["a_ptr"] = "*fp32"
@@ -58,6 +58,16 @@ for mode, epilogue, act_splits, dense in json.loads(sys.argv[1]):
     try:
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
         results.append(dict(ok=bool(k.asm["cubin"]), prmt="prmt.b32" in k.asm["ptx"], error=""))
+    except Exception as exc:
+        results.append(dict(ok=False, prmt=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
+for tkp in (8, 512, 4096):  # the align kernel's bitonic sort and histogram, small and large
+    fn = gemm._align_kernel
+    consts = dict(E=256, BM=16, TKP=tkp, PDL=True)
+    signature = {n: "constexpr" if n in consts else ("i32" if n == "TK" else "*i32") for n in fn.arg_names}
+    try:
+        k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+        results.append(dict(ok=bool(k.asm["cubin"]), prmt=False, error=""))
     except Exception as exc:
         results.append(dict(ok=False, prmt=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
 print(json.dumps(results))
@@ -76,7 +86,7 @@ def test_expert_kernel_variants_compile_for_sm90():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    for variant, r in zip(VARIANTS, results, strict=True):
+    for variant, r in zip([*VARIANTS, "align 8", "align 512", "align 4096"], results, strict=True):
         assert r["ok"], (variant, r["error"])
         if variant[0] == 7:
             assert r["prmt"], variant  # the inline PTX made it in

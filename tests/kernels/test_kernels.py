@@ -50,22 +50,26 @@ def quantized(shape, gen, per=None):
     return q.packed.to(DEV), q.block_scales.to(DEV), (1.0 / q.global_scale).float().to(DEV)
 
 
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 16, 4), (7, 16, 4), (40, 32, 8)])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k", [(1, 16, 4), (7, 16, 4), (40, 32, 8), (64, 256, 8), (512, 256, 8)]
+)
 def test_align_matches_torch_sorting(tokens, experts, top_k):
     gen = torch.Generator().manual_seed(tokens)
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(DEV)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    if tokens == 64:  # crowd a few experts: several row blocks each
+        ids[:, 0], ids[: tokens // 2, 1] = 3, 200
+    ids = ids.to(DEV)
     for bm in (16, 32):
         a, b = gemm.align(ids, experts, bm), gemm.align_reference(ids, experts, bm)
-        assert int(a.nblk) == int(b.nblk)
-        for x, y in zip(
-            (a.order, a.blk_expert, a.blk_start, a.blk_count),
-            (b.order, b.blk_expert, b.blk_start, b.blk_count),
-            strict=True,
-        ):
-            assert torch.equal(x.int().cpu(), y.int().cpu())
-        covered = sorted(
-            int(p) for blk in range(int(a.nblk)) for p in a.order[a.blk_start[blk] :][: a.blk_count[blk]]
+        n = int(b.nblk)
+        assert int(a.nblk) == n
+        assert torch.equal(a.order.cpu(), b.order.cpu())
+        tables = zip(
+            (a.blk_expert, a.blk_start, a.blk_count), (b.blk_expert, b.blk_start, b.blk_count), strict=True
         )
+        for x, y in tables:
+            assert torch.equal(x[:n].int().cpu(), y[:n].int().cpu())  # entries past nblk are never read
+        covered = sorted(int(p) for blk in range(n) for p in a.order[a.blk_start[blk] :][: a.blk_count[blk]])
         assert covered == list(range(tokens * top_k))  # every pair exactly once
 
 
@@ -95,6 +99,26 @@ def test_moe_experts_match_the_dequantized_reference(tokens, inter, split, mode,
     out = gemm.moe_down(act, dp, ds, dd, routing, w).view(tokens, k, h).sum(1)
     ref = gemm.moe_reference(x.double(), gp, gs, gd.double(), dp, ds, dd.double(), ids, w.double())
     assert rel(out, ref) < RTOL
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_pair_routing_gives_the_sorted_routings_outputs(tokens):
+    """A few tokens skip the sort: each (token, expert) pair is its own row block. Rows of a tile do not
+    mix, so every pair's output is the sorted launch's, bit for bit (one shared expert included)."""
+    gen = torch.Generator().manual_seed(7)
+    e, h, i, k = 8, 64, 32, 3
+    gp, gs, gd = quantized((e * 2, i, h), gen)
+    gp, gs, gd = gp.view(e, 2 * i, h // 2), gs.view(e, 2 * i, h // 16), gd.view(e, 2).contiguous()
+    dp, ds, dd = quantized((e, h, i), gen)
+    x = torch.randn(tokens, h, generator=gen).to(BF16).to(DEV)
+    ids, w = moe_router.router_reference(torch.randn(tokens, e, generator=gen).to(DEV), k)
+    ids[-1, 0] = ids[0, 1]  # two tokens (or two slots) on one expert
+    ids = ids.int()
+    outs = []
+    for routing in (gemm.align(ids, e, 16), gemm.pair_routing(ids, 16)):
+        act = gemm.moe_gate_up(x, gp, gs, gd, routing, k)
+        outs.append(gemm.moe_down(act, dp, ds, dd, routing, w))
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("m,k", [(1, 128), (20, 128), (100, 128), (3, 192), (5, 48)])

@@ -31,9 +31,12 @@ class FusedLinear:
     """Several Linears over the same input as one GEMM per weight format: the dense weights concatenated,
     and the NVFP4 (or FP8) ones concatenated when they share one decode scale -- vLLM's fused groups do,
     and ``fp4moe quantize`` writes them so -- else run one by one. The Linears' own tensors become views
-    into the concatenations (no extra memory); outputs come back in the Linears' order."""
+    into the concatenations (no extra memory); outputs come back in the Linears' order. ``pad_to``: when
+    every Linear is bf16, zero rows pad the weight to a multiple of that many outputs (the output has the
+    extra columns): cuBLAS runs an odd width -- the router + shared-expert group's 1,281 -- through an
+    unaligned kernel (H200: cutlass ``align1``, 10 us at 16 rows, 23 us at 3)."""
 
-    def __init__(self, linears: list):
+    def __init__(self, linears: list, pad_to: int = 1):
         self.sizes = [lin.out_features for lin in linears]
         self.linears = linears
         kinds: dict[str, list[int]] = {}
@@ -45,7 +48,8 @@ class FusedLinear:
         for kind, idx in kinds.items():
             group = [linears[i] for i in idx]
             if kind == "dense":
-                self.parts.append((idx, _dense_part(group)))
+                pad = -sum(self.sizes) % pad_to if len(kinds) == 1 else 0
+                self.parts.append((idx, _dense_part(group, pad)))
             elif kind == "nvfp4" and _same([lin.nvfp4.decode_scale for lin in group]):
                 self.parts.append((idx, _nvfp4_part(group)))
             elif kind == "fp8" and _same([lin.fp8.scale for lin in group]):
@@ -69,9 +73,11 @@ def _same(scales: list[torch.Tensor]) -> bool:
     return all(torch.equal(scales[0], s) for s in scales[1:])
 
 
-def _concat_into(modules: list, name: str) -> torch.Tensor:
-    """Concatenate ``module.<name>`` along dim 0 and make each module's tensor a view of the result."""
-    whole = torch.cat([getattr(m, name).data for m in modules])
+def _concat_into(modules: list, name: str, pad: int = 0) -> torch.Tensor:
+    """Concatenate ``module.<name>`` along dim 0 (then ``pad`` zero rows) and make each module's tensor a
+    view of the result."""
+    parts = [getattr(m, name).data for m in modules]
+    whole = torch.cat(parts + [parts[0].new_zeros(pad, *parts[0].shape[1:])] * bool(pad))
     start = 0
     for m in modules:
         n = getattr(m, name).shape[0]
@@ -88,10 +94,11 @@ def _few_rows_kernel(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def _dense_part(linears: list):
+def _dense_part(linears: list, pad: int = 0):
     from fp4moe.kernels.nvfp4_gemm import bf16_linear
 
-    weight = _concat_into(linears, "weight")
+    weight = _concat_into(linears, "weight", pad)
+    unpadded = weight[: weight.shape[0] - pad]
 
     def run(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -101,10 +108,12 @@ def _dense_part(linears: list):
             and x.shape[-1] % 16 == 0
             and _few_rows_kernel(x)
         ):
-            # 2-4 rows (a batch-1 speculative verification, small batches): cuBLAS is up to 5x slower than
-            # at 1 row on the fused router GEMM (H200, benchmarks/tune_dense.py); the grouped kernel is not
+            # 2-4 rows (a batch-1 speculative verification, small batches): cuBLAS was up to 5x slower than
+            # at 1 row on the unpadded router GEMM, and is 1.1x slower on the padded one (H200,
+            # benchmarks/tune_dense.py); the grouped kernel is not
             return bf16_linear(x.reshape(rows, -1), weight).view(*x.shape[:-1], -1)
-        return F.linear(x, weight)
+        # one row: cuBLAS's GEMV is fastest on the unpadded width (router: 4.3 us vs 6.9 padded)
+        return F.linear(x, unpadded if rows == 1 else weight)
 
     return run
 
@@ -185,6 +194,8 @@ class CudaModelRunner(ModelRunner):
             3, max_num_seqs, dtype=torch.long, device=device
         )  # rotary (mRoPE) positions
         self.last_hidden: torch.Tensor | None = None  # the last decode step's final-normed hidden states
+        self.overlap_shared = True  # the shared expert's down GEMM on a side stream (``_moe``)
+        self._side: torch.cuda.Stream | None = None
 
     # ---- set-up -------------------------------------------------------------------------------------
 
@@ -216,14 +227,16 @@ class CudaModelRunner(ModelRunner):
                 m = layer.linear_attn
                 mix = FusedLinear([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
             moe = layer.mlp
-            router = FusedLinear([moe.gate, moe.shared_gate_proj, moe.shared_up_proj, moe.shared_expert_gate])
+            router = FusedLinear(
+                [moe.gate, moe.shared_gate_proj, moe.shared_up_proj, moe.shared_expert_gate], pad_to=8
+            )
             self.fused.append((mix, router))
         if self.spec_tokens:  # the MTP head's layer (last in the list)
             layer = self.model.mtp.layer
             m, moe = layer.self_attn, layer.mlp
             self.fused.append((
                 FusedLinear([m.q_proj, m.k_proj, m.v_proj]),
-                FusedLinear([moe.gate, moe.shared_gate_proj, moe.shared_up_proj, moe.shared_expert_gate]),
+                FusedLinear([moe.gate, moe.shared_gate_proj, moe.shared_up_proj, moe.shared_expert_gate], pad_to=8),
             ))  # fmt: skip
 
     def new_caches(self):
@@ -438,6 +451,24 @@ class CudaModelRunner(ModelRunner):
         e, k, s_inter = a.num_experts, a.top_k, a.shared_intermediate_size
         rp = router(x)
         topk_ids, topk_w, shared_act = moe_router.route(rp, e, k, s_inter)
-        routed = gemm.moe_pairs(moe.experts, x, topk_ids, topk_w)
-        shared = moe.shared_down_proj(shared_act)
+        side = self._side_stream(x)
+        if side is None:
+            routed = gemm.moe_pairs(moe.experts, x, topk_ids, topk_w)
+            shared = moe.shared_down_proj(shared_act)
+        else:  # the shared expert's down GEMM beside the routed experts (which leave SMs idle at small batch)
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared = moe.shared_down_proj(shared_act)
+            routed = gemm.moe_pairs(moe.experts, x, topk_ids, topk_w)
+            main.wait_stream(side)
         return norm.moe_combine(h, routed, k, shared, rp, e + 2 * s_inter, next_w, a.eps)
+
+    def _side_stream(self, x: torch.Tensor):
+        """A second stream for work that can overlap (GPU only; captured into the graphs as a fork and a
+        join); None on the CPU or with ``overlap_shared`` off."""
+        if not (x.is_cuda and self.overlap_shared):
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(x.device)
+        return self._side

@@ -27,3 +27,26 @@ def uint8_view(t):
     import torch
 
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+_PDL: bool | None = None
+
+
+def pdl_args() -> dict:
+    """Launch arguments for programmatic dependent launch (Hopper and later, ``FP4MOE_PDL=0`` turns it off):
+    each kernel is launched before the one ahead of it in the stream has finished and waits for it
+    (``griddepcontrol.wait``, the kernels' ``PDL`` branch) before it reads anything -- the launch latency
+    hides behind the previous kernel (H200, a chain of dependent launches in a CUDA graph: 1.49 -> 0.97 us
+    per kernel; scratch probe in BENCHMARKS.md). Every kernel that takes the attribute must wait, else a
+    kernel two back could still be running. Off under the interpreter."""
+    global _PDL
+    if _PDL is None:
+        import torch
+
+        _PDL = (
+            not INTERPRET
+            and os.environ.get("FP4MOE_PDL", "1") != "0"
+            and torch.cuda.is_available()
+            and torch.cuda.get_device_capability()[0] >= 9
+        )
+    return {"PDL": True, "launch_pdl": True} if _PDL else {"PDL": False}

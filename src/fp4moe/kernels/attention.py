@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4moe.kernels import INTERPRET, next_pow2, uint8_view
-from fp4moe.kernels.tl_helpers import fp8e4m3_bytes, round_bf16
+from fp4moe.kernels import INTERPRET, next_pow2, pdl_args, uint8_view
+from fp4moe.kernels.tl_helpers import fp8e4m3_bytes, round_bf16, wait_for_previous
 
 
 @triton.jit
@@ -23,7 +23,9 @@ def _qk_norm_rope_kernel(
     qkv_ptr, stride_t, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_map_ptr,
     kv_scale_ptr, eps,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     j = tl.program_id(1)
     row = qkv_ptr + t.to(tl.int64) * stride_t
@@ -78,7 +80,7 @@ def qk_norm_rope_store(
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     _qk_norm_rope_kernel[(t, h + hkv)](
         qkv, qkv.stride(0), cos, sin, q_norm, k_norm, q_out, uint8_view(k_cache), uint8_view(v_cache),
-        slot_mapping, kv_scales, eps, H=h, HKV=hkv, D=d, R=cos.shape[-1], FP8=fp8,
+        slot_mapping, kv_scales, eps, H=h, HKV=hkv, D=d, R=cos.shape[-1], FP8=fp8, **pdl_args(),
     )  # fmt: skip
     return q_out
 
@@ -89,7 +91,9 @@ def _decode_split_kernel(
     part_o_ptr, part_ml_ptr, sm_scale, split_len,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     PAGE: tl.constexpr, NSPLIT: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -143,7 +147,9 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     part_o_ptr, part_ml_ptr, qkv_ptr, stride_t, out_ptr,
     H: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, NSP)
@@ -210,9 +216,9 @@ def paged_decode_attention(
         q, uint8_view(k_cache), uint8_view(v_cache), block_table, block_table.stride(0), seq_lens, kv_scales,
         part_o, part_ml, d**-0.5, split,
         H=h, HKV=hkv, D=d, G=g, GP=max(16, next_pow2(g)), PAGE=page, NSPLIT=nsplit, FP8=fp8, DOT_F32=INTERPRET,
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl_args(),
     )  # fmt: skip
     _decode_merge_kernel[(b, h)](
-        part_o, part_ml, qkv, qkv.stride(0), out, H=h, D=d, NSPLIT=nsplit, NSP=next_pow2(nsplit)
+        part_o, part_ml, qkv, qkv.stride(0), out, H=h, D=d, NSPLIT=nsplit, NSP=next_pow2(nsplit), **pdl_args()
     )
     return out

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4moe.kernels.tl_helpers import round_bf16
+from fp4moe.kernels import pdl_args
+from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 
 
 @triton.jit
@@ -58,7 +59,9 @@ def _gdn_decode_kernel(
     z_off, b_off, a_off, eps,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr, BV: tl.constexpr,
     T: tl.constexpr, RING: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -112,8 +115,18 @@ def _gdn_decode_kernel(
 
 @triton.jit
 def _gated_norm_kernel(
-    o_ptr, proj_ptr, stride_p, z_off, norm_w_ptr, out_ptr, eps, HV: tl.constexpr, DV: tl.constexpr
+    o_ptr,
+    proj_ptr,
+    stride_p,
+    z_off,
+    norm_w_ptr,
+    out_ptr,
+    eps,
+    HV: tl.constexpr,
+    DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     dv = tl.arange(0, DV)
@@ -170,8 +183,10 @@ def gdn_decode(
         proj, proj.stride(0), conv_w, ring, ring.stride(0), ring.stride(1), state, state.stride(0),
         hist, hist.stride(0), slots, positions, a_log, dt_bias, norm_w, raw, raw.stride(0),
         z_off, conv_dim + hv * dv, conv_dim + hv * dv + hv, eps,
-        HK=hk, HV=hv, DK=dk, DV=dv, KC=kc, BV=dv // v_splits, T=t, RING=ring_len, num_warps=num_warps,
+        HK=hk, HV=hv, DK=dk, DV=dv, KC=kc, BV=dv // v_splits, T=t, RING=ring_len, num_warps=num_warps, **pdl_args(),
     )  # fmt: skip
     if v_splits > 1:
-        _gated_norm_kernel[(rows, hv)](raw, proj, proj.stride(0), z_off, norm_w, out, eps, HV=hv, DV=dv)
+        _gated_norm_kernel[(rows, hv)](
+            raw, proj, proj.stride(0), z_off, norm_w, out, eps, HV=hv, DV=dv, **pdl_args()
+        )
     return out

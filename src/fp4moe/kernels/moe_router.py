@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fp4moe.kernels import next_pow2
-from fp4moe.kernels.tl_helpers import round_bf16
+from fp4moe.kernels import next_pow2, pdl_args
+from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 
 
 @triton.jit
@@ -27,7 +27,9 @@ def _router_kernel(
     TOPK: tl.constexpr,
     KP: tl.constexpr,
     SP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     row = proj_ptr + t.to(tl.int64) * stride_p
     offs = tl.arange(0, EP)
@@ -77,7 +79,7 @@ def route(
     _router_kernel[(t,)](
         proj, proj.stride(0), ids, weights, shared, num_experts, shared_inter,
         EP=next_pow2(num_experts), TOPK=top_k, KP=next_pow2(top_k), SP=next_pow2(max(shared_inter, 1)),
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_args(),
     )  # fmt: skip
     return ids, weights, shared
 

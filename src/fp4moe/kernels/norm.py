@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4moe.kernels import next_pow2
-from fp4moe.kernels.tl_helpers import round_bf16
+from fp4moe.kernels import next_pow2, pdl_args
+from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 
 
 @triton.jit
@@ -21,8 +21,18 @@ def _norm(h, w_ptr, offs, mask, N, eps):
 
 @triton.jit
 def _add_norm_kernel(
-    h_ptr, add_ptr, w_ptr, h_out_ptr, x_out_ptr, N, eps, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr
+    h_ptr,
+    add_ptr,
+    w_ptr,
+    h_out_ptr,
+    x_out_ptr,
+    N,
+    eps,
+    HAS_ADD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -51,6 +61,7 @@ def add_rms_norm(h, add, weight, eps, h_out=None, x_out=None, num_warps: int | N
         HAS_ADD=add is not None,
         num_warps=num_warps,
         BLOCK=next_pow2(n),
+        **pdl_args(),
     )
     return h_out, x_out
 
@@ -59,7 +70,9 @@ def add_rms_norm(h, add, weight, eps, h_out=None, x_out=None, num_warps: int | N
 def _combine_kernel(
     h_ptr, y_ptr, shared_ptr, proj_ptr, stride_p, gate_col, w_ptr, h_out_ptr, x_out_ptr, N, eps,
     TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -100,6 +113,6 @@ def moe_combine(
     _combine_kernel[(t,)](
         h, y, shared if has_shared else h, proj if has_shared else h, proj.stride(0) if has_shared else 0,
         gate_col, next_weight, h_out, x_out, n, eps,
-        TOPK=top_k, HAS_SHARED=has_shared, BLOCK=next_pow2(n), num_warps=num_warps,
+        TOPK=top_k, HAS_SHARED=has_shared, BLOCK=next_pow2(n), num_warps=num_warps, **pdl_args(),
     )  # fmt: skip
     return h_out, x_out

@@ -2,6 +2,7 @@
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 
 @triton.jit
@@ -29,3 +30,11 @@ def fp8e4m3_bytes(x):
     spacing = tl.maximum(e, -6) - 3
     magic = (((spacing + 150) << 23) | 0x400000).to(tl.uint32).to(tl.float32, bitcast=True)
     return ((x + magic) - magic).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """Under programmatic dependent launch (``kernels.pdl_args``), wait until the kernel ahead in the
+    stream has finished and its writes are visible; a no-op otherwise."""
+    if PDL:
+        gdc_wait()

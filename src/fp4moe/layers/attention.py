@@ -47,15 +47,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -
     """Causal GQA for one sequence: q [n, H, D] at positions num_cached.., k/v [num_cached + n, Hkv, D]."""
     n, heads, dim = q.shape
     if num_cached == 0 and k.shape[0] == n:  # a fresh prompt: plain causal (flash kernels on the GPU)
+        # the fused kernels take 4-D [batch, heads, n, dim] only: 3-D inputs fall back to the fp32 math
+        # path, which cost half of an 8K prefill on the H200 (benchmarks/decode.py); the CPU keeps 3-D
+        batch = (lambda t: t.transpose(0, 1).unsqueeze(0)) if q.is_cuda else (lambda t: t.transpose(0, 1))
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            is_causal=True,
-            scale=dim**-0.5,
-            enable_gqa=True,
+            batch(q), batch(k), batch(v), is_causal=True, scale=dim**-0.5, enable_gqa=True
         )
-        return out.transpose(0, 1)
+        return out.reshape(heads, n, dim).transpose(0, 1)
     rep = heads // k.shape[1]
     k = k.repeat_interleave(rep, dim=1)
     v = v.repeat_interleave(rep, dim=1)

@@ -123,14 +123,15 @@ class GatedDeltaNet(nn.Module):
             qkv, new_conv = self._conv(mixed[start:end], conv_state)
             q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
             n = end - start
-            rep = self.num_v_heads // self.num_k_heads
-            q = l2_normalize(q.float().view(n, self.num_k_heads, self.k_dim)).repeat_interleave(rep, dim=1)
-            k = l2_normalize(k.float().view(n, self.num_k_heads, self.k_dim)).repeat_interleave(rep, dim=1)
-            q = q * self.k_dim**-0.5
+            q = l2_normalize(q.float().view(n, self.num_k_heads, self.k_dim)) * self.k_dim**-0.5
+            k = l2_normalize(k.float().view(n, self.num_k_heads, self.k_dim))
             v = v.float().view(n, self.num_v_heads, self.v_dim)
-            rule = delta_rule_recurrent if n == 1 else delta_rule_chunked
             if n > 1 and x.is_cuda and _fla_chunk() is not None:
-                rule = _fla_rule
+                rule = _fla_rule  # grouped values: fla reads key head j // (Hv / Hk) for value head j itself
+            else:
+                rep = self.num_v_heads // self.num_k_heads
+                q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+                rule = delta_rule_recurrent if n == 1 else delta_rule_chunked
             o, new_rec = rule(q, k, v, g[start:end], beta[start:end].float(), rec_state)
             ctx.deltanet.set(self.layer_id, slot, new_conv, new_rec, ctx.cached_lens[seq] + (end - start))
             core[start:end] = o.to(x.dtype)
