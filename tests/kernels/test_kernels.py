@@ -213,6 +213,40 @@ def _gdn_layer(gen, hk=2, hv=4, dk=16, dv=32, hidden=64):
     return layer.to(DEV)
 
 
+@pytest.mark.parametrize("n", [2, 3, 37])
+def test_causal_conv_matches_the_layers_conv(n):
+    """The prefill conv kernel against the layer's torch path (on the CPU): the output exactly (both round
+    the fp32 sum to bf16 before and after the SiLU; single elements may differ by a bf16 ulp where the
+    fp32 sums' order flips a rounding), the new state exactly (it is a copy of inputs)."""
+    from fp4moe.kernels.causal_conv import causal_conv_silu
+
+    gen = torch.Generator().manual_seed(n)
+    layer = GatedDeltaNet(64, 2, 4, 16, 16, 4, 1e-6, 0)
+    layer.conv1d_weight.data = (torch.randn(layer.conv_dim, 1, 4, generator=gen) * 0.5).to(BF16)
+    proj = torch.randn(n, layer.conv_dim + 8, generator=gen).to(BF16)  # strided rows, as in_proj's output
+    x = proj[:, : layer.conv_dim]
+    state = torch.randn(layer.conv_dim, 3, generator=gen).to(BF16)
+    ref, ref_state = layer._conv(x, state)
+    out, new_state = causal_conv_silu(x.to(DEV), state.to(DEV), layer.conv1d_weight.to(DEV))
+    assert torch.equal(new_state.cpu(), ref_state)
+    diff = (out.cpu().float() - ref.float()).abs()
+    assert float(diff.max()) <= float(ref.float().abs().max()) * 2**-7  # at most a bf16 ulp
+    assert float((diff > 0).float().mean()) < 0.02
+
+
+def test_gated_norm_matches_the_layers():
+    from fp4moe.layers.norm import gated_rms_norm
+
+    gen = torch.Generator().manual_seed(3)
+    t, hv, dv = 5, 4, 32
+    o = torch.randn(t, hv, dv, generator=gen).to(BF16)
+    zs = torch.randn(t, hv * dv + 8, generator=gen).to(BF16)  # strided rows
+    w = torch.randn(dv, generator=gen).to(BF16)
+    ref = gated_rms_norm(o, zs[:, : hv * dv].view(t, hv, dv), w, 1e-6).reshape(t, -1)
+    out = gdn_k.gated_norm(o.view(t, -1).to(DEV), zs[:, : hv * dv].to(DEV), w.to(DEV), 1e-6, hv)
+    assert rel(out.cpu(), ref) < RTOL
+
+
 @pytest.mark.parametrize("v_splits", [1, 2, None])
 def test_gdn_decode_matches_the_layer_step_by_step(v_splits):
     gen = torch.Generator().manual_seed(5)

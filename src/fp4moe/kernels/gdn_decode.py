@@ -190,3 +190,16 @@ def gdn_decode(
             raw, proj, proj.stride(0), z_off, norm_w, out, eps, HV=hv, DV=dv, **pdl_args()
         )
     return out
+
+
+def gated_norm(
+    o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, heads: int
+) -> torch.Tensor:
+    """The gated RMSNorm alone (the prefill path's, after the chunked rule): o, z [T, Hv*Dv] (z's rows may
+    be strided) -> w * rmsnorm(o) * silu(z) per head [T, Hv*Dv]. Reference: ``layers.norm.gated_rms_norm``."""
+    rows, width = o.shape
+    out = torch.empty_like(o)
+    _gated_norm_kernel[(rows, heads)](
+        o, z, z.stride(0), 0, weight, out, eps, HV=heads, DV=width // heads, **pdl_args()
+    )
+    return out
