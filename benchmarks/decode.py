@@ -349,6 +349,44 @@ def time_prefill(model, tokens: int) -> dict:
     )
 
 
+def _kernel_table(prof, top: int) -> list[dict]:
+    """GPU kernels (not the aten ops around them) by total device time."""
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0 and not ev.key.startswith("aten::"):
+            rows.append(dict(kernel=ev.key[:90], calls=ev.count, us=t))
+    rows.sort(key=lambda r: -r["us"])
+    return rows[:top]
+
+
+def prefill_breakdown(model, tokens: int) -> list[dict]:
+    """Per-kernel device time of one ``tokens``-token prefill (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fp4moe.engine.context import StepContext
+    from fp4moe.engine.cuda_runner import CudaModelRunner
+
+    dev = model.embed_tokens.device
+    runner = CudaModelRunner(
+        model, None, dev, "auto", max_num_seqs=1, max_model_len=tokens + 64, num_pages=tokens // 64 + 4,
+        cuda_graphs=False,
+    )  # fmt: skip
+    ids = torch.randint(0, model.args.vocab_size, (tokens,), device=dev)
+
+    def run():
+        runner.kv.free(0)
+        ctx = StepContext([tokens], [0], [0], runner.kv, runner.states)
+        return model.compute_logits(model(ids, torch.arange(tokens, device=dev), ctx)[-1:])
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return _kernel_table(prof, 25)
+
+
 def kernel_breakdown(model, b: int = 1, ctx: int = 1024) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -379,14 +417,8 @@ def kernel_breakdown(model, b: int = 1, ctx: int = 1024) -> list[dict]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         runner.decode_forward(b)
         torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t > 0:
-            rows.append(dict(kernel=ev.key[:90], calls=ev.count, us=t))
-    rows.sort(key=lambda r: -r["us"])
     del runner
-    return rows[:25]
+    return _kernel_table(prof, 25)
 
 
 def main() -> int:
@@ -481,6 +513,7 @@ def main() -> int:
         if args.prefill and quantized:
             p = time_prefill(model, args.prefill)
             p["pct_peak"] = p["flops"] / p["seconds"] / peak
+            out["breakdown_prefill"] = prefill_breakdown(model, args.prefill)
             out["prefill"] = p
             log(
                 f"prefill {args.prefill}: {p['tokens_per_s']:.0f} tok/s, {p['tflops']:.0f} TFLOP/s = {p['pct_peak']:.1%} of peak"

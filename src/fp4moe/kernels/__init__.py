@@ -37,7 +37,7 @@ def pdl_args() -> dict:
     each kernel is launched before the one ahead of it in the stream has finished and waits for it
     (``griddepcontrol.wait``, the kernels' ``PDL`` branch) before it reads anything -- the launch latency
     hides behind the previous kernel (H200, a chain of dependent launches in a CUDA graph: 1.49 -> 0.97 us
-    per kernel; scratch probe in BENCHMARKS.md). Every kernel that takes the attribute must wait, else a
+    per kernel; benchmarks/launch_latency.py). Every kernel that takes the attribute must wait, else a
     kernel two back could still be running. Off under the interpreter."""
     global _PDL
     if _PDL is None:
