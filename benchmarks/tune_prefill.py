@@ -1,0 +1,193 @@
+"""Where an 8K prefill's two biggest costs could go next (issue 4), at the full-size shapes on the GPU:
+
+1. The routed experts: our grouped W4A16 kernels (``moe_gate_up`` + ``moe_down``, dequantizing in
+   registers per tile) against dequantizing every expert to bf16 once per layer and running PyTorch's grouped
+   GEMM (``torch._grouped_mm``, CUTLASS on sm90) on the pairs sorted by expert. The second matches the CPU
+   reference path's numerics (bf16 weights, bf16 GEMMs); its cost is the 1.6 GB of bf16 weights written
+   and read back per layer. Both are checked against each other.
+2. The chunked gated delta rule (flash-linear-attention) with fp32 inputs, as the engine calls it, against
+   bf16 inputs, as transformers' fla path calls it.
+
+    python3 benchmarks/tune_prefill.py --tokens 8192 --out tune-prefill.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fp4moe.formats import nvfp4
+from fp4moe.kernels import nvfp4_gemm as gemm
+from fp4moe.kernels.tl_helpers import bf16
+
+E, H, I, TOPK = 256, 2048, 512, 8
+
+
+@triton.jit
+def _dequant_kernel(
+    p_ptr, s_ptr, d_ptr, out_ptr, N, K, D_PER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr
+):
+    """packed [E, N, K/2] + fp8 block scales [E, N, K/16] + decode scales [E, D_PER] -> bf16 [E, N, K] (code *
+    (block scale * decode scale), rounded once: ``formats.nvfp4.dequantize_modelopt``)."""
+    e = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    d = tl.load(d_ptr + e * D_PER + (n >= N // 2).to(tl.int32) * (D_PER - 1))  # gate / up halves
+    for k0 in range(0, K, BK):
+        kh = k0 // 2 + tl.arange(0, BK // 2)
+        packed = tl.load(p_ptr + e * N * (K // 2) + n[:, None] * (K // 2) + kh[None, :]).to(tl.uint16)
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK))
+        vals = (((codes & 8) << 12) | ((codes & 7) << 9)).to(tl.float16, bitcast=True).to(
+            tl.float32
+        ) * 16384.0
+        ks = k0 // 16 + tl.arange(0, BK // 16)
+        s = tl.load(s_ptr + e * N * (K // 16) + n[:, None] * (K // 16) + ks[None, :])
+        scale = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * d[:, None]
+        w = tl.reshape(tl.reshape(vals, (BN, BK // 16, 16)) * scale[:, :, None], (BN, BK))
+        k = k0 + tl.arange(0, BK)
+        tl.store(out_ptr + e * N * K + n[:, None] * K + k[None, :], bf16(w))  # round to nearest
+
+
+def dequant(packed, scales, decode) -> torch.Tensor:
+    e, n, kh = packed.shape
+    out = torch.empty(e, n, 2 * kh, dtype=torch.bfloat16, device=packed.device)
+    d_per = decode.shape[-1] if decode.ndim == 2 else 1
+    _dequant_kernel[(e, n // 32)](
+        packed,
+        scales.view(torch.uint8),
+        decode.float().contiguous(),
+        out,
+        n,
+        2 * kh,
+        D_PER=d_per,
+        BN=32,
+        BK=128,
+    )
+    return out
+
+
+def timed(fn, reps: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    return statistics.median(times)
+
+
+def experts(t: int, dev) -> dict:
+    fp8 = lambda *s: (torch.rand(*s, device=dev) + 0.5).to(torch.float8_e4m3fn)  # noqa: E731
+    gu = (torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, device=dev), fp8(E, 2 * I, H // 16),
+          torch.full((E, 2), 2e-3, device=dev))  # fmt: skip
+    dn = (torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, device=dev), fp8(E, H, I // 16),
+          torch.full((E,), 2e-3, device=dev))  # fmt: skip
+    x = torch.randn(t, H, device=dev, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device=dev)[:TOPK] for _ in range(t)]).int()
+    w = torch.rand(t, TOPK, device=dev)
+    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    flops = 2 * t * TOPK * 3 * H * I
+    bm = gemm.block_m(t, TOPK, E)
+    routing = gemm.align_reference(ids, E, bm)
+
+    def ours():
+        act = gemm.moe_gate_up(x, *gu, routing, TOPK)
+        return gemm.moe_down(act, *dn, routing, w.float()).view(t, TOPK, H).sum(1)
+
+    check = dequant(gu[0][:2], gu[1][:2], gu[2][:2])
+    ref = torch.cat(
+        [
+            nvfp4.dequantize_modelopt(gu[0][:2, half], gu[1][:2, half], gu[2][:2, j], torch.bfloat16)
+            for j, half in enumerate((slice(0, I), slice(I, 2 * I)))
+        ],
+        dim=1,
+    )
+    exact = bool(torch.equal(check, ref))
+    order = torch.sort(ids.reshape(-1).long(), stable=True).indices
+    offs = torch.cumsum(torch.bincount(ids.reshape(-1).long(), minlength=E), 0).int()
+    token = order // TOPK
+    w_sorted = w.reshape(-1)[order]
+    parts = {}
+
+    def grouped(split: dict | None = None):
+        def step(name, fn):
+            if split is None:
+                return fn()
+            out = fn()
+            split[name] = timed(fn)
+            return out
+
+        w_gu = step("dequant gate/up", lambda: dequant(*gu))
+        w_dn = step("dequant down", lambda: dequant(*dn))
+        xs = step("gather rows", lambda: x[token])
+        g = step("grouped GEMM gate/up", lambda: torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs))
+        gate, up = g.chunk(2, dim=-1)
+        act = step("silu * up", lambda: F.silu(gate) * up)
+        y = step("grouped GEMM down", lambda: torch._grouped_mm(act, w_dn.transpose(1, 2), offs=offs))
+        return step(
+            "weight + sum",
+            lambda: torch.zeros(t, H, device=dev).index_add_(0, token, (y * w_sorted[:, None]).float()),
+        )
+
+    a, b = ours(), grouped(parts)
+    err = float((a - b).norm() / a.norm())
+    t_ours, t_grouped = timed(ours), timed(grouped)
+    return dict(
+        tokens=t, ours_ms=t_ours * 1e3, ours_tflops=flops / t_ours / 1e12, grouped_ms=t_grouped * 1e3,
+        grouped_tflops=flops / t_grouped / 1e12, parts_ms={k: v * 1e3 for k, v in parts.items()},
+        rel_diff=err, dequant_exact=exact,
+    )  # fmt: skip
+
+
+def delta_rule(t: int, dev) -> dict:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    hk, hv, d = 16, 32, 128
+    q = F.normalize(torch.randn(1, t, hk, d, device=dev), dim=-1) * d**-0.5
+    k = F.normalize(torch.randn(1, t, hk, d, device=dev), dim=-1)
+    v = torch.randn(1, t, hv, d, device=dev)
+    g = -torch.rand(1, t, hv, device=dev) * 0.1
+    beta = torch.rand(1, t, hv, device=dev)
+    state = torch.zeros(1, hv, d, d, device=dev)
+    out = {}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+
+        def run(dt=dt):
+            return chunk_gated_delta_rule(
+                q.to(dt), k.to(dt), v.to(dt), g, beta.to(dt), scale=1.0, initial_state=state,
+                output_final_state=True,
+            )  # fmt: skip
+
+        out[f"{name}_ms"] = timed(run) * 1e3
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--out", default="", help="write the results to this JSON file")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    res = dict(device=torch.cuda.get_device_name(), experts=experts(args.tokens, dev))
+    print(json.dumps(res["experts"], indent=1), flush=True)
+    try:
+        res["delta_rule"] = delta_rule(args.tokens, dev)
+        print(json.dumps(res["delta_rule"]), flush=True)
+    except ImportError as exc:
+        print(f"no fla: {exc}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
