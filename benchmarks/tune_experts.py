@@ -143,7 +143,7 @@ def main() -> None:
                 except Exception as exc:  # a config the compiler or the tile rules refuse
                     print(f"skip {kind} T={t} {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
                     continue
-                nbytes = gu_bytes if kind == "gate_up" else dn_bytes
+                nbytes = gu_bytes if kind.startswith("gate_up") else dn_bytes
                 row = dict(kind=kind, tokens=t, cfg=repr(cfg), us=s * 1e6, gbs=nbytes / s / 1e9)
                 results["rows"].append(row)
                 found.append((s, cfg))
@@ -155,7 +155,7 @@ def main() -> None:
             key = (mode, split)
             gu_cfgs = [
                 gemm.Tiles(bn, bk, wa, st, split)
-                for bn, bk, wa, st in itertools.product((32, 64), (128, 256), (4,), (2, 3))
+                for bn, bk, wa, st in itertools.product((32, 64, 128), (128, 256), (4, 8), (2, 3))
                 if not (split and (H // split) % bk)
             ]
             ranked = sweep(f"gate_up mode {mode}", gu_cfgs, gate_up)
