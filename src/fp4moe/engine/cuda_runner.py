@@ -4,9 +4,11 @@ Prefill, chunked prefill and speculative verification run the model's own module
 flash attention, flash-linear-attention's chunked delta rule, the grouped NVFP4 expert kernels) over the
 paged caches. A step in which every sequence decodes one token runs ``decode_forward`` instead: per layer
 one fused projection GEMM (cuBLAS), one fused Gated DeltaNet kernel or the q/k-norm-rope-store + split-KV
-attention kernels, the output GEMM, add+norm, the fused router/shared-expert GEMM, router, align, the two
-grouped NVFP4 expert GEMMs, the shared-expert down GEMM, and combine+next norm -- no host syncs, static
-shapes, so the whole step is captured once per batch-size bucket and replayed.
+attention kernels, the output GEMM, add+norm, the fused router/shared-expert GEMM, router, align (none at up
+to 4 tokens), the two grouped NVFP4 expert GEMMs with the shared-expert down GEMM beside them on a side
+stream, and combine+next norm -- no host syncs, static shapes, so the whole step is captured once per
+batch-size bucket and replayed. Every Triton kernel is launched with programmatic dependent launch on
+Hopper (``kernels.pdl_args``), so launches overlap the tails of the kernels ahead of them.
 
 The projections sharing an input are concatenated once at start-up (qkv|z|b|a of Gated DeltaNet, q|k|v of
 attention, router|shared gate|shared up|shared gate-scalar of the MoE; per weight format: FusedLinear), and
