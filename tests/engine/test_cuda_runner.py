@@ -347,6 +347,30 @@ def test_fused_projection_of_a_few_rows_through_the_grouped_kernel(monkeypatch):
     assert calls == [3, 2, 4]  # every one of them went through the kernel
 
 
+def test_router_group_is_padded_to_a_multiple_of_eight_outputs():
+    """FusedLinear(pad_to=8) adds zero rows (the router + shared group's 1,281 outputs are odd): the output
+    has the padded width, the Linears' columns in order and zeros after them; one row takes the unpadded
+    view (cuBLAS's GEMV); the Linears' own weights stay views of the concatenation."""
+    from fp4moe.engine.cuda_runner import FusedLinear
+    from fp4moe.layers.linear import Linear
+
+    torch.manual_seed(0)
+    linears = [Linear(64, n) for n in (48, 17, 1)]
+    for lin in linears:
+        lin.weight.data = (torch.randn(lin.out_features, 64) * 0.1).to(torch.bfloat16).to(DEV)
+    fused = FusedLinear(linears, pad_to=8)
+    expected = lambda x: torch.cat([x.double() @ lin.weight.double().T for lin in linears], -1)  # noqa: E731
+    for rows, width in ((1, 66), (5, 72), (3, 72)):
+        x = torch.randn(rows, 64).to(torch.bfloat16).to(DEV)
+        out = fused(x)
+        assert out.shape == (rows, width)
+        ref = expected(x)
+        assert float((out[:, :66].double() - ref).norm() / ref.norm()) < 2e-2
+        assert not out[:, 66:].any()
+    linears[1].weight.data.zero_()  # a view: the fused GEMM sees it
+    assert not fused(torch.randn(5, 64).to(torch.bfloat16).to(DEV))[:, 48:65].any()
+
+
 def test_graph_branches_on_the_cpu_with_an_emulated_graph(checkpoints):
     """The runner's and the fused round's graph branches (outputs read from the buffers the capture
     returned, refilled by every replay) with a stand-in graph whose replay reruns the captured function into

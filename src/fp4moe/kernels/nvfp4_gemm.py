@@ -364,6 +364,7 @@ def pair_routing(topk_ids: torch.Tensor, bm: int) -> Routing:
     warm-up before a graph capture)."""
     tk, dev = topk_ids.numel(), topk_ids.device
     if (tk, dev) not in _PAIR_TABLES:
+        _not_capturing(dev, "pair_routing's tables")
         rows = torch.arange(tk, dtype=torch.int32, device=dev)
         _PAIR_TABLES[(tk, dev)] = (
             rows, torch.ones(tk, dtype=torch.int32, device=dev), torch.full((1,), tk, dtype=torch.int32, device=dev)
@@ -564,8 +565,18 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
     """A decode scale of 1 per device, made once (not a fill kernel per call in a captured step; the
     first call runs in the warm-up before capture)."""
     if device not in _UNIT_SCALES:
+        _not_capturing(device, "the unit decode scale")
         _UNIT_SCALES[device] = torch.ones(1, device=device)
     return _UNIT_SCALES[device]
+
+
+def _not_capturing(device: torch.device, what: str) -> None:
+    """Module-level constants must be made outside a CUDA graph capture: made inside, they would live in
+    the graph's private pool and only be filled when that graph replays."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{what} first made during a CUDA graph capture; run the step once before capturing"
+        )
 
 
 def _dense(x, w, s, stride_sn, d, mode: int, out, t: Tiles | None = None):

@@ -141,7 +141,7 @@ class GatedDeltaNet(nn.Module):
             o, new_rec = rule(q, k, v, g[start:end], beta[start:end].float(), rec_state)
             ctx.deltanet.set(self.layer_id, slot, new_conv, new_rec, ctx.cached_lens[seq] + (end - start))
             core[start:end] = o.to(x.dtype)
-        if x.is_cuda:  # one kernel instead of the fp32 elementwise chain
+        if x.is_cuda and x.dtype == torch.bfloat16:  # one kernel instead of the fp32 elementwise chain
             from fp4moe.kernels.gdn_decode import gated_norm
 
             out = gated_norm(core.view(t, -1), z.reshape(t, -1), self.norm_weight, self.eps, self.num_v_heads)
@@ -151,7 +151,9 @@ class GatedDeltaNet(nn.Module):
 
     def _conv(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal depthwise conv + SiLU over x [n, C] continuing from state [C, K-1] (the last inputs)."""
-        if x.is_cuda and x.shape[0] > 1:  # prefill: one kernel, no cat or transposes
+        if (
+            x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 1
+        ):  # prefill: one kernel, no cat/transposes
             from fp4moe.kernels.causal_conv import causal_conv_silu
 
             return causal_conv_silu(x, state, self.conv1d_weight)
