@@ -302,7 +302,11 @@ def matmul_peak(dev) -> float:
 # ---- 4. prefill ---------------------------------------------------------------------------------------------
 
 
-def time_prefill(model, tokens: int) -> dict:
+def time_prefill(model, tokens: int, breakdown: bool = False) -> dict:
+    """Seconds, tok/s and TFLOP/s of one ``tokens``-token prefill; with ``breakdown`` also ``kernels``: its
+    per-kernel device time (torch profiler, one more prefill on the same runner)."""
+    from torch.profiler import ProfilerActivity, profile
+
     from fp4moe.engine.context import StepContext
     from fp4moe.engine.cuda_runner import CudaModelRunner
 
@@ -340,13 +344,19 @@ def time_prefill(model, tokens: int) -> dict:
         2 * active * tokens + n_attn * 2 * a.num_heads * a.head_dim * tokens * tokens
     )  # QK^T + PV, causal half
     t = statistics.median(times)
-    return dict(
+    result = dict(
         seconds=t,
         tokens_per_s=tokens / t,
         flops=flops,
         tflops=flops / t / 1e12,
         finite=bool(torch.isfinite(out).all()),
     )
+    if breakdown:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(tokens)
+            torch.cuda.synchronize()
+        result["kernels"] = _kernel_table(prof, 25)
+    return result
 
 
 def _kernel_table(prof, top: int) -> list[dict]:
@@ -358,33 +368,6 @@ def _kernel_table(prof, top: int) -> list[dict]:
             rows.append(dict(kernel=ev.key[:90], calls=ev.count, us=t))
     rows.sort(key=lambda r: -r["us"])
     return rows[:top]
-
-
-def prefill_breakdown(model, tokens: int) -> list[dict]:
-    """Per-kernel device time of one ``tokens``-token prefill (torch profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from fp4moe.engine.context import StepContext
-    from fp4moe.engine.cuda_runner import CudaModelRunner
-
-    dev = model.embed_tokens.device
-    runner = CudaModelRunner(
-        model, None, dev, "auto", max_num_seqs=1, max_model_len=tokens + 64, num_pages=tokens // 64 + 4,
-        cuda_graphs=False,
-    )  # fmt: skip
-    ids = torch.randint(0, model.args.vocab_size, (tokens,), device=dev)
-
-    def run():
-        runner.kv.free(0)
-        ctx = StepContext([tokens], [0], [0], runner.kv, runner.states)
-        return model.compute_logits(model(ids, torch.arange(tokens, device=dev), ctx)[-1:])
-
-    run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    return _kernel_table(prof, 25)
 
 
 def kernel_breakdown(model, b: int = 1, ctx: int = 1024) -> list[dict]:
@@ -511,9 +494,9 @@ def main() -> int:
                         f"({row['roofline_tok_s']:.0f} tok/s), finite {row['finite']}"
                     )
         if args.prefill and quantized:
-            p = time_prefill(model, args.prefill)
+            p = time_prefill(model, args.prefill, breakdown=True)
             p["pct_peak"] = p["flops"] / p["seconds"] / peak
-            out["breakdown_prefill"] = prefill_breakdown(model, args.prefill)
+            out["breakdown_prefill"] = p.pop("kernels")
             out["prefill"] = p
             log(
                 f"prefill {args.prefill}: {p['tokens_per_s']:.0f} tok/s, {p['tflops']:.0f} TFLOP/s = {p['pct_peak']:.1%} of peak"

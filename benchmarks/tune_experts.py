@@ -55,13 +55,15 @@ def graph_time(fn, reps: int = 20) -> float:
     return statistics.median(times) / LAYERS
 
 
-def weights(dev):
+def weights(dev, layers: int = LAYERS):
+    """``layers`` layers' random NVFP4 experts: {"gu": (packed, block scales, decode), "dn": (...)}."""
+
     def fp8(*shape):
         return (torch.rand(*shape, device=dev) + 0.5).to(torch.float8_e4m3fn)
 
-    layers = []
-    for _ in range(LAYERS):
-        layers.append(
+    out = []
+    for _ in range(layers):
+        out.append(
             dict(
                 gu=(
                     torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, device=dev),
@@ -75,7 +77,7 @@ def weights(dev):
                 ),
             )
         )
-    return layers
+    return out
 
 
 def main() -> None:

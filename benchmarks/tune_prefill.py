@@ -21,12 +21,13 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from decode import event_seconds
+from tune_experts import E, H, I, weights
+from tune_experts import K as TOPK
 
 from fp4moe.formats import nvfp4
 from fp4moe.kernels import nvfp4_gemm as gemm
 from fp4moe.kernels.tl_helpers import bf16
-
-E, H, I, TOPK = 256, 2048, 512, 8
 
 
 @triton.jit
@@ -72,25 +73,15 @@ def dequant(packed, scales, decode) -> torch.Tensor:
 
 
 def timed(fn, reps: int = 5) -> float:
+    """Median seconds per call after a warm-up call."""
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return statistics.median(times)
+    return statistics.median(event_seconds(fn, reps))
 
 
 def experts(t: int, dev) -> dict:
-    fp8 = lambda *s: (torch.rand(*s, device=dev) + 0.5).to(torch.float8_e4m3fn)  # noqa: E731
-    gu = (torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, device=dev), fp8(E, 2 * I, H // 16),
-          torch.full((E, 2), 2e-3, device=dev))  # fmt: skip
-    dn = (torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, device=dev), fp8(E, H, I // 16),
-          torch.full((E,), 2e-3, device=dev))  # fmt: skip
+    layer = weights(dev, 1)[0]
+    gu, dn = layer["gu"], layer["dn"]
     x = torch.randn(t, H, device=dev, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(E, device=dev)[:TOPK] for _ in range(t)]).int()
     w = torch.rand(t, TOPK, device=dev)

@@ -116,9 +116,8 @@ def _gdn_decode_kernel(
 @triton.jit
 def _gated_norm_kernel(
     o_ptr,
-    proj_ptr,
-    stride_p,
-    z_off,
+    z_ptr,
+    stride_z,
     norm_w_ptr,
     out_ptr,
     eps,
@@ -133,7 +132,7 @@ def _gated_norm_kernel(
     o = tl.load(o_ptr + (b.to(tl.int64) * HV + h) * DV + dv).to(tl.float32)
     normed = round_bf16(o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps))
     w = tl.load(norm_w_ptr + dv).to(tl.float32)
-    z = tl.load(proj_ptr + b.to(tl.int64) * stride_p + z_off + h * DV + dv).to(tl.float32)
+    z = tl.load(z_ptr + b.to(tl.int64) * stride_z + h * DV + dv).to(tl.float32)
     y = round_bf16(w * normed) * (z * tl.sigmoid(z))
     tl.store(out_ptr + (b.to(tl.int64) * HV + h) * DV + dv, round_bf16(y).to(out_ptr.dtype.element_ty))
 
@@ -185,21 +184,19 @@ def gdn_decode(
         z_off, conv_dim + hv * dv, conv_dim + hv * dv + hv, eps,
         HK=hk, HV=hv, DK=dk, DV=dv, KC=kc, BV=dv // v_splits, T=t, RING=ring_len, num_warps=num_warps, **pdl_args(),
     )  # fmt: skip
-    if v_splits > 1:
-        _gated_norm_kernel[(rows, hv)](
-            raw, proj, proj.stride(0), z_off, norm_w, out, eps, HV=hv, DV=dv, **pdl_args()
-        )
+    if v_splits > 1:  # the gated norm needs whole heads: a second launch
+        gated_norm(raw, proj[:, z_off : z_off + hv * dv], norm_w, eps, hv, out)
     return out
 
 
-def gated_norm(
-    o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, heads: int
-) -> torch.Tensor:
-    """The gated RMSNorm alone (the prefill path's, after the chunked rule): o, z [T, Hv*Dv] (z's rows may
-    be strided) -> w * rmsnorm(o) * silu(z) per head [T, Hv*Dv]. Reference: ``layers.norm.gated_rms_norm``."""
+def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, heads: int, out=None):
+    """The gated RMSNorm alone (after the chunked rule in prefill, or after a decode step whose value heads
+    were split across programs): o [T, Hv*Dv] contiguous, z [T, Hv*Dv] (rows may be strided) ->
+    w * rmsnorm(o) * silu(z) per head [T, Hv*Dv] (into ``out`` if given). Reference:
+    ``layers.norm.gated_rms_norm``."""
     rows, width = o.shape
-    out = torch.empty_like(o)
+    out = torch.empty_like(o) if out is None else out
     _gated_norm_kernel[(rows, heads)](
-        o, z, z.stride(0), 0, weight, out, eps, HV=heads, DV=width // heads, **pdl_args()
+        o, z, z.stride(0), weight, out, eps, HV=heads, DV=width // heads, **pdl_args()
     )
     return out
