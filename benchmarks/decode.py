@@ -302,9 +302,14 @@ def matmul_peak(dev) -> float:
 # ---- 4. prefill ---------------------------------------------------------------------------------------------
 
 
-def time_prefill(model, tokens: int, breakdown: bool = False) -> dict:
-    """Seconds, tok/s and TFLOP/s of one ``tokens``-token prefill; with ``breakdown`` also ``kernels``: its
-    per-kernel device time (torch profiler, one more prefill on the same runner)."""
+def time_prefill(model, tokens: int, breakdown: bool = False, fused: bool = True) -> dict:
+    """Seconds, tok/s and TFLOP/s of one ``tokens``-token prefill through the engine's runner (its fused
+    prefill; ``fused`` False: the model's modules throughout, as the CPU path runs them); ``host_s``: the
+    host's time to enqueue it (close to ``seconds``: the prefill waits on Python). With ``breakdown`` also
+    ``kernels`` (per-kernel device time, torch profiler, one more prefill on the same runner) and
+    ``kernel_s`` (all kernels' device time)."""
+    import time
+
     from torch.profiler import ProfilerActivity, profile
 
     from fp4moe.engine.context import StepContext
@@ -321,18 +326,24 @@ def time_prefill(model, tokens: int, breakdown: bool = False) -> dict:
         num_pages=tokens // 64 + 4,
         cuda_graphs=False,
     )
+    runner.fused_prefill = fused
+    host = []
 
     def run(n):
         runner.kv.free(0)
         ids = torch.randint(0, model.args.vocab_size, (n,), device=dev)
         ctx = StepContext([n], [0], [0], runner.kv, runner.states)
-        h = model(ids, torch.arange(n, device=dev), ctx)
-        return model.compute_logits(h[-1:])
+        start = time.perf_counter()
+        h = runner.hidden_states(ids, torch.arange(n, device=dev), ctx)
+        out = model.compute_logits(h[-1:])
+        host.append(time.perf_counter() - start)
+        return out
 
     run(256)
     run(tokens)
     torch.cuda.synchronize()
     outs = []
+    host.clear()
     times = event_seconds(lambda: outs.append(run(tokens)), 3)
     out = outs[-1]
     a = model.args
@@ -346,16 +357,19 @@ def time_prefill(model, tokens: int, breakdown: bool = False) -> dict:
     t = statistics.median(times)
     result = dict(
         seconds=t,
+        host_s=statistics.median(host),
         tokens_per_s=tokens / t,
         flops=flops,
         tflops=flops / t / 1e12,
         finite=bool(torch.isfinite(out).all()),
+        fused=fused,
     )
     if breakdown:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             run(tokens)
             torch.cuda.synchronize()
         result["kernels"] = _kernel_table(prof, 25)
+        result["kernel_s"] = sum(r["us"] for r in _kernel_table(prof, None)) / 1e6
     return result
 
 
@@ -367,7 +381,7 @@ def _kernel_table(prof, top: int) -> list[dict]:
         if t > 0 and not ev.key.startswith("aten::"):
             rows.append(dict(kernel=ev.key[:90], calls=ev.count, us=t))
     rows.sort(key=lambda r: -r["us"])
-    return rows[:top]
+    return rows[:top] if top else rows
 
 
 def kernel_breakdown(model, b: int = 1, ctx: int = 1024) -> list[dict]:
@@ -494,13 +508,16 @@ def main() -> int:
                         f"({row['roofline_tok_s']:.0f} tok/s), finite {row['finite']}"
                     )
         if args.prefill and quantized:
-            p = time_prefill(model, args.prefill, breakdown=True)
-            p["pct_peak"] = p["flops"] / p["seconds"] / peak
-            out["breakdown_prefill"] = p.pop("kernels")
-            out["prefill"] = p
-            log(
-                f"prefill {args.prefill}: {p['tokens_per_s']:.0f} tok/s, {p['tflops']:.0f} TFLOP/s = {p['pct_peak']:.1%} of peak"
-            )
+            for fused in (True, False):
+                p = time_prefill(model, args.prefill, breakdown=True, fused=fused)
+                p["pct_peak"] = p["flops"] / p["seconds"] / peak
+                key = "prefill" if fused else "prefill_modules"
+                out["breakdown_" + key] = p.pop("kernels")
+                out[key] = p
+                log(
+                    f"{key} {args.prefill}: {p['tokens_per_s']:.0f} tok/s, {p['tflops']:.0f} TFLOP/s = "
+                    f"{p['pct_peak']:.1%} of peak (kernels {p['kernel_s'] * 1e3:.0f} ms, host {p['host_s'] * 1e3:.0f} ms)"
+                )
         del model
         torch.cuda.empty_cache()
     out["decode"] = rows

@@ -1,6 +1,7 @@
 # ruff: noqa: B023  (each closure is called inside the loop iteration that defines it)
 """The decode step's bf16 projections at the full-size shapes, cuBLAS against our grouped kernel's dense
-branch (``nvfp4_gemm._dense`` with bf16 weights, tensor cores on up to 16 rows), timed the way the engine
+branch (``nvfp4_gemm._dense`` with bf16 weights, tensor cores on up to 16 rows) and our GEMV on the CUDA
+cores (``nvfp4_gemv.bf16_gemv``, up to 4 rows), timed the way the engine
 runs them: one CUDA graph of 40 launches over 40 different weight copies (nothing served from L2), median
 over replays, per launch; GB/s over the weight bytes.
 
@@ -18,6 +19,12 @@ import torch
 from tune_experts import LAYERS, graph_time
 
 from fp4moe.kernels import nvfp4_gemm as gemm
+from fp4moe.kernels import nvfp4_gemv as gemv
+
+GEMV_CONFIGS = [
+    gemv.GemvTiles(bn, bk, wa, 3, sum_each=True)
+    for bn, bk, wa in itertools.product((4, 8, 16), (512, 1024), (4, 8))
+] + [gemv.GemvTiles(8, 512, 4, 3), gemv.GemvTiles(16, 256, 4, 3)]
 
 # (name, N, K) of the bf16 matrices a decode step multiplies (Qwen3.5-35B-A3B)
 SHAPES = [
@@ -36,6 +43,11 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=150, help="seconds of sweeping before it stops early")
     ap.add_argument("--shapes", default="", help="only the shapes whose name contains this text")
     ap.add_argument("--out", default="", help="write every timing to this JSON file")
+    ap.add_argument(
+        "--kernels",
+        default="mma,gemv",
+        help="ours to time: mma (tensor-core tiles), gemv (CUDA cores, M <= 4)",
+    )
     args = ap.parse_args()
     dev = torch.device("cuda")
     one = torch.ones(1, device=dev)
@@ -58,7 +70,7 @@ def main() -> None:
 
             base = graph_time(cublas)
             best = (base, "cuBLAS")
-            for cfg in configs:
+            for cfg in configs if "mma" in args.kernels else []:
                 if time.time() - t0 > args.budget:
                     break
 
@@ -86,6 +98,19 @@ def main() -> None:
 
                 try:
                     s = graph_time(ours)
+                except Exception as exc:
+                    print(f"skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+                    continue
+                results["rows"].append(dict(shape=name, m=m, cfg=repr(cfg), us=s * 1e6, gbs=nbytes / s / 1e9))
+                best = min(best, (s, repr(cfg)))
+            for cfg in GEMV_CONFIGS if m <= 4 and "gemv" in args.kernels else []:
+
+                def ours_gemv(cfg=cfg):
+                    for w in ws:
+                        gemv.bf16_gemv(x, w, out=out, tiles=cfg)
+
+                try:
+                    s = graph_time(ours_gemv)
                 except Exception as exc:
                     print(f"skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
                     continue

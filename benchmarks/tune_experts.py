@@ -24,6 +24,7 @@ import time
 import torch
 
 from fp4moe.kernels import nvfp4_gemm as gemm
+from fp4moe.kernels import nvfp4_gemv as gemv
 
 E, H, I, K = 256, 2048, 512, 8
 LAYERS = 40
@@ -87,6 +88,11 @@ def main() -> None:
     ap.add_argument(
         "--modes", default="4,7", help="NVFP4 dequantization modes to try (nvfp4_gemm.DEQUANT_MODE)"
     )
+    ap.add_argument(
+        "--kernels",
+        default="mma,gemv",
+        help="which expert kernels to sweep: mma (grouped GEMM), gemv (per pair)",
+    )
     ap.add_argument("--budget", type=float, default=330, help="seconds of sweeping before it stops early")
     ap.add_argument("--out", default="", help="write every timing to this JSON file")
     args = ap.parse_args()
@@ -96,7 +102,10 @@ def main() -> None:
     splits = [int(s) for s in args.splits.split(",")]
     modes = [int(m) for m in args.modes.split(",")]
     default_mode = gemm.DEQUANT_MODE
-    results = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rows=[], best={})
+    kinds = args.kernels.split(",")
+    results = dict(
+        device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rows=[], best={}, best_gemv={}
+    )
     for t in [int(x) for x in args.tokens.split(",")]:
         gen = torch.Generator(device=dev).manual_seed(t)
         x = torch.randn(t, H, device=dev, dtype=torch.bfloat16)
@@ -126,7 +135,7 @@ def main() -> None:
 
         def down(tiles, split):
             act = inputs[("gu", split)]
-            out = torch.empty(t * K, H, device=dev)
+            out = torch.empty(t * K, H, device=dev, dtype=torch.bfloat16)
 
             def fn():
                 for lay, r in zip(layers, routes, strict=True):
@@ -145,14 +154,43 @@ def main() -> None:
                 except Exception as exc:  # a config the compiler or the tile rules refuse
                     print(f"skip {kind} T={t} {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
                     continue
-                nbytes = gu_bytes if kind.startswith("gate_up") else dn_bytes
+                nbytes = gu_bytes if "gate_up" in kind else dn_bytes
                 row = dict(kind=kind, tokens=t, cfg=repr(cfg), us=s * 1e6, gbs=nbytes / s / 1e9)
                 results["rows"].append(row)
                 found.append((s, cfg))
             return sorted(found, key=lambda r: r[0])
 
+        if "gemv" in kinds:  # the per-pair GEMVs (ids are the router's, no routing tables)
+            act_gemv = gemv.gemv_gate_up(x, *layers[0]["gu"], ids[0])
+            out_gemv = torch.empty(t * K, H, device=dev, dtype=torch.bfloat16)
+
+            def gemv_gate_up(cfg):
+                return graph_time(lambda: [
+                    gemv.gemv_gate_up(x, *lay["gu"], i, out=act_gemv, tiles=cfg)
+                    for lay, i in zip(layers, ids, strict=True)
+                ])  # fmt: skip
+
+            def gemv_down(cfg):
+                return graph_time(lambda: [
+                    gemv.gemv_down(act_gemv, *lay["dn"], i, w, out=out_gemv, tiles=cfg)
+                    for lay, i in zip(layers, ids, strict=True)
+                ])  # fmt: skip
+
+            grid = [gemv.GemvTiles(*c) for c in itertools.product((8, 16), (256, 512), (2, 4), (3,))] + [
+                gemv.GemvTiles(bn, bk, wa, 3, sum_each=True)
+                for bn, bk, wa in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8))
+            ]
+            rg = sweep("gemv gate_up", grid, gemv_gate_up)
+            rd = sweep("gemv down", grid, gemv_down)
+            if rg and rd:
+                (sg, cg), (sd, cd) = rg[0], rd[0]
+                results["best_gemv"][t] = dict(
+                    gate_up=repr(cg), down=repr(cd), us=(sg + sd) * 1e6, gate_up_us=sg * 1e6, down_us=sd * 1e6,
+                    gbs=(gu_bytes + dn_bytes) / (sg + sd) / 1e9,
+                )  # fmt: skip
+                print(f"\nT={t} GEMV: {json.dumps(results['best_gemv'][t])}", flush=True)
         best_gu, best_dn = {}, {}
-        for mode, split in itertools.product(modes, splits):
+        for mode, split in itertools.product(modes if "mma" in kinds else [], splits):
             gemm.DEQUANT_MODE = mode
             key = (mode, split)
             gu_cfgs = [

@@ -139,6 +139,49 @@ def experts(t: int, dev) -> dict:
     )  # fmt: skip
 
 
+GATE_UP_TILES = {  # (block rows, Tiles): 128-row blocks halve the dequantization per FLOP
+    64: [(64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)],
+    128: [(64, 128, 8, 3), (64, 64, 8, 4), (128, 64, 8, 3), (32, 128, 4, 3), (64, 128, 4, 3)],
+}
+DOWN_TILES = {
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3), (256, 64, 8, 3), (128, 64, 4, 3)],
+}
+
+
+def tiles(t: int, dev) -> list[dict]:
+    """The gate/up and down launches alone at ``t`` tokens for each block-row count and launch setting
+    (TFLOP/s over each launch's own FLOPs)."""
+    layer = weights(dev, 1)[0]
+    x = torch.randn(t, H, device=dev, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device=dev)[:TOPK] for _ in range(t)]).int()
+    w = torch.rand(t, TOPK, device=dev)
+    rows = []
+    for bm in GATE_UP_TILES:
+        routing = gemm.align_reference(ids, E, bm)
+        act = gemm.moe_gate_up(x, *layer["gu"], routing, TOPK)
+        for kind, cfgs, flops in (
+            ("gate_up", GATE_UP_TILES[bm], 2 * t * TOPK * 2 * I * H),
+            ("down", DOWN_TILES[bm], 2 * t * TOPK * I * H),
+        ):
+            for cfg in cfgs:
+                tl_ = gemm.Tiles(*cfg)
+
+                def fn(kind=kind, tl_=tl_, routing=routing, act=act):
+                    if kind == "gate_up":
+                        return gemm.moe_gate_up(x, *layer["gu"], routing, TOPK, tiles=tl_)
+                    return gemm.moe_down(act, *layer["dn"], routing, w, tiles=tl_)
+
+                try:
+                    s = timed(fn)
+                except Exception as exc:  # a setting the compiler refuses (shared memory, registers)
+                    print(f"skip {kind} bm={bm} {tl_}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+                    continue
+                rows.append(dict(kind=kind, bm=bm, tiles=repr(tl_), ms=s * 1e3, tflops=flops / s / 1e12))
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def delta_rule(t: int, dev) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -166,8 +209,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--out", default="", help="write the results to this JSON file")
+    ap.add_argument("--tiles", action="store_true", help="only sweep the expert launches' tile settings")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.tiles:
+        res = dict(device=torch.cuda.get_device_name(), tiles=tiles(args.tokens, dev))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     res = dict(device=torch.cuda.get_device_name(), experts=experts(args.tokens, dev))
     print(json.dumps(res["experts"], indent=1), flush=True)
     try:

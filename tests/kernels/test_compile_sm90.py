@@ -70,8 +70,29 @@ for tkp in (8, 512, 4096):  # the align kernel's bitonic sort and histogram, sma
         results.append(dict(ok=bool(k.asm["cubin"]), prmt=False, error=""))
     except Exception as exc:
         results.append(dict(ok=False, prmt=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
+from fp4moe.kernels import nvfp4_gemv as gemv
+fn = gemv._gemv_kernel
+for mode, gated, sum_each, dense in ((7, True, False, False), (7, False, True, False), (4, True, True, False),
+                                     (0, True, False, False), (0, False, True, True)):  # the decode GEMVs
+    consts = dict(GATED=gated, DENSE=dense, MODE=mode, BN=16, BK=256, SUM_EACH=sum_each, PDL=True)
+    pointers = {"a_ptr": "*bf16", "w_ptr": "*bf16" if mode == 0 else "*u8", "s_ptr": "*u8", "d_ptr": "*fp32",
+                "out_ptr": "*bf16", "ids_ptr": "*i32", "topw_ptr": "*fp32"}
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
+    try:
+        k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+        results.append(dict(ok=bool(k.asm["cubin"]), prmt="prmt.b32" in k.asm["ptx"], error=""))
+    except Exception as exc:
+        results.append(dict(ok=False, prmt=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
 print(json.dumps(results))
 """
+GEMV_VARIANTS = [
+    (7, "gemv gate/up"),
+    (7, "gemv down"),
+    (4, "gemv gate/up"),
+    (0, "gemv bf16"),
+    (0, "gemv dense"),
+]
 
 
 @pytest.mark.slow
@@ -86,7 +107,8 @@ def test_expert_kernel_variants_compile_for_sm90():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    for variant, r in zip([*VARIANTS, "align 8", "align 512", "align 4096"], results, strict=True):
+    names = [*VARIANTS, "align 8", "align 512", "align 4096", *GEMV_VARIANTS]
+    for variant, r in zip(names, results, strict=True):
         assert r["ok"], (variant, r["error"])
         if variant[0] == 7:
             assert r["prmt"], variant  # the inline PTX made it in

@@ -66,10 +66,13 @@ class ModelRunner:
             [len(c) for c in chunks], [s.num_cached for s, _ in batch], [s.slot for s, _ in batch], kv, states
         )
         spans = ctx.spans()
-        hidden = self.model(
-            ids, positions.to(self.device), ctx, inputs_embeds=self._embeds(ids, batch, spans)
-        )
+        hidden = self.hidden_states(ids, positions.to(self.device), ctx, self._embeds(ids, batch, spans))
         return hidden, spans
+
+    def hidden_states(self, ids, positions, ctx, embeds=None) -> torch.Tensor:
+        """The model's final-normed hidden states [T, H] of a flat batch (the GPU runner fuses the pieces
+        between the layers' mixers)."""
+        return self.model(ids, positions, ctx, inputs_embeds=embeds)
 
     @torch.no_grad()
     def run(

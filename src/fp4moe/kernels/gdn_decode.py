@@ -123,18 +123,21 @@ def _gated_norm_kernel(
     eps,
     HV: tl.constexpr,
     DV: tl.constexpr,
+    HB: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Program (row b, head block): HB heads of one row as an [HB, DV] tile, each normed on its own."""
     wait_for_previous(PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    b = tl.program_id(0).to(tl.int64)
+    hh = tl.program_id(1) * HB + tl.arange(0, HB)
     dv = tl.arange(0, DV)
-    o = tl.load(o_ptr + (b.to(tl.int64) * HV + h) * DV + dv).to(tl.float32)
-    normed = round_bf16(o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps))
+    cols = hh[:, None] * DV + dv[None, :]
+    o = tl.load(o_ptr + b * HV * DV + cols).to(tl.float32)
+    normed = round_bf16(o * tl.rsqrt(tl.sum(o * o, 1) / DV + eps)[:, None])
     w = tl.load(norm_w_ptr + dv).to(tl.float32)
-    z = tl.load(z_ptr + b.to(tl.int64) * stride_z + h * DV + dv).to(tl.float32)
-    y = round_bf16(w * normed) * (z * tl.sigmoid(z))
-    tl.store(out_ptr + (b.to(tl.int64) * HV + h) * DV + dv, round_bf16(y).to(out_ptr.dtype.element_ty))
+    z = tl.load(z_ptr + b * stride_z + cols).to(tl.float32)
+    y = round_bf16(w[None, :] * normed) * (z * tl.sigmoid(z))
+    tl.store(out_ptr + b * HV * DV + cols, round_bf16(y).to(out_ptr.dtype.element_ty))
 
 
 def gdn_decode(
@@ -196,7 +199,11 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     ``layers.norm.gated_rms_norm``."""
     rows, width = o.shape
     out = torch.empty_like(o) if out is None else out
-    _gated_norm_kernel[(rows, heads)](
-        o, z, z.stride(0), weight, out, eps, HV=heads, DV=width // heads, **pdl_args()
-    )
+    # a prefill's rows take every head in one program (one program per (row, head) and 4 warps on 128
+    # values: 5.5 ms of an 8K prefill on the H200); a few decode rows keep a program per head
+    hb = heads if rows >= 64 and heads & (heads - 1) == 0 else 1
+    _gated_norm_kernel[(rows, heads // hb)](
+        o, z, z.stride(0), weight, out, eps, HV=heads, DV=width // heads, HB=hb,
+        num_warps=4, **pdl_args(),
+    )  # fmt: skip
     return out

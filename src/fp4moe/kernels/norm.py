@@ -78,7 +78,7 @@ def _combine_kernel(
     mask = offs < N
     routed = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOPK):
-        routed += tl.load(y_ptr + (t * TOPK + j) * N + offs, mask=mask, other=0.0)
+        routed += tl.load(y_ptr + (t * TOPK + j) * N + offs, mask=mask, other=0.0).to(tl.float32)
     mlp = round_bf16(routed)
     if HAS_SHARED:
         g = tl.load(proj_ptr + t * stride_p + gate_col).to(tl.float32)
@@ -104,7 +104,7 @@ def moe_combine(
     num_warps: int | None = None,
 ):
     """h_out = h + sum_k y[t*k + j] + sigmoid(proj[t, gate_col]) * shared[t]; x_out = next norm of h_out.
-    ``shared`` None: no shared expert. y [T*k, N] fp32 (already weighted)."""
+    ``shared`` None: no shared expert. y [T*k, N] (already weighted; bf16 or fp32), summed in fp32."""
     t, n = h.shape
     num_warps = num_warps or (16 if t >= 64 else 4)
     h_out = torch.empty_like(h) if h_out is None else h_out

@@ -521,14 +521,16 @@ def moe_down(
     act, packed, scales, decode, routing: Routing, topk_weights, out=None, tiles: Tiles | None = None
 ):
     """act [T*k, I] bf16 (pair rows), or gate/up partial sums [s, T*k, 2I] fp32; packed [E, H, I/2] ->
-    weight * down(silu(gate) * up) per pair [T*k, H] (fp32)."""
+    weight * down(silu(gate) * up) per pair [T*k, H] bf16. The kernel rounds each pair's weighted output to
+    bf16 (as the CPU path does before its sum), so a bf16 buffer holds it exactly: half the bytes of fp32
+    for the sum over each token's pairs that follows (an 8K prefill wrote and read 0.5 GB per layer)."""
     hidden = packed.shape[1]
     splits = act.shape[0] if act.ndim == 3 else 0
     pairs = act.shape[-2]
     inter = act.shape[-1] // 2 if splits else act.shape[-1]
     t = tiles or plan(routing.bm, pairs // max(1, topk_weights.shape[-1]))[1]
     if out is None:
-        out = torch.empty(pairs, hidden, dtype=torch.float32, device=act.device)
+        out = torch.empty(pairs, hidden, dtype=torch.bfloat16, device=act.device)
     s = uint8_view(scales)
     a_strides = (act.stride(1), act.stride(0)) if splits else (act.stride(0), 0)
     return _launch(
@@ -622,17 +624,15 @@ def moe_reference(x, gu_packed, gu_scales, gu_decode, d_packed, d_scales, d_deco
 def moe_experts(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """``layers.moe.RoutedExperts`` on the GPU: sum_k w * down(silu(gate x) * up x) [T, H] in fp32."""
     t, k = topk_ids.shape
-    return moe_pairs(experts, x, topk_ids, topk_weights).view(t, k, -1).sum(1)
+    return moe_pairs(experts, x, topk_ids, topk_weights).view(t, k, -1).sum(1, dtype=torch.float32)
+
+
+GEMV_MAX_TOKENS = 4  # up to this many tokens, every (token, expert) pair runs as GEMVs (nvfp4_gemv)
 
 
 def moe_pairs(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """Each (token, expert) pair's weighted output [T*k, H] fp32 (pair = token * k + j)."""
+    """Each (token, expert) pair's weighted output [T*k, H] bf16 (pair = token * k + j)."""
     t, k = topk_ids.shape
-    bm = block_m(t, k, experts.num_experts)
-    if t <= PAIR_ROUTING_MAX_TOKENS and bm == 16:
-        routing = pair_routing(topk_ids, bm)
-    else:
-        routing = align(topk_ids, experts.num_experts, bm)
     if experts.quantized:
         gu = (experts.gate_up_packed, experts.gate_up_scales, experts.gate_up_decode)
         dn = (experts.down_packed, experts.down_scales, experts.down_decode)
@@ -640,5 +640,15 @@ def moe_pairs(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         ones = experts.unit_scales()
         gu = (experts.gate_up_proj, experts.gate_up_proj, ones[0])
         dn = (experts.down_proj, experts.down_proj, ones[1])
+    if t <= GEMV_MAX_TOKENS and x.shape[1] % 32 == 0 and experts.inter % 32 == 0:
+        from fp4moe.kernels import nvfp4_gemv as gemv
+
+        act = gemv.gemv_gate_up(x, *gu, topk_ids)
+        return gemv.gemv_down(act, *dn, topk_ids, topk_weights)
+    bm = block_m(t, k, experts.num_experts)
+    if t <= PAIR_ROUTING_MAX_TOKENS and bm == 16:
+        routing = pair_routing(topk_ids, bm)
+    else:
+        routing = align(topk_ids, experts.num_experts, bm)
     act = moe_gate_up(x, *gu, routing, k)
     return moe_down(act, *dn, routing, topk_weights.float())

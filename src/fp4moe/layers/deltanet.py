@@ -7,8 +7,6 @@ o_t = S^T q_t. Prefill uses the chunked form (chunk 64), decode the token-wise r
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,14 +73,15 @@ def _fla_chunk():
     return chunk_gated_delta_rule
 
 
-def _fla_rule(q, k, v, g, beta, state, dtype=torch.bfloat16):
-    """The chunked rule through fla (q already scaled, so scale=1); same signature as ours. q, k, v and beta
-    go in the model's dtype, as transformers' fla path passes them (fp32 inputs ran the rule at 1.96 ms per
-    8K-token layer against 0.76 in bf16 on the H200, benchmarks/tune_prefill.py); the decay and the state
-    stay fp32."""
+def _fla_rule(q, k, v, g, beta, state):
+    """The chunked rule through fla on the model's own q, k, v (bf16 views of the conv output, not yet
+    normalised) and beta: fla L2-normalises q and k itself and applies the 1/sqrt(Dk) query scale, as
+    transformers' fla path asks it to. The decay and the state stay fp32. (Feeding fla fp32 q/k/v ran the
+    rule at 1.96 ms per 8K-token layer against 0.76 in bf16 on the H200, benchmarks/tune_prefill.py; the fp32
+    normalisation in torch before it was another chain of elementwise passes over q and k.)"""
     o, final = _fla_chunk()(
-        q[None].to(dtype), k[None].to(dtype), v[None].to(dtype), g[None], beta[None].to(dtype), scale=1.0,
-        initial_state=state[None].contiguous(), output_final_state=True,
+        q[None], k[None], v[None], g[None], beta[None], scale=q.shape[-1] ** -0.5,
+        initial_state=state[None].contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     return o[0], final[0]
 
@@ -128,17 +127,18 @@ class GatedDeltaNet(nn.Module):
             qkv, new_conv = self._conv(mixed[start:end], conv_state)
             q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
             n = end - start
-            q = l2_normalize(q.float().view(n, self.num_k_heads, self.k_dim)) * self.k_dim**-0.5
-            k = l2_normalize(k.float().view(n, self.num_k_heads, self.k_dim))
-            v = v.float().view(n, self.num_v_heads, self.v_dim)
+            q = q.view(n, self.num_k_heads, self.k_dim)
+            k = k.view(n, self.num_k_heads, self.k_dim)
+            v = v.view(n, self.num_v_heads, self.v_dim)
             if n > 1 and x.is_cuda and _fla_chunk() is not None:
                 # grouped values: fla reads key head j // (Hv / Hk) for value head j itself
-                rule = functools.partial(_fla_rule, dtype=x.dtype)
+                o, new_rec = _fla_rule(q, k, v, g[start:end], beta[start:end], rec_state)
             else:
                 rep = self.num_v_heads // self.num_k_heads
-                q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+                q = l2_normalize(q.float()).repeat_interleave(rep, dim=1) * self.k_dim**-0.5
+                k = l2_normalize(k.float()).repeat_interleave(rep, dim=1)
                 rule = delta_rule_recurrent if n == 1 else delta_rule_chunked
-            o, new_rec = rule(q, k, v, g[start:end], beta[start:end].float(), rec_state)
+                o, new_rec = rule(q, k, v.float(), g[start:end], beta[start:end].float(), rec_state)
             ctx.deltanet.set(self.layer_id, slot, new_conv, new_rec, ctx.cached_lens[seq] + (end - start))
             core[start:end] = o.to(x.dtype)
         if x.is_cuda and x.dtype == torch.bfloat16:  # one kernel instead of the fp32 elementwise chain

@@ -1,0 +1,211 @@
+"""NVFP4 weight-only expert GEMVs for decode: one (token, expert) pair per program row, no tensor cores.
+
+At a few tokens per step every (token, expert) pair is its own one-row product. The grouped GEMM
+(``nvfp4_gemm``) runs those on the tensor cores in 16-row tiles (15 rows of zeros) and passes each
+dequantized tile through shared memory into the MMA; here a program dequantizes a [BN, BK] weight tile in
+registers exactly as the GEMM does (same modes, same values: ``nvfp4_gemm._dequant_*``), multiplies it by the
+pair's activation row on the CUDA cores and keeps [BN, BK] fp32 partial sums, reduced once after the K
+loop. Nothing is sorted: the program's expert is the router's own output (``topk_ids``).
+
+Gate/up programs compute gate rows n and up rows I + n of the pair's expert and store silu(gate) * up
+(rounded where the CPU path rounds); down programs multiply by the pair's routing weight and store each
+pair's weighted output in bf16 (exact: the value is rounded to bf16 first, as in the GEMM). References: the
+GEMM's ``moe_reference``; tests compare both kernels with it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4moe.kernels import pdl_args, uint8_view
+from fp4moe.kernels.nvfp4_gemm import _block_k, _dequant_asm, _dequant_bf16, _dequant_bf16_bits, _mode
+from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
+
+
+@triton.jit
+def _partial(acc, a_row, k0, w_ptrs, s_ptrs, mask_n, MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             SUM_EACH: tl.constexpr):  # fmt: skip
+    """acc += one K tile of W[n, k] * a[k]: elementwise into acc [BN, BK] (or [BN, BK/2] in mode 7), or
+    (SUM_EACH) summed along K into acc [BN, 1]."""
+    offs_kh = tl.arange(0, BK // 2)
+    offs_ks = tl.arange(0, BK // 16)
+    w_mask = mask_n[:, None] & (offs_kh >= 0)[None, :]
+    s_mask = mask_n[:, None] & (offs_ks >= 0)[None, :]
+    if MODE == 7:  # even and odd k as two half tiles, as the GEMM's mode 7
+        lo, hi = _dequant_asm(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
+        a_even = tl.load(a_row + k0 + 2 * offs_kh).to(tl.float32)
+        a_odd = tl.load(a_row + k0 + 2 * offs_kh + 1).to(tl.float32)
+        prod = lo.to(tl.float32) * a_even[None, :] + hi.to(tl.float32) * a_odd[None, :]
+    else:
+        offs_k = tl.arange(0, BK)
+        if MODE == 0:  # bf16 weights (w_ptrs over [BN, BK] elements)
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_k >= 0)[None, :], other=0.0)
+        elif MODE == 4:
+            w = _dequant_bf16_bits(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
+        else:
+            w = _dequant_bf16(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
+        prod = w.to(tl.float32) * tl.load(a_row + k0 + offs_k).to(tl.float32)[None, :]
+    if SUM_EACH:  # (one return: the compiler wants every return of one type)
+        acc = acc + tl.sum(prod, 1, keep_dims=True)
+    else:
+        acc = acc + prod
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(
+    a_ptr,
+    stride_am,
+    w_ptr,
+    s_ptr,
+    d_ptr,
+    out_ptr,
+    stride_om,
+    ids_ptr,
+    topw_ptr,
+    N,
+    K,
+    TOPK,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_de,
+    GATED: tl.constexpr,
+    DENSE: tl.constexpr,
+    MODE: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SUM_EACH: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (pair p, output block): GATED: silu(gate) * up of rows n < N (gate) and N + n (up) of
+    x[p // TOPK]; else the down product of act[p] times the pair's routing weight. K % BK == 0. SUM_EACH:
+    reduce each K tile's products at once (fewer registers: room for a K tile as long as K)."""
+    wait_for_previous(PDL)
+    p = tl.program_id(0)
+    # DENSE: one weight matrix, row p of a, no routing weight
+    e = tl.program_id(0).to(tl.int64) * 0 if DENSE else tl.load(ids_ptr + p).to(tl.int64)
+    a_row = a_ptr + (p // TOPK).to(tl.int64) * stride_am
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    w_base = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
+    s_base = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
+    ACC_K: tl.constexpr = 1 if SUM_EACH else BK // 2 if MODE == 7 else BK
+    acc = tl.zeros((BN, ACC_K), dtype=tl.float32)
+    acc_up = tl.zeros((BN, ACC_K), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if MODE == 0:
+            w_ptrs = w_base + (k0 + tl.arange(0, BK))[None, :]
+        else:
+            w_ptrs = w_base + (k0 // 2 + tl.arange(0, BK // 2))[None, :]
+        s_ptrs = s_base + (k0 // 16 + tl.arange(0, BK // 16))[None, :]
+        acc = _partial(acc, a_row, k0, w_ptrs, s_ptrs, mask_n, MODE, BN, BK, SUM_EACH)
+        if GATED:
+            acc_up = _partial(
+                acc_up, a_row, k0, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n, MODE, BN, BK,
+                SUM_EACH,
+            )  # fmt: skip
+    y = tl.sum(acc, 1)
+    if MODE >= 4:  # the bf16-bit dequantization leaves a factor 2^-8 in the weights
+        y = y * 256.0
+    out_ptrs = out_ptr + p.to(tl.int64) * stride_om + offs_n
+    if GATED:  # the CPU path rounds gate, up and silu(gate) to bf16 on the way; so do we
+        up = tl.sum(acc_up, 1)
+        if MODE >= 4:
+            up = up * 256.0
+        gate = round_bf16(y * tl.load(d_ptr + e * stride_de))
+        up = round_bf16(up * tl.load(d_ptr + e * stride_de + 1))
+        act = round_bf16(gate * tl.sigmoid(gate))
+        tl.store(out_ptrs, round_bf16(act * up).to(out_ptr.dtype.element_ty), mask=mask_n)
+    elif DENSE:
+        tl.store(out_ptrs, round_bf16(y * tl.load(d_ptr)).to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        y = round_bf16(y * tl.load(d_ptr + e * stride_de)) * round_bf16(tl.load(topw_ptr + p).to(tl.float32))
+        tl.store(out_ptrs, round_bf16(y).to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+class GemvTiles:
+    """Launch settings of one expert GEMV: output rows per program BN, K tile BK, warps, stages, and
+    whether each K tile is reduced at once (``sum_each``) or kept elementwise until the end."""
+
+    def __init__(self, bn: int, bk: int, warps: int, stages: int, sum_each: bool = False):
+        self.bn, self.bk, self.warps, self.stages, self.sum_each = bn, bk, warps, stages, sum_each
+
+    def __repr__(self) -> str:
+        return (
+            f"GemvTiles(bn={self.bn}, bk={self.bk}, warps={self.warps}, stages={self.stages}, "
+            f"sum_each={self.sum_each})"
+        )
+
+
+# H200, benchmarks/tune_experts.py --kernels gemv (40 layers' launches in a graph, full-size shapes): at one
+# token gate/up 7.7 us, down 5.1 us per layer (the grouped GEMM: 13.7 + 6.3)
+GATE_UP_TILES = GemvTiles(8, 512, 4, 3)
+DOWN_TILES = GemvTiles(8, 256, 2, 3)
+
+
+def _launch(a, w, s, stride_sn, decode, out, ids, topw, n, k, top_k, gated: bool, mode: int, t: GemvTiles,
+            rows: int = 0):  # fmt: skip
+    """One ``_gemv_kernel`` launch: grid (pairs -- or ``rows`` of a dense product --, N / BN)."""
+    bk = _block_k(k, t.bk)
+    if k % bk:
+        raise ValueError(f"input dimension {k} is not a multiple of 32 (the GEMV has no ragged K tile)")
+    dense = w.ndim == 2
+    _gemv_kernel[(rows if dense else ids.numel(), triton.cdiv(n, t.bn))](
+        a, a.stride(0), w, s, decode, out, out.stride(0), ids, topw, n, k, top_k,
+        0 if dense else w.stride(0), w.stride(-2), s.stride(0) if s.ndim == 3 else 0, stride_sn,
+        decode.stride(0) if decode.ndim else 0,
+        GATED=gated, DENSE=dense, MODE=mode, BN=t.bn, BK=bk, SUM_EACH=t.sum_each, num_warps=t.warps, num_stages=t.stages,
+        **pdl_args(),
+    )  # fmt: skip
+    return out
+
+
+def gemv_gate_up(x, packed, scales, decode, topk_ids, out=None, tiles: GemvTiles | None = None):
+    """x [T, H] bf16; packed [E, 2I, H/2] (or bf16 [E, 2I, H]); topk_ids [T, k] -> silu(gate) * up per pair
+    [T*k, I] bf16 (row = pair index token * k + j)."""
+    two_i, hidden = packed.shape[1], x.shape[1]
+    mode = _mode(packed)
+    ids = topk_ids.reshape(-1)
+    if out is None:
+        out = torch.empty(ids.numel(), two_i // 2, dtype=x.dtype, device=x.device)
+    s = uint8_view(scales)
+    return _launch(
+        x, packed, s, s.stride(1), decode, out, ids, decode, two_i // 2, hidden, topk_ids.shape[-1], True,
+        mode, tiles or GATE_UP_TILES,
+    )  # fmt: skip
+
+
+def gemv_down(act, packed, scales, decode, topk_ids, topk_weights, out=None, tiles: GemvTiles | None = None):
+    """act [T*k, I] bf16 (pair rows); packed [E, H, I/2] (or bf16 [E, H, I]) -> weight * down(act) per pair
+    [T*k, H] bf16."""
+    hidden, inter = packed.shape[1], act.shape[1]
+    ids = topk_ids.reshape(-1)
+    if out is None:
+        out = torch.empty(ids.numel(), hidden, dtype=torch.bfloat16, device=act.device)
+    s = uint8_view(scales)
+    return _launch(
+        act, packed, s, s.stride(1), decode, out, ids, topk_weights.reshape(-1).float(), hidden, inter, 1, False,
+        _mode(packed), tiles or DOWN_TILES,
+    )  # fmt: skip
+
+
+DENSE_TILES = GemvTiles(8, 512, 4, 3, sum_each=True)
+
+
+def bf16_gemv(
+    x: torch.Tensor, weight: torch.Tensor, out=None, tiles: GemvTiles | None = None
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T for a few bf16 rows on the CUDA cores -> [M, N] bf16 (fp32 sums, rounded
+    once)."""
+    from fp4moe.kernels.nvfp4_gemm import _unit_scale
+
+    m, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    one = _unit_scale(x.device)
+    return _launch(x, weight, weight, 0, one, out, one, one, n, k, 1, False, 0, tiles or DENSE_TILES, rows=m)
