@@ -98,6 +98,7 @@ def _few_rows_kernel(x: torch.Tensor) -> bool:
 
 def _dense_part(linears: list, pad: int = 0):
     from fp4moe.kernels.nvfp4_gemm import bf16_linear
+    from fp4moe.kernels.nvfp4_gemv import bf16_gemv, gemv_fits
 
     weight = _concat_into(linears, "weight", pad)
     unpadded = weight[: weight.shape[0] - pad]
@@ -114,8 +115,9 @@ def _dense_part(linears: list, pad: int = 0):
             # at 1 row on the unpadded router GEMM, and is 1.1x slower on the padded one (H200,
             # benchmarks/tune_dense.py); the grouped kernel is not
             return bf16_linear(x.reshape(rows, -1), weight).view(*x.shape[:-1], -1)
-        # one row: cuBLAS's GEMV is fastest on the unpadded width (router: 4.3 us vs 6.9 padded)
-        return F.linear(x, unpadded if rows == 1 else weight)
+        if rows == 1 and gemv_fits(x, unpadded):  # our GEMV (router group 3.6 us against cuBLAS's 4.6)
+            return bf16_gemv(x.reshape(1, -1), unpadded).view(*x.shape[:-1], -1)
+        return F.linear(x, unpadded if rows == 1 else weight)  # (one row: unpadded, as cuBLAS was faster)
 
     return run
 

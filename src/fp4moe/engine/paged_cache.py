@@ -170,23 +170,24 @@ class SlotStates:
         )
         self.rec = torch.zeros(len(layer_ids), max_slots, num_v_heads, k_dim, v_dim, device=device)
 
-    def _ring_rows(self, end: int) -> tuple[list[int], list[bool]]:
-        """Ring entries holding positions end-K+1 .. end-1 (oldest first), and which of them exist."""
-        pos = [end - j for j in range(self.kc - 1, 0, -1)]
-        return [p % self.ring_len for p in pos], [p >= 0 for p in pos]
+    def _ring_index(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ring entries holding positions end-K+1 .. end-1 (oldest first) and which of them exist, as device
+        tensors made on the device: indexing a CUDA tensor with a host list copies the list from pageable
+        memory, which waits for the GPU -- a few times per layer of a prefill."""
+        pos = torch.arange(end - self.kc + 1, end, device=self.device)
+        return pos.remainder(self.ring_len), pos >= 0
 
     def get(self, layer: int, slot: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         i, pos = self.index[layer], position
-        rows, valid = self._ring_rows(pos)
-        conv = self.ring[i, slot, rows].T.clone()  # [C, K-1]
-        conv[:, [not ok for ok in valid]] = 0
+        rows, valid = self._ring_index(pos)
+        conv = torch.where(valid, self.ring[i, slot].index_select(0, rows).T, 0)  # [C, K-1]
         rec = self.rec[i, slot] if pos > 0 else torch.zeros_like(self.rec[i, slot])
         return conv, rec
 
     def set(self, layer: int, slot: int, conv: torch.Tensor, rec: torch.Tensor, position: int) -> None:
         i, end = self.index[layer], position
-        rows, _ = self._ring_rows(end)
-        self.ring[i, slot, rows] = conv.T.to(self.dtype)
+        rows, _ = self._ring_index(end)
+        self.ring[i, slot].index_copy_(0, rows, conv.T.to(self.dtype))
         self.rec[i, slot] = rec
 
     def free(self, slot: int) -> None:

@@ -392,7 +392,7 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routin
     total = bend[-1]
     valid = b < total
     start = torch.where(valid, starts[e] + j * bm, 0)
-    cnt = torch.where(valid, torch.minimum(counts[e] - j * bm, torch.tensor(bm, device=dev)), 0)
+    cnt = torch.where(valid, (counts[e] - j * bm).clamp(max=bm), 0)  # (no host tensor: no copy, no wait)
     return Routing(
         order,
         torch.where(valid, e, 0).to(torch.int32),

@@ -47,10 +47,8 @@ def _partial(acc, a_row, k0, w_ptrs, s_ptrs, mask_n, MODE: tl.constexpr, BN: tl.
         else:
             w = _dequant_bf16(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
         prod = w.to(tl.float32) * tl.load(a_row + k0 + offs_k).to(tl.float32)[None, :]
-    if SUM_EACH:  # (one return: the compiler wants every return of one type)
-        acc = acc + tl.sum(prod, 1, keep_dims=True)
-    else:
-        acc = acc + prod
+    # (one return statement: the compiler wants every return of one type)
+    acc = acc + tl.sum(prod, 1, keep_dims=True) if SUM_EACH else acc + prod
     return acc
 
 
@@ -141,9 +139,9 @@ class GemvTiles:
         )
 
 
-# H200, benchmarks/tune_experts.py --kernels gemv (40 layers' launches in a graph, full-size shapes): at one
-# token gate/up 7.7 us, down 5.1 us per layer (the grouped GEMM: 13.7 + 6.3)
-GATE_UP_TILES = GemvTiles(8, 512, 4, 3)
+# H200, benchmarks/tune_experts.py --kernels gemv (40 layers' launches in a graph, full-size shapes): gate/up
+# 7.6 / 17.2 us per layer at 1 / 3 tokens, down 5.1 / 11.3 (the grouped GEMM: 13.7 + 6.3 at one token)
+GATE_UP_TILES = GemvTiles(8, 512, 4, 3, sum_each=True)
 DOWN_TILES = GemvTiles(8, 256, 2, 3)
 
 
@@ -193,7 +191,25 @@ def gemv_down(act, packed, scales, decode, topk_ids, topk_weights, out=None, til
     )  # fmt: skip
 
 
-DENSE_TILES = GemvTiles(8, 512, 4, 3, sum_each=True)
+def dense_tiles(n: int) -> GemvTiles:
+    """H200, one row, benchmarks/tune_dense.py --kernels gemv (cuBLAS in brackets): Gated DeltaNet in_proj
+    12352 x 2048 13.4 us (15.5), attention qkv 9216 x 2048 10.7 (12.0), out_proj 2048 x 4096 6.6 (9.0: split-K
+    and its reduce), router + shared gate/up 1281 x 2048 3.6 (4.6), shared down 2048 x 512 2.2 (3.8)."""
+    return GemvTiles(16, 256, 4, 3) if n >= 8192 else GemvTiles(4, 1024, 8, 3, sum_each=True)
+
+
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether one bf16 row on the GPU goes through ``bf16_gemv``: K a multiple of 32, and a weight small
+    enough that launch latency, not bandwidth, bounds cuBLAS (the 1 GB lm_head runs at the copy rate)."""
+    return (
+        x.is_cuda
+        and x.numel() == x.shape[-1]
+        and x.stride(-1) == 1
+        and x.dtype == weight.dtype == torch.bfloat16
+        and weight.ndim == 2
+        and x.shape[-1] % 32 == 0
+        and weight.numel() <= 1 << 26
+    )
 
 
 def bf16_gemv(
@@ -208,4 +224,6 @@ def bf16_gemv(
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     one = _unit_scale(x.device)
-    return _launch(x, weight, weight, 0, one, out, one, one, n, k, 1, False, 0, tiles or DENSE_TILES, rows=m)
+    return _launch(
+        x, weight, weight, 0, one, out, one, one, n, k, 1, False, 0, tiles or dense_tiles(n), rows=m
+    )

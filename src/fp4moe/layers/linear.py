@@ -77,6 +77,11 @@ class Linear(nn.Module):
             return nvfp4_linear(x.reshape(-1, x.shape[-1]), q.packed, q.block_scales, q.decode_scale).view(
                 *x.shape[:-1], -1
             )
+        if self.weight is not None and x.is_cuda:
+            from fp4moe.kernels.nvfp4_gemv import bf16_gemv, gemv_fits
+
+            if gemv_fits(x, self.weight):  # one decode row: our GEMV beats cuBLAS's launch-bound kernels
+                return bf16_gemv(x.reshape(1, -1), self.weight).view(*x.shape[:-1], -1)
         if self.fp8 is not None and x.is_cuda and x.dtype == torch.bfloat16:  # weight-only FP8 kernel
             from fp4moe.kernels.nvfp4_gemm import fp8_linear
 
