@@ -92,7 +92,7 @@ def experts(t: int, dev) -> dict:
 
     def ours():
         act = gemm.moe_gate_up(x, *gu, routing, TOPK)
-        return gemm.moe_down(act, *dn, routing, w.float()).view(t, TOPK, H).sum(1)
+        return gemm.moe_down(act, *dn, routing, w.float()).view(t, TOPK, H).sum(1, dtype=torch.float32)
 
     check = dequant(gu[0][:2], gu[1][:2], gu[2][:2])
     ref = torch.cat(

@@ -16,6 +16,7 @@ from fp4moe.engine.cuda_runner import CudaModelRunner  # noqa: E402
 from fp4moe.engine.llm import LLM  # noqa: E402
 from fp4moe.engine.sampler import SamplingParams  # noqa: E402
 from fp4moe.engine.spec_decode import MTPSpeculator  # noqa: E402
+from fp4moe.layers.moe import SparseMoE  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[5, 17, 300, 2, 9], list(range(40, 110)), [7]]
@@ -39,7 +40,7 @@ MIXED = "attention,shared,deltanet:fp8,lm_head"  # NVFP4 and FP8 linears in the 
 @pytest.mark.parametrize(
     "which,fused_prefill", [("bf16", False), ("nvfp4", False), ("mixed", False), ("nvfp4", True)]
 )
-def test_fused_decode_gives_the_module_paths_greedy_tokens(checkpoints, which, fused_prefill):
+def test_fused_decode_gives_the_module_paths_greedy_tokens(checkpoints, which, fused_prefill, monkeypatch):
     """The fused decode step (prompts prefilled by the modules: on the CPU the tokens are identical), and
     the fused prefill (its expert sum is fp32 where the CPU modules add bf16 per expert, as transformers
     does: the tokens agree up to near ties)."""
@@ -59,10 +60,13 @@ def test_fused_decode_gives_the_module_paths_greedy_tokens(checkpoints, which, f
     if DEV == "cpu":
         _fused(llm)
     llm.runner.fused_prefill = fused_prefill
-    calls = []
+    calls, module_moe = [], []
     forward = llm.runner.decode_forward
     llm.runner.decode_forward = lambda b: calls.append(b) or forward(b)
+    moe_forward = SparseMoE.forward
+    monkeypatch.setattr(SparseMoE, "forward", lambda self, x: module_moe.append(1) or moe_forward(self, x))
     got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert bool(module_moe) != fused_prefill  # the prompts went through the path asked for
     agree = greedy_agreement(expected, got)
     assert agree.ok, agree.detail
     assert agree.identical or DEV == "cuda" or fused_prefill  # on the CPU the decode steps agree exactly

@@ -40,6 +40,8 @@ def test_gemv_experts_match_the_dequantized_reference(tokens, mode, monkeypatch)
     out = gemv.gemv_down(act, dp, ds, dd, ids, w, tiles=small)
     summed = gemv.GemvTiles(16, 64, 4, 2, sum_each=True)  # each K tile reduced at once: same sums, reordered
     assert rel(gemv.gemv_gate_up(x, gp, gs, gd, ids, tiles=summed), act) < 1e-2
+    wide = gemv.GemvTiles(128, 64, 4, 2)  # 64 gate rows in a 128-row block: the rest masked off
+    assert rel(gemv.gemv_gate_up(x, gp, gs, gd, ids, tiles=wide), act) < 1e-2
     assert act.shape == (tokens * k, gp.shape[1] // 2) and out.dtype == BF16
     ref = gemm.moe_reference(x.double(), gp, gs, gd.double(), dp, ds, dd.double(), ids, w.double())
     assert rel(out.view(tokens, k, h).sum(1, dtype=torch.float32), ref) < RTOL
@@ -76,9 +78,22 @@ def test_gemv_refuses_a_k_that_no_tile_divides():
         gemv.gemv_gate_up(x, gp, gs, gd, torch.zeros(1, 2, dtype=torch.int32, device=DEV))
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 96, 256), (3, 40, 2048)])
+@pytest.mark.parametrize("m,n,k", [(1, 96, 256), (1, 1281, 256), (3, 41, 2048)])
 def test_bf16_gemv(m, n, k):
+    """Any N: the router group's 1,281 rows end in a part-filled block of the kernel's output tile."""
     gen = torch.Generator().manual_seed(m)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(BF16).to(DEV)
     x = torch.randn(m, k, generator=gen).to(BF16).to(DEV)
     assert rel(gemv.bf16_gemv(x, w), x.double() @ w.double().T) < RTOL
+
+
+def test_gemv_fits_only_weights_the_kernel_reads():
+    x = torch.zeros(1, 64, dtype=BF16)
+    w = torch.zeros(8, 64, dtype=BF16)
+    assert not gemv.gemv_fits(x, w)  # the CPU takes torch
+    if DEV.type == "cuda":
+        x, w = x.to(DEV), w.to(DEV)
+        assert gemv.gemv_fits(x, w)
+        assert not gemv.gemv_fits(x, torch.zeros(64, 8, dtype=BF16, device=DEV).T)  # K not contiguous
+        assert not gemv.gemv_fits(x, w[:, :32])  # K mismatch
+        assert not gemv.gemv_fits(torch.zeros(2, 64, dtype=BF16, device=DEV), w)  # two rows

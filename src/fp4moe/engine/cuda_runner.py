@@ -199,7 +199,7 @@ class CudaModelRunner(ModelRunner):
         )  # rotary (mRoPE) positions
         self.last_hidden: torch.Tensor | None = None  # the last decode step's final-normed hidden states
         self.overlap_shared = True  # the shared expert's down GEMM on a side stream (``_moe``)
-        self.fused_prefill = True  # prefill and verification chunks with the fused pieces (``hidden_states``)
+        self.fused_prefill = True  # prefill chunks with the fused pieces (``hidden_states``)
         self._side: torch.cuda.Stream | None = None
 
     # ---- set-up -------------------------------------------------------------------------------------

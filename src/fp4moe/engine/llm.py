@@ -42,8 +42,8 @@ class PromptError(ValueError):
     pass
 
 
-# num_speculative_tokens="auto" on the GPU engine with an MTP head (H200, full-size shapes: 1.54x at batch 1
-# and 80% acceptance, 1.7-1.8x at batch 8-32; BENCHMARKS.md); 0 on the CPU, where verification is
+# num_speculative_tokens="auto" on the GPU engine with an MTP head (H200, full-size shapes: 1.32x at batch 1
+# and 80% acceptance, 1.8-1.9x at batch 8-32; BENCHMARKS.md); 0 on the CPU, where verification is
 # compute-bound and speculation is slower than plain decoding
 AUTO_SPECULATIVE_TOKENS = 2
 

@@ -202,6 +202,8 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     # a prefill's rows take every head in one program (one program per (row, head) and 4 warps on 128
     # values: 5.5 ms of an 8K prefill on the H200); a few decode rows keep a program per head
     hb = heads if rows >= 64 and heads & (heads - 1) == 0 else 1
+    while hb > 1 and hb * (width // heads) > 4096:  # at most 4096 values a program (32 per thread)
+        hb //= 2
     _gated_norm_kernel[(rows, heads // hb)](
         o, z, z.stride(0), weight, out, eps, HV=heads, DV=width // heads, HB=hb,
         num_warps=4, **pdl_args(),

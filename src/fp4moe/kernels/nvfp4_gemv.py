@@ -156,7 +156,8 @@ def _launch(a, w, s, stride_sn, decode, out, ids, topw, n, k, top_k, gated: bool
         a, a.stride(0), w, s, decode, out, out.stride(0), ids, topw, n, k, top_k,
         0 if dense else w.stride(0), w.stride(-2), s.stride(0) if s.ndim == 3 else 0, stride_sn,
         decode.stride(0) if decode.ndim else 0,
-        GATED=gated, DENSE=dense, MODE=mode, BN=t.bn, BK=bk, SUM_EACH=t.sum_each, num_warps=t.warps, num_stages=t.stages,
+        GATED=gated, DENSE=dense, MODE=mode, BN=t.bn, BK=bk, SUM_EACH=t.sum_each, num_warps=t.warps,
+        num_stages=t.stages,
         **pdl_args(),
     )  # fmt: skip
     return out
@@ -199,16 +200,21 @@ def dense_tiles(n: int) -> GemvTiles:
 
 
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether one bf16 row on the GPU goes through ``bf16_gemv``: K a multiple of 32, and a weight small
-    enough that launch latency, not bandwidth, bounds cuBLAS (the 1 GB lm_head runs at the copy rate)."""
+    """Whether one bf16 row on the GPU goes through ``bf16_gemv``: K a multiple of 32, rows of both with unit
+    stride along K (the kernel reads them so), and a weight small enough that launch latency, not bandwidth,
+    bounds cuBLAS (the 1 GB lm_head runs at the copy rate) and whose output blocks fit one grid axis."""
     return (
         x.is_cuda
+        and weight.device == x.device
         and x.numel() == x.shape[-1]
         and x.stride(-1) == 1
         and x.dtype == weight.dtype == torch.bfloat16
         and weight.ndim == 2
+        and weight.stride(-1) == 1
+        and weight.shape[-1] == x.shape[-1]
         and x.shape[-1] % 32 == 0
         and weight.numel() <= 1 << 26
+        and weight.shape[0] <= 65535 * 4
     )
 
 
