@@ -1,13 +1,15 @@
 """The GPU model runner: preallocated paged caches, a fused decode step, and CUDA graphs of it.
 
-Prefill, chunked prefill and speculative verification run the model's own modules (their GPU branches:
-flash attention, flash-linear-attention's chunked delta rule, the grouped NVFP4 expert kernels) over the
-paged caches. A step in which every sequence decodes one token runs ``decode_forward`` instead: per layer
-one fused projection GEMM (cuBLAS), one fused Gated DeltaNet kernel or the q/k-norm-rope-store + split-KV
-attention kernels, the output GEMM, add+norm, the fused router/shared-expert GEMM, router, align (none at up
-to 4 tokens), the two grouped NVFP4 expert GEMMs with the shared-expert down GEMM beside them on a side
-stream, and combine+next norm -- no host syncs, static shapes, so the whole step is captured once per
-batch-size bucket and replayed. Every Triton kernel is launched with programmatic dependent launch on
+Prefill and chunked prefill run the model's own mixer modules (their GPU branches: flash attention,
+flash-linear-attention's chunked delta rule) over the paged caches, with the decode step's fused MoE,
+add-norm and combine between them (``hidden_states``); the speculator's unfused verification runs the
+modules throughout. A step in which every sequence decodes one token runs ``decode_forward`` instead: per
+layer one fused projection (cuBLAS, or our GEMV at one row), one fused Gated DeltaNet kernel or the
+q/k-norm-rope-store + split-KV attention kernels, the output projection, add+norm, the fused
+router/shared-expert projection, router, align (none at up to 4 tokens), the two NVFP4 expert kernels
+(per-pair GEMVs up to 4 tokens, grouped GEMMs above) with the shared-expert down projection beside them on
+a side stream, and combine+next norm -- no host syncs, static shapes, so the whole step is captured once
+per batch-size bucket and replayed. Every Triton kernel is launched with programmatic dependent launch on
 Hopper (``kernels.pdl_args``), so launches overlap the tails of the kernels ahead of them.
 
 The projections sharing an input are concatenated once at start-up (qkv|z|b|a of Gated DeltaNet, q|k|v of
