@@ -70,47 +70,22 @@ def main() -> None:
 
             base = graph_time(cublas)
             best = (base, "cuBLAS")
-            for cfg in configs if "mma" in args.kernels else []:
-                if time.time() - t0 > args.budget:
-                    break
 
-                def ours(cfg=cfg):
-                    for w in ws:
-                        gemm._launch(
-                            x,
-                            (x.stride(0), 0),
-                            0,
-                            w,
-                            w,
-                            0,
-                            one,
-                            out,
-                            None,
-                            one,
-                            n,
-                            k,
-                            1,
-                            0,
-                            0,
-                            cfg,
-                            dense_m=m,
-                        )
-
-                try:
-                    s = graph_time(ours)
-                except Exception as exc:
-                    print(f"skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
-                    continue
-                results["rows"].append(dict(shape=name, m=m, cfg=repr(cfg), us=s * 1e6, gbs=nbytes / s / 1e9))
-                best = min(best, (s, repr(cfg)))
-            for cfg in GEMV_CONFIGS if m <= 4 and "gemv" in args.kernels else []:
-
-                def ours_gemv(cfg=cfg):
-                    for w in ws:
+            def ours(cfg):
+                for w in ws:
+                    if isinstance(cfg, gemv.GemvTiles):
                         gemv.bf16_gemv(x, w, out=out, tiles=cfg)
+                    else:
+                        gemm._launch(
+                            x, (x.stride(0), 0), 0, w, w, 0, one, out, None, one, n, k, 1, 0, 0, cfg, dense_m=m
+                        )  # fmt: skip
 
+            mma = configs if "mma" in args.kernels else []
+            for cfg in mma + (GEMV_CONFIGS if m <= 4 and "gemv" in args.kernels else []):
+                if cfg in mma and time.time() - t0 > args.budget:  # (the budget bounds the tile sweep)
+                    continue
                 try:
-                    s = graph_time(ours_gemv)
+                    s = graph_time(lambda cfg=cfg: ours(cfg))
                 except Exception as exc:
                     print(f"skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
                     continue
