@@ -74,7 +74,8 @@ from fp4moe.kernels import nvfp4_gemv as gemv
 fn = gemv._gemv_kernel
 for mode, gated, sum_each, dense in ((7, True, False, False), (7, False, True, False), (4, True, True, False),
                                      (0, True, False, False), (0, False, True, True)):  # the decode GEMVs
-    consts = dict(GATED=gated, DENSE=dense, MODE=mode, BN=16, BK=256, SUM_EACH=sum_each, PDL=True)
+    # PDL 3 (gate/up: trigger after the wait), 2 (trigger at the start)
+    consts = dict(GATED=gated, DENSE=dense, MODE=mode, BN=16, BK=256, SUM_EACH=sum_each, PDL=3 if gated else 2)
     pointers = {"a_ptr": "*bf16", "w_ptr": "*bf16" if mode == 0 else "*u8", "s_ptr": "*u8", "d_ptr": "*fp32",
                 "out_ptr": "*bf16", "ids_ptr": "*i32", "topw_ptr": "*fp32"}
     signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}

@@ -38,9 +38,10 @@ class FusedLinear:
     into the concatenations (no extra memory); outputs come back in the Linears' order. ``pad_to``: when
     every Linear is bf16, zero rows pad the weight to a multiple of that many outputs (the output has the
     extra columns): cuBLAS runs an odd width -- the router + shared-expert group's 1,281 -- through an
-    unaligned kernel (H200: cutlass ``align1``, 10 us at 16 rows, 23 us at 3)."""
+    unaligned kernel (H200: cutlass ``align1``, 10 us at 16 rows, 23 us at 3). ``trigger``: when our
+    one-row GEMV lets the kernel behind it start (``kernels.pdl_args``)."""
 
-    def __init__(self, linears: list, pad_to: int = 1):
+    def __init__(self, linears: list, pad_to: int = 1, trigger: str = ""):
         self.sizes = [lin.out_features for lin in linears]
         self.linears = linears
         kinds: dict[str, list[int]] = {}
@@ -53,7 +54,7 @@ class FusedLinear:
             group = [linears[i] for i in idx]
             if kind == "dense":
                 pad = -sum(self.sizes) % pad_to if len(kinds) == 1 else 0
-                self.parts.append((idx, _dense_part(group, pad)))
+                self.parts.append((idx, _dense_part(group, pad, trigger)))
             elif kind == "nvfp4" and _same([lin.nvfp4.decode_scale for lin in group]):
                 self.parts.append((idx, _nvfp4_part(group)))
             elif kind == "fp8" and _same([lin.fp8.scale for lin in group]):
@@ -98,7 +99,7 @@ def _few_rows_kernel(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def _dense_part(linears: list, pad: int = 0):
+def _dense_part(linears: list, pad: int = 0, trigger: str = ""):
     from fp4moe.kernels.nvfp4_gemm import bf16_linear
     from fp4moe.kernels.nvfp4_gemv import bf16_gemv, gemv_fits
 
@@ -118,7 +119,7 @@ def _dense_part(linears: list, pad: int = 0):
             # benchmarks/tune_dense.py); the grouped kernel is not
             return bf16_linear(x.reshape(rows, -1), weight).view(*x.shape[:-1], -1)
         if rows == 1 and gemv_fits(x, unpadded):  # our GEMV (router group 3.6 us against cuBLAS's 4.6)
-            return bf16_gemv(x.reshape(1, -1), unpadded).view(*x.shape[:-1], -1)
+            return bf16_gemv(x.reshape(1, -1), unpadded, trigger=trigger).view(*x.shape[:-1], -1)
         return F.linear(x, unpadded if rows == 1 else weight)  # (one row: unpadded, as cuBLAS was faster)
 
     return run
@@ -232,7 +233,8 @@ class CudaModelRunner(ModelRunner):
                 mix = FusedLinear([m.q_proj, m.k_proj, m.v_proj])
             else:
                 m = layer.linear_attn
-                mix = FusedLinear([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a])
+                # the Gated DeltaNet kernel behind it loads its states while the projection runs
+                mix = FusedLinear([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a], trigger="start")
             moe = layer.mlp
             router = FusedLinear(
                 [moe.gate, moe.shared_gate_proj, moe.shared_up_proj, moe.shared_expert_gate], pad_to=8

@@ -29,24 +29,36 @@ def uint8_view(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-_PDL: bool | None = None
+_PDL: int | None = None
 
 
-def pdl_args() -> dict:
+def _pdl_level() -> int:
+    """0: no programmatic dependent launch; 1: each kernel waits for the one ahead; 2: kernels launched with
+    ``trigger`` also let the next kernel start early (``FP4MOE_PDL`` overrides: 0, 1 or 2)."""
+    global _PDL
+    if _PDL is None:
+        import torch
+
+        on = not INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+        _PDL = min(2, max(0, int(os.environ.get("FP4MOE_PDL", "2")))) if on else 0
+    return _PDL
+
+
+def pdl_args(trigger: str = "") -> dict:
     """Launch arguments for programmatic dependent launch (Hopper and later, ``FP4MOE_PDL=0`` turns it off):
     each kernel is launched before the one ahead of it in the stream has finished and waits for it
     (``griddepcontrol.wait``, the kernels' ``PDL`` branch) before it reads anything -- the launch latency
     hides behind the previous kernel (H200, a chain of dependent launches in a CUDA graph: 1.49 -> 0.97 us
     per kernel; benchmarks/launch_latency.py). Every kernel that takes the attribute must wait, else a
-    kernel two back could still be running. Off under the interpreter."""
-    global _PDL
-    if _PDL is None:
-        import torch
+    kernel two back could still be running. Off under the interpreter.
 
-        _PDL = (
-            not INTERPRET
-            and os.environ.get("FP4MOE_PDL", "1") != "0"
-            and torch.cuda.is_available()
-            and torch.cuda.get_device_capability()[0] >= 9
-        )
-    return {"PDL": True, "launch_pdl": True} if _PDL else {"PDL": False}
+    ``trigger``: the kernel also releases the next one (``griddepcontrol.launch_dependents``) at its
+    "start", or "after_wait" (once the kernel ahead of it is done), so the next kernel's programs are
+    resident while this one runs and load, before they wait, what this one does not write (a GEMV's
+    weights, the Gated DeltaNet states). Only ahead of such kernels: triggering along a whole chain made
+    each boundary slower (2.1 against 0.96 us in launch_latency.py)."""
+    level = _pdl_level()
+    if not level:
+        return {"PDL": 0}
+    pdl = {"": 1, "start": 2, "after_wait": 3}[trigger] if level >= 2 else 1
+    return {"PDL": pdl, "launch_pdl": True}

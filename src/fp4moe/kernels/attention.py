@@ -219,6 +219,7 @@ def paged_decode_attention(
         num_warps=4, num_stages=2, **pdl_args(),
     )  # fmt: skip
     _decode_merge_kernel[(b, h)](
-        part_o, part_ml, qkv, qkv.stride(0), out, H=h, D=d, NSPLIT=nsplit, NSP=next_pow2(nsplit), **pdl_args()
-    )
+        part_o, part_ml, qkv, qkv.stride(0), out, H=h, D=d, NSPLIT=nsplit, NSP=next_pow2(nsplit),
+        **pdl_args("start"),  # the output projection's GEMV prefetches its weights meanwhile
+    )  # fmt: skip
     return out

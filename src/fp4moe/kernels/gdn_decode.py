@@ -61,23 +61,25 @@ def _gdn_decode_kernel(
     T: tl.constexpr, RING: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_for_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
     kh = h // (HV // HK)
     first_row = b.to(tl.int64) * T
+    # before the wait: the recurrent state, slots and positions are not written by the kernels just ahead
+    # (the projection GEMV lets this kernel start early), so their loads overlap them
     slot = tl.load(slot_ptr + first_row).to(tl.int64)
     pos = tl.load(pos_ptr + first_row)
-    rows = proj_ptr + first_row * stride_p
-    ring = ring_ptr + slot * stride_rs
     dk = tl.arange(0, DK)
     dv = vb * BV + tl.arange(0, BV)
-    first = (h % (HV // HK) == 0) & (vb == 0)  # one writer for the shared q/k inputs
     s_ptrs = state_ptr + slot * stride_ss + h * DK * DV + dk[:, None] * DV + dv[None, :]
     state = tl.load(s_ptrs, mask=(pos > 0) & (dk[:, None] >= 0), other=0.0)
     a_log = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    wait_for_previous(PDL)
+    rows = proj_ptr + first_row * stride_p
+    ring = ring_ptr + slot * stride_rs
+    first = (h % (HV // HK) == 0) & (vb == 0)  # one writer for the shared q/k inputs
     for t in tl.static_range(T):
         row = rows + t * stride_p
         q = _conv_channel(rows, stride_p, ring, stride_rk, conv_w_ptr, kh * DK + dk, pos, t, KC, RING, first)
@@ -173,8 +175,9 @@ def gdn_decode(
     conv_dim = 2 * hk * dk + hv * dv
     if out is None:
         out = torch.empty(rows, hv * dv, dtype=proj.dtype, device=proj.device)
-    if v_splits is None:  # enough programs to fill the GPU at small batch (H200 sweep: tune_kernels.py)
-        v_splits = max(1, min(8, 256 // (b * hv), dv // 16))
+    if v_splits is None:  # more programs at small batch; H200, in the captured decode step
+        # (benchmarks/tune_decode.py): 4 splits at batch 1 1.4% faster than 8
+        v_splits = max(1, min(4, 256 // (b * hv), dv // 16))
         v_splits = 1 << (v_splits.bit_length() - 1)  # a power of two, so it divides Dv (a power of two)
     if num_warps is None:
         num_warps = 8 if v_splits >= 8 else 4
@@ -206,6 +209,6 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
         hb //= 2
     _gated_norm_kernel[(rows, heads // hb)](
         o, z, z.stride(0), weight, out, eps, HV=heads, DV=width // heads, HB=hb,
-        num_warps=4, **pdl_args(),
+        num_warps=4, **pdl_args("start"),  # out_proj's GEMV prefetches its weights meanwhile
     )  # fmt: skip
     return out

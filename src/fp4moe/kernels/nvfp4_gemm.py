@@ -36,11 +36,19 @@ from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 def _dequant_bf16(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.constexpr):
     """MODE 1: packed codes [BN, BK/2] and block scales [BN, BK/16] -> interleaved [BN, BK] bf16 tile
     (code -> fp16 bits with the exponent 14 too small -> fp32, times scale * 2^14 -> bf16, exact)."""
-    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint16)
+    return _dequant_bf16_of(
+        tl.load(w_ptrs, mask=w_mask, other=0), tl.load(s_ptrs, mask=s_mask, other=0), BN, BK
+    )
+
+
+@triton.jit
+def _dequant_bf16_of(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr):
+    """``_dequant_bf16`` of codes and scale bytes already loaded."""
+    packed = packed.to(tl.uint16)
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK))  # even k from the low nibble
     bits = ((codes & 8) << 12) | ((codes & 7) << 9)
     vals = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    scales = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+    scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
     w = tl.reshape(vals, (BN, BK // 16, 16)) * scales[:, :, None]
     return tl.reshape(w, (BN, BK)).to(tl.bfloat16)
 
@@ -51,10 +59,17 @@ def _dequant_bf16_bits(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.
     exact, with no conversion instruction per element: the code's e1 e0 m bits go into the low exponent
     bits and the top mantissa bit of a bf16 (that is the E2M1 value times 2^-126), and one bf16 multiply
     by scale * 2^118 (the 2^8 left over goes on the accumulator)."""
-    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint16)
+    packed, sbytes = tl.load(w_ptrs, mask=w_mask, other=0), tl.load(s_ptrs, mask=s_mask, other=0)
+    return _dequant_bf16_bits_of(packed, sbytes, BN, BK)
+
+
+@triton.jit
+def _dequant_bf16_bits_of(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr):
+    """``_dequant_bf16_bits`` of codes and scale bytes already loaded."""
+    packed = packed.to(tl.uint16)
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK))  # even k from the low nibble
     vals = (((codes & 8) << 12) | ((codes & 7) << 6)).to(tl.bfloat16, bitcast=True)
-    scales = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     scales = (scales * 3.3230699894622794e35).to(tl.bfloat16)  # * 2^118: exact
     w = tl.reshape(vals, (BN, BK // 16, 16)) * scales[:, :, None]
     return tl.reshape(w, (BN, BK))
@@ -89,11 +104,18 @@ and.b32 $3, r3, 0x81C081C0;
 def _dequant_asm(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.constexpr):
     """MODE 7: packed codes [BN, BK/2] -> (even k, odd k) tiles [BN, BK/2] bf16 of value * block scale *
     2^-8, exactly mode 4's values, with the nibbles converted two at a time by inline PTX (GPU only)."""
-    packed = tl.load(w_ptrs, mask=w_mask, other=0)
+    return _dequant_asm_of(
+        tl.load(w_ptrs, mask=w_mask, other=0), tl.load(s_ptrs, mask=s_mask, other=0), BN, BK
+    )
+
+
+@triton.jit
+def _dequant_asm_of(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr):
+    """``_dequant_asm`` of codes and scale bytes already loaded."""
     lo, hi = tl.inline_asm_elementwise(
         _E2M1_BOTH, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
     )
-    scales = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     scales = (scales * 3.3230699894622794e35).to(tl.bfloat16)  # * 2^118: exact
     scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (BN, BK // 16, 8)), (BN, BK // 2))
     return lo * scales, hi * scales

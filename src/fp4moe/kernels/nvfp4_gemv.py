@@ -20,33 +20,56 @@ import triton
 import triton.language as tl
 
 from fp4moe.kernels import pdl_args, uint8_view
-from fp4moe.kernels.nvfp4_gemm import _block_k, _dequant_asm, _dequant_bf16, _dequant_bf16_bits, _mode
+from fp4moe.kernels.nvfp4_gemm import (
+    _block_k,
+    _dequant_asm_of,
+    _dequant_bf16_bits_of,
+    _dequant_bf16_of,
+    _mode,
+)
 from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 
 
 @triton.jit
-def _partial(acc, a_row, k0, w_ptrs, s_ptrs, mask_n, MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _tile_ptrs(w_base, s_base, k0, MODE: tl.constexpr, BK: tl.constexpr):
+    """Pointers to one K tile: weights [BN, BK] (bf16) or codes [BN, BK/2], and scale bytes [BN, BK/16]."""
+    if MODE == 0:
+        w_ptrs = w_base + (k0 + tl.arange(0, BK))[None, :]
+    else:
+        w_ptrs = w_base + (k0 // 2 + tl.arange(0, BK // 2))[None, :]
+    return w_ptrs, s_base + (k0 // 16 + tl.arange(0, BK // 16))[None, :]
+
+
+@triton.jit
+def _load_tile(w_ptrs, s_ptrs, mask_n, MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One K tile as stored: (bf16 weights [BN, BK], unused zeros) or (codes [BN, BK/2], scale bytes
+    [BN, BK/16]); rows past N read as zeros."""
+    if MODE == 0:
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & (tl.arange(0, BK) >= 0)[None, :], other=0.0)
+        s = tl.zeros((BN, BK // 16), dtype=tl.uint8)
+    else:
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & (tl.arange(0, BK // 2) >= 0)[None, :], other=0)
+        s = tl.load(s_ptrs, mask=mask_n[:, None] & (tl.arange(0, BK // 16) >= 0)[None, :], other=0)
+    return w, s
+
+
+@triton.jit
+def _partial(acc, a_row, k0, w, s, MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
              SUM_EACH: tl.constexpr):  # fmt: skip
-    """acc += one K tile of W[n, k] * a[k]: elementwise into acc [BN, BK] (or [BN, BK/2] in mode 7), or
-    (SUM_EACH) summed along K into acc [BN, 1]."""
-    offs_kh = tl.arange(0, BK // 2)
-    offs_ks = tl.arange(0, BK // 16)
-    w_mask = mask_n[:, None] & (offs_kh >= 0)[None, :]
-    s_mask = mask_n[:, None] & (offs_ks >= 0)[None, :]
+    """acc += one K tile (``_load_tile``) of W[n, k] * a[k]: elementwise into acc [BN, BK] (or [BN, BK/2]
+    in mode 7), or (SUM_EACH) summed along K into acc [BN, 1]."""
     if MODE == 7:  # even and odd k as two half tiles, as the GEMM's mode 7
-        lo, hi = _dequant_asm(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
+        offs_kh = tl.arange(0, BK // 2)
+        lo, hi = _dequant_asm_of(w, s, BN, BK)
         a_even = tl.load(a_row + k0 + 2 * offs_kh).to(tl.float32)
         a_odd = tl.load(a_row + k0 + 2 * offs_kh + 1).to(tl.float32)
         prod = lo.to(tl.float32) * a_even[None, :] + hi.to(tl.float32) * a_odd[None, :]
     else:
-        offs_k = tl.arange(0, BK)
-        if MODE == 0:  # bf16 weights (w_ptrs over [BN, BK] elements)
-            w = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_k >= 0)[None, :], other=0.0)
-        elif MODE == 4:
-            w = _dequant_bf16_bits(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
-        else:
-            w = _dequant_bf16(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
-        prod = w.to(tl.float32) * tl.load(a_row + k0 + offs_k).to(tl.float32)[None, :]
+        if MODE == 4:
+            w = _dequant_bf16_bits_of(w, s, BN, BK)
+        elif MODE != 0:
+            w = _dequant_bf16_of(w, s, BN, BK)
+        prod = w.to(tl.float32) * tl.load(a_row + k0 + tl.arange(0, BK)).to(tl.float32)[None, :]
     # (one return statement: the compiler wants every return of one type)
     acc = acc + tl.sum(prod, 1, keep_dims=True) if SUM_EACH else acc + prod
     return acc
@@ -81,31 +104,42 @@ def _gemv_kernel(
 ):
     """Program (pair p, output block): GATED: silu(gate) * up of rows n < N (gate) and N + n (up) of
     x[p // TOPK]; else the down product of act[p] times the pair's routing weight. K % BK == 0. SUM_EACH:
-    reduce each K tile's products at once (fewer registers: room for a K tile as long as K)."""
-    wait_for_previous(PDL)
+    reduce each K tile's products at once (fewer registers: room for a K tile as long as K).
+
+    Dense and down programs load their first weight tile before they wait for the kernel ahead: the weights
+    (and a down pair's expert, chosen by the router two kernels back) do not depend on it. Behind a kernel
+    that lets its dependents start early (``pdl_args``: the norms ahead of dense projections, the gate/up
+    launch ahead of down) that load overlaps it; under plain PDL it costs nothing."""
+    PRELOAD: tl.constexpr = not GATED
     p = tl.program_id(0)
-    # DENSE: one weight matrix, row p of a, no routing weight
-    e = tl.program_id(0).to(tl.int64) * 0 if DENSE else tl.load(ids_ptr + p).to(tl.int64)
-    a_row = a_ptr + (p // TOPK).to(tl.int64) * stride_am
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
-    w_base = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
-    s_base = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
+    if PRELOAD:
+        # DENSE: one weight matrix, row p of a, no routing weight. The pair's expert was written by the
+        # router, which finished before the gate/up launch ahead let this one start (L2, not L1: ".cg")
+        e = p.to(tl.int64) * 0 if DENSE else tl.load(ids_ptr + p, cache_modifier=".cg").to(tl.int64)
+        w_base = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
+        s_base = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
+        w_ptrs, s_ptrs = _tile_ptrs(w_base, s_base, 0, MODE, BK)
+        w_first, s_first = _load_tile(w_ptrs, s_ptrs, mask_n, MODE, BN, BK)
+    wait_for_previous(PDL)
+    if not PRELOAD:
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        w_base = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
+        s_base = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
+    a_row = a_ptr + (p // TOPK).to(tl.int64) * stride_am
     ACC_K: tl.constexpr = 1 if SUM_EACH else BK // 2 if MODE == 7 else BK
     acc = tl.zeros((BN, ACC_K), dtype=tl.float32)
     acc_up = tl.zeros((BN, ACC_K), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        if MODE == 0:
-            w_ptrs = w_base + (k0 + tl.arange(0, BK))[None, :]
-        else:
-            w_ptrs = w_base + (k0 // 2 + tl.arange(0, BK // 2))[None, :]
-        s_ptrs = s_base + (k0 // 16 + tl.arange(0, BK // 16))[None, :]
-        acc = _partial(acc, a_row, k0, w_ptrs, s_ptrs, mask_n, MODE, BN, BK, SUM_EACH)
+    if PRELOAD:
+        acc = _partial(acc, a_row, 0, w_first, s_first, MODE, BN, BK, SUM_EACH)
+    for k0 in range(BK if PRELOAD else 0, K, BK):
+        w_ptrs, s_ptrs = _tile_ptrs(w_base, s_base, k0, MODE, BK)
+        w, s = _load_tile(w_ptrs, s_ptrs, mask_n, MODE, BN, BK)
+        acc = _partial(acc, a_row, k0, w, s, MODE, BN, BK, SUM_EACH)
         if GATED:
-            acc_up = _partial(
-                acc_up, a_row, k0, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n, MODE, BN, BK,
-                SUM_EACH,
-            )  # fmt: skip
+            w, s = _load_tile(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n, MODE, BN, BK)
+            acc_up = _partial(acc_up, a_row, k0, w, s, MODE, BN, BK, SUM_EACH)
     y = tl.sum(acc, 1)
     if MODE >= 4:  # the bf16-bit dequantization leaves a factor 2^-8 in the weights
         y = y * 256.0
@@ -146,8 +180,10 @@ DOWN_TILES = GemvTiles(8, 256, 2, 3)
 
 
 def _launch(a, w, s, stride_sn, decode, out, ids, topw, n, k, top_k, gated: bool, mode: int, t: GemvTiles,
-            rows: int = 0):  # fmt: skip
-    """One ``_gemv_kernel`` launch: grid (pairs -- or ``rows`` of a dense product --, N / BN)."""
+            rows: int = 0, trigger: str = ""):  # fmt: skip
+    """One ``_gemv_kernel`` launch: grid (pairs -- or ``rows`` of a dense product --, N / BN); ``trigger``:
+    when the kernel behind it may start (``pdl_args``). A gate/up launch lets the down launch behind it
+    start once the router's outputs are in (the down programs then load their experts' first tiles)."""
     bk = _block_k(k, t.bk)
     if k % bk:
         raise ValueError(f"input dimension {k} is not a multiple of 32 (the GEMV has no ragged K tile)")
@@ -158,7 +194,7 @@ def _launch(a, w, s, stride_sn, decode, out, ids, topw, n, k, top_k, gated: bool
         decode.stride(0) if decode.ndim else 0,
         GATED=gated, DENSE=dense, MODE=mode, BN=t.bn, BK=bk, SUM_EACH=t.sum_each, num_warps=t.warps,
         num_stages=t.stages,
-        **pdl_args(),
+        **pdl_args("after_wait" if gated else trigger),
     )  # fmt: skip
     return out
 
@@ -219,10 +255,11 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def bf16_gemv(
-    x: torch.Tensor, weight: torch.Tensor, out=None, tiles: GemvTiles | None = None
+    x: torch.Tensor, weight: torch.Tensor, out=None, tiles: GemvTiles | None = None, trigger: str = ""
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T for a few bf16 rows on the CUDA cores -> [M, N] bf16 (fp32 sums, rounded
-    once)."""
+    once). ``trigger`` "start": the kernel behind it may start at once and load what does not depend on
+    this one (the Gated DeltaNet decode kernel's states)."""
     from fp4moe.kernels.nvfp4_gemm import _unit_scale
 
     m, k = x.shape
@@ -231,5 +268,6 @@ def bf16_gemv(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     one = _unit_scale(x.device)
     return _launch(
-        x, weight, weight, 0, one, out, one, one, n, k, 1, False, 0, tiles or dense_tiles(n), rows=m
-    )
+        x, weight, weight, 0, one, out, one, one, n, k, 1, False, 0, tiles or dense_tiles(n), rows=m,
+        trigger=trigger,
+    )  # fmt: skip

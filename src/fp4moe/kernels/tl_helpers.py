@@ -2,7 +2,7 @@
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -35,6 +35,13 @@ def fp8e4m3_bytes(x):
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
     """Under programmatic dependent launch (``kernels.pdl_args``), wait until the kernel ahead in the
-    stream has finished and its writes are visible; a no-op otherwise."""
+    stream has finished and its writes are visible; a no-op otherwise. PDL 2 (``pdl_args("start")``) first
+    lets the kernel behind this one launch at once, PDL 3 (``"after_wait"``) right after the wait; its
+    programs then wait in their own call of this function, after loading what does not depend on this
+    kernel (the GEMVs' first weight tile)."""
+    if PDL == 2:
+        gdc_launch_dependents()
     if PDL:
         gdc_wait()
+    if PDL == 3:
+        gdc_launch_dependents()
