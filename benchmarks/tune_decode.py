@@ -75,8 +75,18 @@ def variants(runner) -> dict:
         gemv.GemvTiles(8, 512, 4, 3, sum_each=True),
         gemv.GemvTiles(16, 512, 8, 3, sum_each=True),
         gemv.GemvTiles(32, 512, 4, 3),
+        gemv.GemvTiles(8, 256, 1, 3),
+        gemv.GemvTiles(4, 512, 1, 3, sum_each=True),
+        gemv.GemvTiles(16, 256, 2, 3),
     ):  # the expert down GEMV's tiles (whole K: the first tile, loaded before the wait, is all of it)
         v[f"down {t}"] = lambda t=t: attr(gemv, "DOWN_TILES", t)
+    for t in (  # the expert gate/up GEMV's (one warp: no barriers for layout changes)
+        gemv.GemvTiles(8, 512, 1, 3, sum_each=True),
+        gemv.GemvTiles(4, 512, 1, 3, sum_each=True),
+        gemv.GemvTiles(8, 512, 2, 3, sum_each=True),
+        gemv.GemvTiles(8, 1024, 8, 3, sum_each=True),
+    ):
+        v[f"gate_up {t}"] = lambda t=t: attr(gemv, "GATE_UP_TILES", t)
     for w in (1, 8):
         v[f"router {w} warps"] = lambda w=w: patched(moe_router, "route", num_warps=w)
     v["add_norm 4 warps"] = lambda: patched(norm, "add_rms_norm", num_warps=4)

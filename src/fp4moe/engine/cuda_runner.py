@@ -10,7 +10,9 @@ router/shared-expert projection, router, align (none at up to 4 tokens), the two
 (per-pair GEMVs up to 4 tokens, grouped GEMMs above) with the shared-expert down projection beside them on
 a side stream, and combine+next norm -- no host syncs, static shapes, so the whole step is captured once
 per batch-size bucket and replayed. Every Triton kernel is launched with programmatic dependent launch on
-Hopper (``kernels.pdl_args``), so launches overlap the tails of the kernels ahead of them.
+Hopper (``kernels.pdl_args``), so launches overlap the tails of the kernels ahead of them; the short kernels
+ahead of a one-row GEMV (and the GEMVs ahead of the Gated DeltaNet kernel and the expert down GEMV) let the
+next kernel start at once, and it loads its weights (or states) before it waits.
 
 The projections sharing an input are concatenated once at start-up (qkv|z|b|a of Gated DeltaNet, q|k|v of
 attention, router|shared gate|shared up|shared gate-scalar of the MoE; per weight format: FusedLinear), and

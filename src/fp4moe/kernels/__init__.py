@@ -44,21 +44,32 @@ def _pdl_level() -> int:
     return _PDL
 
 
+_TRIGGERS = {
+    "": 1,
+    "start": 2,
+    "after_wait": 3,
+}  # the kernels' PDL constexpr (``tl_helpers.wait_for_previous``)
+
+
 def pdl_args(trigger: str = "") -> dict:
     """Launch arguments for programmatic dependent launch (Hopper and later, ``FP4MOE_PDL=0`` turns it off):
     each kernel is launched before the one ahead of it in the stream has finished and waits for it
-    (``griddepcontrol.wait``, the kernels' ``PDL`` branch) before it reads anything -- the launch latency
-    hides behind the previous kernel (H200, a chain of dependent launches in a CUDA graph: 1.49 -> 0.97 us
-    per kernel; benchmarks/launch_latency.py). Every kernel that takes the attribute must wait, else a
-    kernel two back could still be running. Off under the interpreter.
+    (``griddepcontrol.wait``, the kernels' ``PDL`` branch) before it reads anything that kernel or the ones
+    before it write -- the launch latency hides behind the previous kernel (H200, a chain of dependent
+    launches in a CUDA graph: 1.49 -> 0.97 us per kernel; benchmarks/launch_latency.py). Every kernel that
+    takes the attribute must wait, else a kernel two back could still be running. Off under the interpreter.
 
     ``trigger``: the kernel also releases the next one (``griddepcontrol.launch_dependents``) at its
     "start", or "after_wait" (once the kernel ahead of it is done), so the next kernel's programs are
-    resident while this one runs and load, before they wait, what this one does not write (a GEMV's
-    weights, the Gated DeltaNet states). Only ahead of such kernels: triggering along a whole chain made
+    resident while this one runs. Those programs may load before their wait only what neither this kernel
+    nor the one ahead of it writes ("start": that one may still run): a GEMV's weights, the Gated DeltaNet
+    kernel's states, slots and positions; a down GEMV behind an "after_wait" gate/up launch also reads its
+    pair's expert, which the router wrote. Only ahead of such kernels: triggering along a whole chain made
     each boundary slower (2.1 against 0.96 us in launch_latency.py)."""
+    if trigger not in _TRIGGERS:
+        raise ValueError(f"unknown trigger {trigger!r}: one of {sorted(_TRIGGERS)}")
     level = _pdl_level()
     if not level:
         return {"PDL": 0}
-    pdl = {"": 1, "start": 2, "after_wait": 3}[trigger] if level >= 2 else 1
+    pdl = _TRIGGERS[trigger] if level >= 2 else 1
     return {"PDL": pdl, "launch_pdl": True}
