@@ -79,10 +79,15 @@ def correctness_gate() -> dict:
                 )
                 got = gpu_llm.generate(prompts, params)
                 agree = greedy_agreement(ref, got, router_margins=margins)
+                # and one prompt alone: batch 1 takes the one-row step (norms inside the projections,
+                # the combine inside the down GEMVs)
+                one = greedy_agreement(
+                    [ref[2]], gpu_llm.generate([prompts[2]], params), router_margins=[margins[2]]
+                )
                 graphs = sorted(gpu_llm.runner.graphs)
-                result[f"{name}/{kv}"] = dict(vars(agree), graphs=graphs)
-                log(f"gate {name:5s} kv={kv:4s}: {agree}, graphs {graphs}")
-                if not agree.ok or not graphs:
+                result[f"{name}/{kv}"] = dict(vars(agree), graphs=graphs, batch1=vars(one))
+                log(f"gate {name:5s} kv={kv:4s}: {agree}; batch 1: {one}; graphs {graphs}")
+                if not agree.ok or not one.ok or 1 not in graphs:
                     raise SystemExit(f"correctness gate failed for {name}/{kv}: {result[f'{name}/{kv}']}")
     return result
 
