@@ -75,52 +75,6 @@ def test_fused_decode_gives_the_module_paths_greedy_tokens(checkpoints, which, f
     assert llm.runner.kv.num_free_pages == llm.runner.kv.k.shape[1] - 1 or DEV == "cuda"
 
 
-@pytest.mark.parametrize("which", ["bf16", "nvfp4"])
-def test_one_row_step_norms_inside_the_projections(checkpoints, which, monkeypatch):
-    """At one row the projections norm the residual stream themselves (``nvfp4_gemv.NormIn``) and one
-    launch takes the down GEMVs and the combine (``gemv_down_combine``): no add+norm or combine launch in
-    the layers, the module path's greedy tokens (up to near ties: the rms is summed in another order)."""
-    from fp4moe.engine import cuda_runner
-    from fp4moe.kernels import norm
-    from fp4moe.kernels import nvfp4_gemv as gemv
-
-    if DEV == "cpu":  # the interpreter: let the one-row GEMV take the normed input there too
-        monkeypatch.setattr(cuda_runner, "_normed_gemv", lambda h, w: h.numel() == h.shape[-1])
-    path = checkpoints.bf16() if which == "bf16" else checkpoints.quantized(scale_method="rtn")
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
-    prompt = [{"prompt_token_ids": PROMPTS[0]}]
-    expected = LLM(path, dtype="bfloat16", device="cpu").generate(prompt, params)
-    llm = LLM(path, dtype="bfloat16", device=DEV)
-    if DEV == "cpu":
-        _fused(llm)
-    launches = {"add_norm": 0, "combine": 0, "normed": 0, "down_combine": 0}
-    for mod, name, key in ((norm, "add_rms_norm", "add_norm"), (norm, "moe_combine", "combine"),
-                           (gemv, "gemv_down_combine", "down_combine")):  # fmt: skip
-        fn = getattr(mod, name)
-        monkeypatch.setattr(
-            mod,
-            name,
-            lambda *a, fn=fn, key=key, **k: launches.__setitem__(key, launches[key] + 1) or fn(*a, **k),
-        )  # noqa: E501
-    norm_in = gemv.NormIn
-
-    def counted(*a, **k):  # a projection given its input as the residual stream, normed in the GEMV
-        launches["normed"] += 1
-        return norm_in(*a, **k)
-
-    monkeypatch.setattr(gemv, "NormIn", counted)
-    llm.runner.fused_prefill = False
-    got = llm.generate(prompt, params)
-    agree = greedy_agreement(expected, got)
-    assert agree.ok, agree.detail
-    if DEV == "cpu":  # (on CUDA the steps are graph replays: nothing runs through Python after capture)
-        layers, steps = len(llm.model.layers), params.max_tokens - 1
-        assert launches["down_combine"] == layers * steps
-        assert launches["normed"] == 2 * layers * steps  # each layer's mixer and router projections
-        assert launches["combine"] == 0
-        assert launches["add_norm"] == steps  # the final norm per step (the prompt ran through the modules)
-
-
 def test_fused_decode_logits_close_with_an_fp8_cache(checkpoints):
     """Decode steps exactly as the modules (prompts through the modules); then the fused prefill too, which
     sets each layer's fp8 scales from its own keys/values: tokens agree up to near ties."""

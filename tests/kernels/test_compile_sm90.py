@@ -72,15 +72,12 @@ for tkp in (8, 512, 4096):  # the align kernel's bitonic sort and histogram, sma
         results.append(dict(ok=False, prmt=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
 from fp4moe.kernels import nvfp4_gemv as gemv
 fn = gemv._gemv_kernel
-for mode, gated, sum_each, dense, norm in ((7, True, False, False, 0), (7, False, True, False, 0),
-                                           (4, True, True, False, 0), (0, True, False, False, 0),
-                                           (0, False, True, True, 0), (0, False, True, True, 2)):  # the GEMVs
-    # PDL 3 (gate/up: trigger after the wait), 2 (trigger at the start); NORM 2: the input normed in-kernel
-    consts = dict(GATED=gated, DENSE=dense, MODE=mode, BN=16, BK=256, SUM_EACH=sum_each, PDL=3 if gated else 2,
-                  NORM=norm, KP=2048 if norm else 1)
+for mode, gated, sum_each, dense in ((7, True, False, False), (7, False, True, False), (4, True, True, False),
+                                     (0, True, False, False), (0, False, True, True)):  # the decode GEMVs
+    # PDL 3 (gate/up: trigger after the wait), 2 (trigger at the start)
+    consts = dict(GATED=gated, DENSE=dense, MODE=mode, BN=16, BK=256, SUM_EACH=sum_each, PDL=3 if gated else 2)
     pointers = {"a_ptr": "*bf16", "w_ptr": "*bf16" if mode == 0 else "*u8", "s_ptr": "*u8", "d_ptr": "*fp32",
-                "out_ptr": "*bf16", "ids_ptr": "*i32", "topw_ptr": "*fp32", "norm_add_ptr": "*bf16",
-                "norm_w_ptr": "*bf16", "norm_eps": "fp32", "norm_h_out_ptr": "*bf16", "norm_x_out_ptr": "*bf16"}
+                "out_ptr": "*bf16", "ids_ptr": "*i32", "topw_ptr": "*fp32"}
     signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
     try:
         k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
@@ -88,17 +85,6 @@ for mode, gated, sum_each, dense, norm in ((7, True, False, False, 0), (7, False
         results.append(dict(ok=bool(k.asm["cubin"]), prmt="prmt.b32" in k.asm["ptx"], error=""))
     except Exception as exc:
         results.append(dict(ok=False, prmt=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
-fn = gemv._down_combine_kernel  # the down GEMVs + combine, default dequantization
-consts = dict(TOPK=8, HAS_SHARED=True, MODE=7, BN=4, BK=512, SUM_EACH=True, PDL=1)
-pointers = {"act_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "d_ptr": "*fp32", "ids_ptr": "*i32",
-            "topw_ptr": "*fp32", "h_ptr": "*bf16", "shared_ptr": "*bf16", "proj_ptr": "*bf16", "out_ptr": "*bf16"}
-signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
-try:
-    k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
-    results.append(dict(ok=bool(k.asm["cubin"]), prmt="prmt.b32" in k.asm["ptx"], error=""))
-except Exception as exc:
-    results.append(dict(ok=False, prmt=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
 print(json.dumps(results))
 """
 GEMV_VARIANTS = [
@@ -107,8 +93,6 @@ GEMV_VARIANTS = [
     (4, "gemv gate/up"),
     (0, "gemv bf16"),
     (0, "gemv dense"),
-    (0, "gemv dense of a normed input"),
-    (7, "gemv down + combine"),
 ]
 
 

@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from test_kernels import BF16, BF16_INTERPRETER, DEV, RTOL, quantized, rel  # noqa: E402
 
-from fp4moe.kernels import moe_router, norm  # noqa: E402
+from fp4moe.kernels import moe_router  # noqa: E402
 from fp4moe.kernels import nvfp4_gemm as gemm  # noqa: E402
 from fp4moe.kernels import nvfp4_gemv as gemv  # noqa: E402
 
@@ -97,53 +97,3 @@ def test_gemv_fits_only_weights_the_kernel_reads():
         assert not gemv.gemv_fits(x, torch.zeros(64, 8, dtype=BF16, device=DEV).T)  # K not contiguous
         assert not gemv.gemv_fits(x, w[:, :32])  # K mismatch
         assert not gemv.gemv_fits(torch.zeros(2, 64, dtype=BF16, device=DEV), w)  # two rows
-
-
-@pytest.mark.parametrize("with_add", [False, True])
-def test_bf16_gemv_of_the_normed_residual(with_add):
-    """NormIn: the GEMV takes the residual stream (and the mixer output) and norms it itself -- the same
-    product, residual and normed row as the add+norm kernel followed by the plain GEMV."""
-    gen = torch.Generator().manual_seed(5 + with_add)
-    k, n = 256, 300  # a part-filled last output block
-    h = torch.randn(1, k, generator=gen).to(BF16).to(DEV)
-    add = torch.randn(1, k, generator=gen).to(BF16).to(DEV) if with_add else None
-    nw = (torch.randn(k, generator=gen) * 0.1).to(BF16).to(DEV)
-    w = (torch.randn(n, k, generator=gen) * 0.05).to(BF16).to(DEV)
-    h_ref, x_ref = norm.add_rms_norm(h, add, nw, 1e-6)
-    h_out, x_out = torch.full_like(h, 7.0), torch.empty_like(h)
-    tiles = gemv.GemvTiles(16, 64, 4, 2)  # several K tiles, each normed on the fly
-    out = gemv.bf16_gemv(h, w, tiles=tiles, norm=gemv.NormIn(add, nw, 1e-6, h_out, x_out))
-    ref = gemv.bf16_gemv(x_ref, w, tiles=tiles)
-    # the rms is summed in another order than the add+norm kernel's: a normed value may move one bf16 ulp
-    assert (x_out.float() - x_ref.float()).abs().max() <= 2e-2 * x_ref.float().abs().max()
-    assert rel(out, ref) < 1e-2
-    if with_add:
-        assert torch.equal(h_out, h_ref)  # the sum is elementwise: exact
-    else:
-        assert (h_out == 7.0).all()  # no sum to store
-    with pytest.raises(ValueError, match="dense bf16"):
-        gemv.bf16_gemv(h.repeat(1, 2)[:, ::2], w, norm=gemv.NormIn(add, nw, 1e-6, h_out, x_out))
-
-
-@pytest.mark.parametrize("shared", [False, True])
-def test_down_combine_is_down_then_combine(shared, monkeypatch):
-    """The down GEMVs and the combine in one launch: the residual the two launches give, bit for bit when
-    both use the same tiles (same sums in the same order), within a bf16 ulp otherwise."""
-    monkeypatch.setattr(gemm, "DEQUANT_MODE", 1)  # the interpreter's mode; the GPU run tests mode 7 too
-    gen = torch.Generator().manual_seed(31 + shared)
-    (gp, gs, gd), (dp, ds, dd) = _experts(gen)
-    tokens, k, h_dim = 2, 3, gp.shape[-1] * 2
-    x = torch.randn(tokens, h_dim, generator=gen).to(BF16).to(DEV)
-    h = torch.randn(tokens, h_dim, generator=gen).to(BF16).to(DEV)
-    ids, w = moe_router.router_reference(torch.randn(tokens, gp.shape[0], generator=gen).to(DEV), k)
-    ids = ids.int()
-    act = gemv.gemv_gate_up(x, gp, gs, gd, ids)
-    sh = torch.randn(tokens, h_dim, generator=gen).to(BF16).to(DEV) if shared else None
-    proj = torch.randn(tokens, 5, generator=gen).to(BF16).to(DEV)
-    tiles = gemv.GemvTiles(16, 32, 4, 2)  # two K tiles (I = 64)
-    pairs = gemv.gemv_down(act, dp, ds, dd, ids, w, tiles=tiles)
-    want, _ = norm.moe_combine(h, pairs, k, sh, proj, 3, torch.zeros(h_dim, dtype=BF16, device=DEV), 1e-6)
-    got = gemv.gemv_down_combine(act, dp, ds, dd, ids, w, h, sh, proj, 3, tiles=tiles)
-    assert torch.equal(got, want)
-    other = gemv.gemv_down_combine(act, dp, ds, dd, ids, w, h, sh, proj, 3)  # the default tiles
-    assert (other.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()

@@ -65,22 +65,6 @@ class FusedLinear:
                 self.parts.extend(([i], linears[i]) for i in idx)
         self.ordered = [i for idx, _ in self.parts for i in idx] == list(range(len(linears)))
 
-    def normed(self, h: torch.Tensor, add, weight: torch.Tensor, eps: float):
-        """This group applied to RMSNorm(h + add) (add None: of h) -> (output, h + add, the normed rows). At
-        one bf16 row on the GPU the GEMV norms its input itself (``nvfp4_gemv.NormIn``: no add+norm launch);
-        otherwise the add+norm kernel runs first."""
-        from fp4moe.kernels import norm
-        from fp4moe.kernels.nvfp4_gemv import NormIn
-
-        fn = self.parts[0][1]
-        gemv = getattr(fn, "normed_gemv", None)
-        if len(self.parts) == 1 and gemv is not None and gemv(h):
-            h_out = h if add is None else torch.empty_like(h)
-            x_out = torch.empty_like(h)
-            return fn(h, NormIn(add, weight, eps, h_out, x_out)), h_out, x_out
-        h_out, x_out = norm.add_rms_norm(h, add, weight, eps)
-        return self(x_out), h_out, x_out
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         outs = [fn(x) for _, fn in self.parts]
         if self.ordered:
@@ -124,9 +108,7 @@ def _dense_part(linears: list, pad: int = 0, trigger: str = ""):
     weight = _concat_into(linears, "weight", pad)
     unpadded = weight[: weight.shape[0] - pad]
 
-    def run(x: torch.Tensor, norm=None) -> torch.Tensor:
-        if norm is not None:  # x: the residual stream, normed by the GEMV itself (``normed_gemv`` holds)
-            return bf16_gemv(x.reshape(1, -1), unpadded, trigger=trigger, norm=norm).view(*x.shape[:-1], -1)
+    def run(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if (
             2 <= rows <= 4
@@ -142,28 +124,7 @@ def _dense_part(linears: list, pad: int = 0, trigger: str = ""):
             return bf16_gemv(x.reshape(1, -1), unpadded, trigger=trigger).view(*x.shape[:-1], -1)
         return F.linear(x, unpadded if rows == 1 else weight)  # (one row: unpadded, as cuBLAS was faster)
 
-    run.normed_gemv = lambda h: _normed_gemv(h, unpadded)
     return run
-
-
-def _output_projection(linear, x: torch.Tensor, fuse: bool) -> torch.Tensor:
-    """A mixer's output projection; in a fused one-row step (bf16 weight, our GEMV) it lets the router
-    projection behind it start early (that GEMV, which norms its own input, loads its first weight tile
-    meanwhile: the add+norm launch that used to release it is gone)."""
-    from fp4moe.kernels.nvfp4_gemv import bf16_gemv, gemv_fits
-
-    w = linear.weight
-    if fuse and w is not None and linear.nvfp4 is None and linear.fp8 is None and gemv_fits(x, w):
-        return bf16_gemv(x.reshape(1, -1), w, trigger="start").view(*x.shape[:-1], -1)
-    return linear(x)
-
-
-def _normed_gemv(h: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a one-row projection of the residual stream ``h`` norms it inside our GEMV (GPU; tests
-    switch it on for the interpreter)."""
-    from fp4moe.kernels.nvfp4_gemv import gemv_fits
-
-    return gemv_fits(h, weight) and h.is_contiguous()
 
 
 def _nvfp4_part(linears: list):
@@ -244,7 +205,6 @@ class CudaModelRunner(ModelRunner):
         self.last_hidden: torch.Tensor | None = None  # the last decode step's final-normed hidden states
         self.overlap_shared = True  # the shared expert's down GEMM on a side stream (``_moe``)
         self.fused_prefill = True  # prefill chunks with the fused pieces (``hidden_states``)
-        self.fuse_norms = True  # one-row steps: norms inside the projections, combine inside the down GEMVs
         self._side: torch.cuda.Stream | None = None
 
     # ---- set-up -------------------------------------------------------------------------------------
@@ -459,19 +419,12 @@ class CudaModelRunner(ModelRunner):
         cos, sin = model.rotary.cos_sin(rope, model.embed_tokens.dtype)
         h = model.embed_tokens[ids]
         layers = model.layers
-        # one row: the projections norm their input themselves and the down GEMVs add the combine
-        # (``_moe_residual``): two launches fewer per layer
-        fuse = self.fuse_norms and tokens_per_seq == 1 and ids.shape[0] == 1
-        if not fuse:
-            _, x = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, a.eps)
+        _, x = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, a.eps)
         for i, layer in enumerate(layers):
             mix, router = self.fused[i]
-            if fuse:
-                proj, _, _ = mix.normed(h, None, layer.input_layernorm.weight, a.eps)
-            else:
-                proj = mix(x)
+            proj = mix(x)
             if layer.is_attention:
-                out = self._attention(layer.self_attn, i, proj, cos, sin, geometry, fuse)
+                out = self._attention(layer.self_attn, i, proj, cos, sin, geometry)
             else:
                 m = layer.linear_attn
                 gi = st.index[i]
@@ -480,16 +433,10 @@ class CudaModelRunner(ModelRunner):
                     m.A_log, m.dt_bias, m.norm_weight, m.eps, (m.num_k_heads, m.num_v_heads, m.k_dim, m.v_dim),
                     tokens_per_seq=tokens_per_seq, history=None if tokens_per_seq == 1 else self.history[gi],
                 )  # fmt: skip
-                out = _output_projection(m.out_proj, core, fuse)
-            if fuse:
-                rp, h, x = router.normed(h, out, layer.post_attention_layernorm.weight, a.eps)
-                h = self._moe_residual(layer.mlp, rp, h, x, layer.post_attention_layernorm.weight)
-                continue
+                out = m.out_proj(core)
             h, x = norm.add_rms_norm(h, out, layer.post_attention_layernorm.weight, a.eps)
             next_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
             h, x = self._moe(layer.mlp, router, h, x, next_w)
-        if fuse:
-            _, x = norm.add_rms_norm(h, None, model.norm.weight, a.eps)
         return h, x
 
     def mtp_rows(self, ids, hidden, pos, slots, rope, keep=None) -> torch.Tensor:
@@ -513,7 +460,7 @@ class CudaModelRunner(ModelRunner):
         _, x = self._moe(layer.mlp, router, h, x, mtp.norm.weight)
         return x
 
-    def _attention(self, m, layer_id: int, proj, cos, sin, geometry, fuse: bool = False) -> torch.Tensor:
+    def _attention(self, m, layer_id: int, proj, cos, sin, geometry) -> torch.Tensor:
         """q/k norm + rotary + cache store, paged decode attention, o_proj."""
         from fp4moe.kernels import attention as attn_k
 
@@ -528,7 +475,7 @@ class CudaModelRunner(ModelRunner):
         core = attn_k.paged_decode_attention(
             q, proj, kv.k[li], kv.v[li], table, seq_lens, kv.scale_t[li], kv.max_len, dims
         )
-        return _output_projection(m.o_proj, core, fuse)
+        return m.o_proj(core)
 
     def _moe(self, moe, router, h, x, next_w) -> tuple[torch.Tensor, torch.Tensor]:
         """Router + shared expert GEMM, routing, grouped NVFP4 experts, shared down, combine + next norm."""
@@ -551,40 +498,6 @@ class CudaModelRunner(ModelRunner):
             routed = gemm.moe_pairs(moe.experts, x, topk_ids, topk_w)
             main.wait_stream(side)
         return norm.moe_combine(h, routed, k, shared, rp, e + 2 * s_inter, next_w, a.eps)
-
-    def _moe_residual(self, moe, rp, h, x, any_norm_w) -> torch.Tensor:
-        """``_moe`` from the router + shared-expert projection ``rp`` already taken, down to the new residual
-        stream (no next norm: the next projection norms it): router, the shared expert's down GEMV on the
-        side stream, gate/up GEMVs, then one launch for the down GEMVs and the combine
-        (``gemv_down_combine``) -- or, where the experts do not run as GEMVs, the grouped kernels and the
-        combine kernel (its normed output, by ``any_norm_w``, unused)."""
-        from fp4moe.kernels import moe_router, norm
-        from fp4moe.kernels import nvfp4_gemm as gemm
-        from fp4moe.kernels import nvfp4_gemv as gemv
-
-        a = self.args
-        e, k, s_inter = a.num_experts, a.top_k, a.shared_intermediate_size
-        topk_ids, topk_w, shared_act = moe_router.route(rp, e, k, s_inter)
-        side = self._side_stream(x)
-        if side is not None:
-            main = torch.cuda.current_stream(x.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                shared = moe.shared_down_proj(shared_act)
-        else:
-            shared = moe.shared_down_proj(shared_act)
-        experts = moe.experts
-        if gemm.gemv_experts(experts, x, x.shape[0]):
-            gu, dn = gemm.expert_operands(experts)
-            act = gemv.gemv_gate_up(x, *gu, topk_ids)
-            if side is not None:
-                main.wait_stream(side)
-            return gemv.gemv_down_combine(act, *dn, topk_ids, topk_w, h, shared, rp, e + 2 * s_inter)
-        routed = gemm.moe_pairs(experts, x, topk_ids, topk_w)
-        if side is not None:
-            main.wait_stream(side)
-        h, _ = norm.moe_combine(h, routed, k, shared, rp, e + 2 * s_inter, any_norm_w, a.eps)
-        return h
 
     def _side_stream(self, x: torch.Tensor):
         """A second stream for work that can overlap (GPU only; captured into the graphs as a fork and a

@@ -652,9 +652,9 @@ def moe_experts(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
 GEMV_MAX_TOKENS = 4  # up to this many tokens, every (token, expert) pair runs as GEMVs (nvfp4_gemv)
 
 
-def expert_operands(experts) -> tuple[tuple, tuple]:
-    """(gate/up, down) operands of the expert kernels: (weights, block scales, decode scales) each; bf16
-    experts pass their weights as scales too, with unit decode scales."""
+def moe_pairs(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Each (token, expert) pair's weighted output [T*k, H] bf16 (pair = token * k + j)."""
+    t, k = topk_ids.shape
     if experts.quantized:
         gu = (experts.gate_up_packed, experts.gate_up_scales, experts.gate_up_decode)
         dn = (experts.down_packed, experts.down_scales, experts.down_decode)
@@ -662,19 +662,7 @@ def expert_operands(experts) -> tuple[tuple, tuple]:
         ones = experts.unit_scales()
         gu = (experts.gate_up_proj, experts.gate_up_proj, ones[0])
         dn = (experts.down_proj, experts.down_proj, ones[1])
-    return gu, dn
-
-
-def gemv_experts(experts, x: torch.Tensor, tokens: int) -> bool:
-    """Whether ``tokens`` tokens' experts run as per-pair GEMVs (``nvfp4_gemv``)."""
-    return tokens <= GEMV_MAX_TOKENS and x.shape[1] % 32 == 0 and experts.inter % 32 == 0
-
-
-def moe_pairs(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """Each (token, expert) pair's weighted output [T*k, H] bf16 (pair = token * k + j)."""
-    t, k = topk_ids.shape
-    gu, dn = expert_operands(experts)
-    if gemv_experts(experts, x, t):
+    if t <= GEMV_MAX_TOKENS and x.shape[1] % 32 == 0 and experts.inter % 32 == 0:
         from fp4moe.kernels import nvfp4_gemv as gemv
 
         act = gemv.gemv_gate_up(x, *gu, topk_ids)

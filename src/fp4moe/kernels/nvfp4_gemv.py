@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4moe.kernels import next_pow2, pdl_args, uint8_view
+from fp4moe.kernels import pdl_args, uint8_view
 from fp4moe.kernels.nvfp4_gemm import (
     _block_k,
     _dequant_asm_of,
@@ -54,24 +54,10 @@ def _load_tile(w_ptrs, s_ptrs, mask_n, MODE: tl.constexpr, BN: tl.constexpr, BK:
 
 
 @triton.jit
-def _act_tile(a_row, k0, BK: tl.constexpr, norm_add_row, norm_w_ptr, rstd, NORM: tl.constexpr):
-    """The activations a[k0 : k0 + BK] in fp32; with NORM the row is a residual stream h (NORM 2: plus
-    ``norm_add_row``, rounded to bf16) and a = bf16(h * rstd * (1 + w)), as ``norm._add_norm_kernel``."""
-    offs = k0 + tl.arange(0, BK)
-    a = tl.load(a_row + offs).to(tl.float32)
-    if NORM == 2:
-        a = round_bf16(a + tl.load(norm_add_row + offs).to(tl.float32))
-    if NORM:
-        a = round_bf16(a * rstd * (1.0 + tl.load(norm_w_ptr + offs).to(tl.float32)))
-    return a
-
-
-@triton.jit
 def _partial(acc, a_row, k0, w, s, MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             SUM_EACH: tl.constexpr, norm_add_row, norm_w_ptr, rstd, NORM: tl.constexpr):  # fmt: skip
+             SUM_EACH: tl.constexpr):  # fmt: skip
     """acc += one K tile (``_load_tile``) of W[n, k] * a[k]: elementwise into acc [BN, BK] (or [BN, BK/2]
-    in mode 7), or (SUM_EACH) summed along K into acc [BN, 1]. NORM (bf16 weights only): the activations
-    are normed on the fly (``_act_tile``)."""
+    in mode 7), or (SUM_EACH) summed along K into acc [BN, 1]."""
     if MODE == 7:  # even and odd k as two half tiles, as the GEMM's mode 7
         offs_kh = tl.arange(0, BK // 2)
         lo, hi = _dequant_asm_of(w, s, BN, BK)
@@ -83,31 +69,10 @@ def _partial(acc, a_row, k0, w, s, MODE: tl.constexpr, BN: tl.constexpr, BK: tl.
             w = _dequant_bf16_bits_of(w, s, BN, BK)
         elif MODE != 0:
             w = _dequant_bf16_of(w, s, BN, BK)
-        a = _act_tile(a_row, k0, BK, norm_add_row, norm_w_ptr, rstd, NORM)
-        prod = w.to(tl.float32) * a[None, :]
+        prod = w.to(tl.float32) * tl.load(a_row + k0 + tl.arange(0, BK)).to(tl.float32)[None, :]
     # (one return statement: the compiler wants every return of one type)
     acc = acc + tl.sum(prod, 1, keep_dims=True) if SUM_EACH else acc + prod
     return acc
-
-
-@triton.jit
-def _row_norm(h_row, add_row, w_ptr, eps, h_out_ptr, x_out_ptr, p, K, KP: tl.constexpr, NORM: tl.constexpr):
-    """1 / rms of row p of h (NORM 2: of bf16(h + add)); block 0's programs store that sum (NORM 2) and
-    the normed row bf16(h * rstd * (1 + w)) into row p of h_out / x_out. Same arithmetic as
-    ``norm._add_norm_kernel``."""
-    offs = tl.arange(0, KP)
-    mask = offs < K
-    h = tl.load(h_row + offs, mask=mask, other=0.0).to(tl.float32)
-    if NORM == 2:
-        h = round_bf16(h + tl.load(add_row + offs, mask=mask, other=0.0).to(tl.float32))
-    rstd = tl.rsqrt(tl.sum(h * h, 0) / K + eps)
-    if tl.program_id(1) == 0:
-        row = p.to(tl.int64) * K
-        if NORM == 2:
-            tl.store(h_out_ptr + row + offs, h.to(h_out_ptr.dtype.element_ty), mask=mask)
-        x = round_bf16(h * rstd * (1.0 + tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)))
-        tl.store(x_out_ptr + row + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
-    return rstd
 
 
 @triton.jit
@@ -129,11 +94,6 @@ def _gemv_kernel(
     stride_se,
     stride_sn,
     stride_de,
-    norm_add_ptr,
-    norm_w_ptr,
-    norm_eps,
-    norm_h_out_ptr,
-    norm_x_out_ptr,
     GATED: tl.constexpr,
     DENSE: tl.constexpr,
     MODE: tl.constexpr,
@@ -141,8 +101,6 @@ def _gemv_kernel(
     BK: tl.constexpr,
     SUM_EACH: tl.constexpr,
     PDL: tl.constexpr,
-    NORM: tl.constexpr = 0,
-    KP: tl.constexpr = 1,
 ):
     """Program (pair p, output block): GATED: silu(gate) * up of rows n < N (gate) and N + n (up) of
     x[p // TOPK]; else the down product of act[p] times the pair's routing weight. K % BK == 0. SUM_EACH:
@@ -151,12 +109,7 @@ def _gemv_kernel(
     Dense and down programs load their first weight tile before they wait for the kernel ahead: the weights
     (and a down pair's expert, chosen by the router two kernels back) do not depend on it. Behind a kernel
     that lets its dependents start early (``pdl_args``: the norms ahead of dense projections, the gate/up
-    launch ahead of down) that load overlaps it; under plain PDL it costs nothing.
-
-    NORM (DENSE, bf16 weights): row p of ``a`` is the residual stream h, and the product is taken of its
-    RMSNorm (zero-centred weight ``norm_w``) -- NORM 2: of h + ``norm_add`` -- which each program computes
-    for itself (KP >= K: the whole row); the programs of output block 0 also store the normed row (and, NORM
-    2, the sum) for the kernels after. This stands in for the add+norm kernel ahead of a projection."""
+    launch ahead of down) that load overlaps it; under plain PDL it costs nothing."""
     PRELOAD: tl.constexpr = not GATED
     p = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -175,26 +128,18 @@ def _gemv_kernel(
         w_base = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
         s_base = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
     a_row = a_ptr + (p // TOPK).to(tl.int64) * stride_am
-    add_row = norm_add_ptr + p.to(tl.int64) * K
-    rstd = 0.0
-    if NORM:
-        rstd = _row_norm(a_row, add_row, norm_w_ptr, norm_eps, norm_h_out_ptr, norm_x_out_ptr, p, K, KP, NORM)
     ACC_K: tl.constexpr = 1 if SUM_EACH else BK // 2 if MODE == 7 else BK
     acc = tl.zeros((BN, ACC_K), dtype=tl.float32)
     acc_up = tl.zeros((BN, ACC_K), dtype=tl.float32)
     if PRELOAD:
-        acc = _partial(
-            acc, a_row, 0, w_first, s_first, MODE, BN, BK, SUM_EACH, add_row, norm_w_ptr, rstd, NORM
-        )
+        acc = _partial(acc, a_row, 0, w_first, s_first, MODE, BN, BK, SUM_EACH)
     for k0 in range(BK if PRELOAD else 0, K, BK):
         w_ptrs, s_ptrs = _tile_ptrs(w_base, s_base, k0, MODE, BK)
         w, s = _load_tile(w_ptrs, s_ptrs, mask_n, MODE, BN, BK)
-        acc = _partial(acc, a_row, k0, w, s, MODE, BN, BK, SUM_EACH, add_row, norm_w_ptr, rstd, NORM)
+        acc = _partial(acc, a_row, k0, w, s, MODE, BN, BK, SUM_EACH)
         if GATED:
             w, s = _load_tile(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n, MODE, BN, BK)
-            acc_up = _partial(
-                acc_up, a_row, k0, w, s, MODE, BN, BK, SUM_EACH, add_row, norm_w_ptr, rstd, NORM
-            )
+            acc_up = _partial(acc_up, a_row, k0, w, s, MODE, BN, BK, SUM_EACH)
     y = tl.sum(acc, 1)
     if MODE >= 4:  # the bf16-bit dequantization leaves a factor 2^-8 in the weights
         y = y * 256.0
@@ -212,49 +157,6 @@ def _gemv_kernel(
     else:
         y = round_bf16(y * tl.load(d_ptr + e * stride_de)) * round_bf16(tl.load(topw_ptr + p).to(tl.float32))
         tl.store(out_ptrs, round_bf16(y).to(out_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
-def _down_combine_kernel(
-    act_ptr, stride_act, w_ptr, s_ptr, d_ptr, ids_ptr, topw_ptr, h_ptr, shared_ptr, proj_ptr, stride_p,
-    gate_col, out_ptr, N, K, stride_we, stride_wn, stride_se, stride_sn, stride_de,
-    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    SUM_EACH: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Program (token t, output block): the down GEMVs of t's TOPK pairs and the combine in one -- each
-    pair's output rounded as ``gemv_down`` stores it, summed in pair order in fp32 and rounded, plus the
-    sigmoid-gated shared expert, plus the residual h: the new residual stream, as ``norm.moe_combine``
-    computes it (without the next norm: the next projection takes it, ``NormIn``)."""
-    wait_for_previous(PDL)
-    t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    mask_n = offs_n < N
-    ACC_K: tl.constexpr = 1 if SUM_EACH else BK // 2 if MODE == 7 else BK
-    routed = tl.zeros((BN,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        p = t * TOPK + j
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        w_base = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
-        s_base = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
-        a_row = act_ptr + p.to(tl.int64) * stride_act
-        acc = tl.zeros((BN, ACC_K), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            w_ptrs, s_ptrs = _tile_ptrs(w_base, s_base, k0, MODE, BK)
-            w, s = _load_tile(w_ptrs, s_ptrs, mask_n, MODE, BN, BK)
-            acc = _partial(acc, a_row, k0, w, s, MODE, BN, BK, SUM_EACH, a_row, a_row, 0.0, 0)
-        y = tl.sum(acc, 1)
-        if MODE >= 4:
-            y = y * 256.0
-        y = round_bf16(y * tl.load(d_ptr + e * stride_de)) * round_bf16(tl.load(topw_ptr + p).to(tl.float32))
-        routed += round_bf16(y)
-    mlp = round_bf16(routed)
-    row = t.to(tl.int64) * N
-    if HAS_SHARED:
-        g = tl.load(proj_ptr + t.to(tl.int64) * stride_p + gate_col).to(tl.float32)
-        sh = tl.load(shared_ptr + row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        mlp = round_bf16(mlp + round_bf16(round_bf16(tl.sigmoid(g)) * sh))
-    h = round_bf16(tl.load(h_ptr + row + offs_n, mask=mask_n, other=0.0).to(tl.float32) + mlp)
-    tl.store(out_ptr + row + offs_n, h.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 class GemvTiles:
@@ -277,17 +179,8 @@ GATE_UP_TILES = GemvTiles(8, 512, 4, 3, sum_each=True)
 DOWN_TILES = GemvTiles(8, 256, 2, 3)
 
 
-class NormIn:
-    """A dense GEMV's input given as the residual stream: the product is taken of RMSNorm(h + add) (add
-    None: of h) with the zero-centred ``weight``; ``h_out`` receives h + add (when add is given) and
-    ``x_out`` the normed rows, as ``norm.add_rms_norm`` would return them."""
-
-    def __init__(self, add, weight, eps: float, h_out, x_out):
-        self.add, self.weight, self.eps, self.h_out, self.x_out = add, weight, eps, h_out, x_out
-
-
 def _launch(a, w, s, stride_sn, decode, out, ids, topw, n, k, top_k, gated: bool, mode: int, t: GemvTiles,
-            rows: int = 0, trigger: str = "", norm: NormIn | None = None):  # fmt: skip
+            rows: int = 0, trigger: str = ""):  # fmt: skip
     """One ``_gemv_kernel`` launch: grid (pairs -- or ``rows`` of a dense product --, N / BN); ``trigger``:
     when the kernel behind it may start (``pdl_args``). A gate/up launch lets the down launch behind it
     start once the router's outputs are in (the down programs then load their experts' first tiles)."""
@@ -295,19 +188,12 @@ def _launch(a, w, s, stride_sn, decode, out, ids, topw, n, k, top_k, gated: bool
     if k % bk:
         raise ValueError(f"input dimension {k} is not a multiple of 32 (the GEMV has no ragged K tile)")
     dense = w.ndim == 2
-    level = 0 if norm is None else 1 if norm.add is None else 2
-    if norm is not None and not (dense and mode == 0 and a.is_contiguous()):
-        raise ValueError("a normed input needs a dense bf16 weight and contiguous rows")
-    n_add = a if norm is None or norm.add is None else norm.add
-    n_w = a if norm is None else norm.weight
     _gemv_kernel[(rows if dense else ids.numel(), triton.cdiv(n, t.bn))](
         a, a.stride(0), w, s, decode, out, out.stride(0), ids, topw, n, k, top_k,
         0 if dense else w.stride(0), w.stride(-2), s.stride(0) if s.ndim == 3 else 0, stride_sn,
         decode.stride(0) if decode.ndim else 0,
-        n_add, n_w, 0.0 if norm is None else norm.eps, a if norm is None else norm.h_out,
-        a if norm is None else norm.x_out,
         GATED=gated, DENSE=dense, MODE=mode, BN=t.bn, BK=bk, SUM_EACH=t.sum_each, num_warps=t.warps,
-        num_stages=t.stages, NORM=level, KP=next_pow2(k) if level else 1,
+        num_stages=t.stages,
         **pdl_args("after_wait" if gated else trigger),
     )  # fmt: skip
     return out
@@ -342,39 +228,6 @@ def gemv_down(act, packed, scales, decode, topk_ids, topk_weights, out=None, til
     )  # fmt: skip
 
 
-# one token's 8 pairs per program: ~8x the work of a DOWN_TILES program, so fewer output rows each
-DOWN_COMBINE_TILES = GemvTiles(4, 512, 4, 1, sum_each=True)
-
-
-def gemv_down_combine(
-    act, packed, scales, decode, topk_ids, topk_weights, h, shared, proj, gate_col: int, out=None,
-    tiles: GemvTiles | None = None,
-):  # fmt: skip
-    """``gemv_down`` and ``norm.moe_combine`` in one launch, without the next norm: h [T, H] + sum over
-    each token's pairs of weight * down(act) + sigmoid(proj[t, gate_col]) * shared[t] (``shared`` None: no
-    shared expert) -> the new residual stream [T, H] bf16."""
-    t_rows, k = topk_ids.shape
-    hidden, inter = packed.shape[1], act.shape[1]
-    tiles = tiles or DOWN_COMBINE_TILES
-    bk = _block_k(inter, tiles.bk)
-    if inter % bk or not (h.is_contiguous() and (shared is None or shared.is_contiguous())):
-        raise ValueError("the down + combine GEMV needs K a multiple of 32 and contiguous rows")
-    if out is None:
-        out = torch.empty_like(h)
-    s = uint8_view(scales)
-    has_shared = shared is not None
-    _down_combine_kernel[(t_rows, triton.cdiv(hidden, tiles.bn))](
-        act, act.stride(0), packed, s, decode, topk_ids.reshape(-1), topk_weights.reshape(-1).float(), h,
-        shared if has_shared else h, proj if has_shared else h, proj.stride(0) if has_shared else 0, gate_col,
-        out, hidden, inter, packed.stride(0), packed.stride(1), s.stride(0), s.stride(1),
-        decode.stride(0) if decode.ndim else 0,
-        TOPK=k, HAS_SHARED=has_shared, MODE=_mode(packed), BN=tiles.bn, BK=bk, SUM_EACH=tiles.sum_each,
-        num_warps=tiles.warps, num_stages=tiles.stages,
-        **pdl_args("start"),  # the next layer's projection (which norms this output) loads its weights meanwhile
-    )  # fmt: skip
-    return out
-
-
 def dense_tiles(n: int) -> GemvTiles:
     """H200, one row, benchmarks/tune_dense.py --kernels gemv (cuBLAS in brackets): Gated DeltaNet in_proj
     12352 x 2048 13.4 us (15.5), attention qkv 9216 x 2048 10.7 (12.0), out_proj 2048 x 4096 6.6 (9.0: split-K
@@ -402,17 +255,11 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def bf16_gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    out=None,
-    tiles: GemvTiles | None = None,
-    trigger: str = "",
-    norm: NormIn | None = None,
+    x: torch.Tensor, weight: torch.Tensor, out=None, tiles: GemvTiles | None = None, trigger: str = ""
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T for a few bf16 rows on the CUDA cores -> [M, N] bf16 (fp32 sums, rounded
     once). ``trigger`` "start": the kernel behind it may start at once and load what does not depend on
-    this one (the Gated DeltaNet decode kernel's states). ``norm``: x is the residual stream and the
-    product is taken of its RMSNorm (``NormIn``), computed in the same launch."""
+    this one (the Gated DeltaNet decode kernel's states)."""
     from fp4moe.kernels.nvfp4_gemm import _unit_scale
 
     m, k = x.shape
@@ -422,5 +269,5 @@ def bf16_gemv(
     one = _unit_scale(x.device)
     return _launch(
         x, weight, weight, 0, one, out, one, one, n, k, 1, False, 0, tiles or dense_tiles(n), rows=m,
-        trigger=trigger, norm=norm,
+        trigger=trigger,
     )  # fmt: skip
