@@ -79,8 +79,8 @@ def correctness_gate() -> dict:
                 )
                 got = gpu_llm.generate(prompts, params)
                 agree = greedy_agreement(ref, got, router_margins=margins)
-                # and one prompt alone: batch 1 takes the one-row step (norms inside the projections,
-                # the combine inside the down GEMVs)
+                # and one prompt alone: batch 1 takes the one-row kernels (GEMVs, their early starts) and
+                # the batch-1 graph, the path of the headline number
                 one = greedy_agreement(
                     [ref[2]], gpu_llm.generate([prompts[2]], params), router_margins=[margins[2]]
                 )

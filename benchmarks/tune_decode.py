@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from decode import build_model, event_seconds, log, random_runner
+from decode import build_model, event_seconds, kernel_breakdown, log, random_runner
 
 from fp4moe import kernels
 from fp4moe.kernels import gdn_decode, moe_router, norm
@@ -120,12 +120,17 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024, help="context length of every sequence")
     ap.add_argument("--replays", type=int, default=50, help="graph replays per variant (median)")
     ap.add_argument("--only", default="", help="comma-separated substrings: run only matching variants")
+    ap.add_argument("--profile", action="store_true", help="also a per-kernel breakdown of each batch's step")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     model = build_model(True, torch.device("cuda"))
-    rows = []
+    rows, profiles = [], {}
     for b in [int(x) for x in args.batches.split(",")]:
+        if args.profile:  # eager launches under the profiler (kernel times include waits for the one ahead)
+            profiles[b] = kernel_breakdown(model, b, args.context)
+            for r in profiles[b][:14]:
+                log(f"B={b:3d} {r['us']:9.1f} us  x{r['calls']:3d}  {r['kernel']}")
         runner = random_runner(model, b, args.context, "auto", steps=8)
         vs = variants(runner)
         names = [
@@ -147,7 +152,7 @@ def main() -> int:
         log(f"B={b:3d} default median {statistics.median(base) * 1e6:8.1f} us")
         del runner
         torch.cuda.empty_cache()
-    out = dict(device=torch.cuda.get_device_name(), rows=rows)
+    out = dict(device=torch.cuda.get_device_name(), rows=rows, profiles=profiles)
     Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
 
