@@ -1,8 +1,9 @@
 """Launch settings of the decode step, measured where they matter: inside the captured step of the full-size
-model. Each variant changes one setting (a kernel's warps, the Gated DeltaNet value splits, programmatic
-dependent launch's early trigger and the GEMVs' L2 prefetches, the shared expert's side stream), the step is
-recaptured and its graph replayed; the default settings run between every two variants, and each variant is
-reported against the defaults beside it.
+model. Each variant changes one setting (a kernel's warps or tiles, the Gated DeltaNet value splits,
+programmatic dependent launch's early triggers, the shared expert's side stream), the step is recaptured and
+its graph replayed; the default settings run between every two variants, and each variant is reported
+against the defaults beside it. Variants equal to a default (where a default changed since) measure the
+noise. ``--profile``: a per-kernel breakdown of each batch's step too (eager launches under the profiler).
 
 A kernel timed alone in a loop of its own launches hides or adds latency that the step's chain of ~500
 dependent kernels does not (tune_kernels.py, tune_dense.py and tune_experts.py time them so); this times the
@@ -23,6 +24,7 @@ import torch
 from decode import build_model, event_seconds, kernel_breakdown, log, random_runner
 
 from fp4moe import kernels
+from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
 from fp4moe.kernels import gdn_decode, moe_router, norm
 from fp4moe.kernels import nvfp4_gemv as gemv
 
@@ -78,9 +80,9 @@ def variants(runner) -> dict:
         gemv.GemvTiles(8, 256, 1, 3),
         gemv.GemvTiles(4, 512, 1, 3, sum_each=True),
         gemv.GemvTiles(16, 256, 2, 3),
-    ):  # the expert down GEMV's tiles (whole K: the first tile, loaded before the wait, is all of it)
+    ):  # the expert down GEMV's tiles (BK 512 = all of K: the first tile, loaded before the wait, is all)
         v[f"down {t}"] = lambda t=t: attr(gemv, "DOWN_TILES", t)
-    for t in (  # the expert gate/up GEMV's (one warp: no barriers for layout changes)
+    for t in (  # the expert gate/up GEMV's (one or two warps: fewer barriers for layout changes)
         gemv.GemvTiles(8, 512, 1, 3, sum_each=True),
         gemv.GemvTiles(4, 512, 1, 3, sum_each=True),
         gemv.GemvTiles(8, 512, 2, 3, sum_each=True),
@@ -126,7 +128,10 @@ def main() -> int:
         raise SystemExit("needs a CUDA GPU")
     model = build_model(True, torch.device("cuda"))
     rows, profiles = [], {}
-    for b in [int(x) for x in args.batches.split(",")]:
+    batches = [int(x) for x in args.batches.split(",")]
+    if not set(batches) <= set(GRAPH_BATCH_SIZES):
+        raise SystemExit(f"--batches: captured batch sizes only, {GRAPH_BATCH_SIZES}")
+    for b in batches:
         if args.profile:  # eager launches under the profiler (kernel times include waits for the one ahead)
             profiles[b] = kernel_breakdown(model, b, args.context)
             for r in profiles[b][:14]:

@@ -74,15 +74,22 @@ from fp4moe.kernels import nvfp4_gemv as gemv
 fn = gemv._gemv_kernel
 for mode, gated, sum_each, dense in ((7, True, False, False), (7, False, True, False), (4, True, True, False),
                                      (0, True, False, False), (0, False, True, True)):  # the decode GEMVs
-    # PDL 3 (gate/up: trigger after the wait), 2 (trigger at the start)
-    consts = dict(GATED=gated, DENSE=dense, MODE=mode, BN=16, BK=256, SUM_EACH=sum_each, PDL=3 if gated else 2)
+    # as the engine launches them: PDL 3 (gate/up: trigger after the wait), 2 (dense: trigger at the start),
+    # 1 (down: wait only)
+    consts = dict(GATED=gated, DENSE=dense, MODE=mode, BN=16, BK=256, SUM_EACH=sum_each,
+                  PDL=3 if gated else 2 if dense else 1)
     pointers = {"a_ptr": "*bf16", "w_ptr": "*bf16" if mode == 0 else "*u8", "s_ptr": "*u8", "d_ptr": "*fp32",
                 "out_ptr": "*bf16", "ids_ptr": "*i32", "topw_ptr": "*fp32"}
     signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
     try:
         k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
-        results.append(dict(ok=bool(k.asm["cubin"]), prmt="prmt.b32" in k.asm["ptx"], error=""))
+        ptx = k.asm["ptx"]
+        wait = ptx.index("griddepcontrol.wait")
+        launch = ptx.find("griddepcontrol.launch_dependents")
+        results.append(dict(ok=bool(k.asm["cubin"]), prmt="prmt.b32" in ptx, error="",
+                            launch=-1 if launch < 0 else int(launch > wait),  # -1 none, 0 before the wait, 1 after
+                            loads_before_wait=ptx[:wait].count("ld.global"), cg_before_wait="ld.global.cg" in ptx[:wait]))
     except Exception as exc:
         results.append(dict(ok=False, prmt=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
 print(json.dumps(results))
@@ -113,3 +120,14 @@ def test_expert_kernel_variants_compile_for_sm90():
         assert r["ok"], (variant, r["error"])
         if variant[0] == 7:
             assert r["prmt"], variant  # the inline PTX made it in
+    gemv_results = results[-len(GEMV_VARIANTS) :]
+    for (_, kind), r in zip(GEMV_VARIANTS, gemv_results, strict=True):
+        # the early start: gate/up releases down after its wait, a dense GEMV at its start; down waits only.
+        # Before the wait a gate/up program loads nothing; down and dense ones load their first tile (and
+        # down its pair's expert id, through L2)
+        assert r["launch"] == {"gemv gate/up": 1, "gemv bf16": 1, "gemv dense": 0, "gemv down": -1}[kind], (
+            kind,
+            r,
+        )
+        assert (r["loads_before_wait"] > 0) == (kind in ("gemv dense", "gemv down")), (kind, r)
+        assert r["cg_before_wait"] == (kind == "gemv down"), (kind, r)

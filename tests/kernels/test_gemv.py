@@ -35,9 +35,12 @@ def test_gemv_experts_match_the_dequantized_reference(tokens, mode, monkeypatch)
     x = torch.randn(tokens, h, generator=gen).to(BF16).to(DEV)
     ids, w = moe_router.router_reference(torch.randn(tokens, gp.shape[0], generator=gen).to(DEV), k)
     ids = ids.int()
-    small = gemv.GemvTiles(16, 64, 4, 2)  # two K tiles per program
+    small = gemv.GemvTiles(16, 64, 4, 2)  # two K tiles per gate/up program (H = 128)
     act = gemv.gemv_gate_up(x, gp, gs, gd, ids, tiles=small)
-    out = gemv.gemv_down(act, dp, ds, dd, ids, w, tiles=small)
+    # two per down program too (I = 64): the first, loaded before the wait, and one in the loop
+    out = gemv.gemv_down(act, dp, ds, dd, ids, w, tiles=gemv.GemvTiles(16, 32, 4, 2))
+    one_tile = gemv.gemv_down(act, dp, ds, dd, ids, w, tiles=small)  # the first tile is all of K
+    assert rel(one_tile, out) < 1e-2
     summed = gemv.GemvTiles(16, 64, 4, 2, sum_each=True)  # each K tile reduced at once: same sums, reordered
     assert rel(gemv.gemv_gate_up(x, gp, gs, gd, ids, tiles=summed), act) < 1e-2
     wide = gemv.GemvTiles(128, 64, 4, 2)  # 64 gate rows in a 128-row block: the rest masked off
@@ -68,6 +71,17 @@ def test_gemv_bf16_experts():
             g, u = (x[t].double() @ gu[ids[t, j]].double().T).cpu().chunk(2)
             ref[t] += w[t, j].item() * ((torch.nn.functional.silu(g) * u) @ dn[ids[t, j]].double().T.cpu())
     assert rel(out.cpu(), ref) < RTOL
+
+
+def test_gemv_down_refuses_strided_expert_ids():
+    """The down programs read their pair's expert before waiting for the kernel ahead: a copy of strided
+    ids launched right before them could still be in flight, so strided ids are refused."""
+    gen = torch.Generator().manual_seed(3)
+    _, (dp, ds, dd) = _experts(gen)
+    ids = torch.zeros(2, 6, dtype=torch.int32, device=DEV)[:, ::2]
+    act = torch.zeros(6, dp.shape[-1] * 2, dtype=BF16, device=DEV)
+    with pytest.raises(ValueError, match="contiguous topk_ids"):
+        gemv.gemv_down(act, dp, ds, dd, ids, torch.ones(2, 3, device=DEV))
 
 
 def test_gemv_refuses_a_k_that_no_tile_divides():

@@ -11,8 +11,9 @@ router/shared-expert projection, router, align (none at up to 4 tokens), the two
 a side stream, and combine+next norm -- no host syncs, static shapes, so the whole step is captured once
 per batch-size bucket and replayed. Every Triton kernel is launched with programmatic dependent launch on
 Hopper (``kernels.pdl_args``), so launches overlap the tails of the kernels ahead of them; the short kernels
-ahead of a one-row GEMV (and the GEMVs ahead of the Gated DeltaNet kernel and the expert down GEMV) let the
-next kernel start at once, and it loads its weights (or states) before it waits.
+ahead of a one-row GEMV and the in_proj GEMV ahead of the Gated DeltaNet kernel let the next kernel start at
+once, the expert gate/up GEMV lets the down GEMV start once it has seen the router finish, and those
+kernels load their first weight tile (or their states) before they wait.
 
 The projections sharing an input are concatenated once at start-up (qkv|z|b|a of Gated DeltaNet, q|k|v of
 attention, router|shared gate|shared up|shared gate-scalar of the MoE; per weight format: FusedLinear), and

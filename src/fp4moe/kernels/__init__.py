@@ -40,7 +40,10 @@ def _pdl_level() -> int:
         import torch
 
         on = not INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-        _PDL = min(2, max(0, int(os.environ.get("FP4MOE_PDL", "2")))) if on else 0
+        value = os.environ.get("FP4MOE_PDL", "2")
+        if value not in ("0", "1", "2"):
+            raise ValueError(f"FP4MOE_PDL={value!r}: 0 (off), 1 (waits only) or 2 (early triggers, default)")
+        _PDL = int(value) if on else 0
     return _PDL
 
 
@@ -61,11 +64,13 @@ def pdl_args(trigger: str = "") -> dict:
 
     ``trigger``: the kernel also releases the next one (``griddepcontrol.launch_dependents``) at its
     "start", or "after_wait" (once the kernel ahead of it is done), so the next kernel's programs are
-    resident while this one runs. Those programs may load before their wait only what neither this kernel
-    nor the one ahead of it writes ("start": that one may still run): a GEMV's weights, the Gated DeltaNet
-    kernel's states, slots and positions; a down GEMV behind an "after_wait" gate/up launch also reads its
-    pair's expert, which the router wrote. Only ahead of such kernels: triggering along a whole chain made
-    each boundary slower (2.1 against 0.96 us in launch_latency.py)."""
+    resident while this one runs. Any kernel launched with the attribute may load before its wait only
+    what no kernel it has not waited for writes -- not this one, not (with "start") the one ahead of it,
+    and not even a kernel that just finished without triggering (its writes need not be visible yet): a
+    GEMV's weights, the Gated DeltaNet kernel's states, slots and positions; a down GEMV behind an
+    "after_wait" gate/up launch also reads its pair's expert, written by the router that gate/up waited for.
+    Used ahead of such kernels (at any row count: batch 16 and 64 showed no change); triggering along a whole
+    chain made each boundary slower (2.1 against 0.96 us in launch_latency.py)."""
     if trigger not in _TRIGGERS:
         raise ValueError(f"unknown trigger {trigger!r}: one of {sorted(_TRIGGERS)}")
     level = _pdl_level()

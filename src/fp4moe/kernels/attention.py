@@ -220,6 +220,6 @@ def paged_decode_attention(
     )  # fmt: skip
     _decode_merge_kernel[(b, h)](
         part_o, part_ml, qkv, qkv.stride(0), out, H=h, D=d, NSPLIT=nsplit, NSP=next_pow2(nsplit),
-        **pdl_args("start"),  # the output projection's GEMV prefetches its weights meanwhile
+        **pdl_args("start"),  # the output projection's GEMV loads its first tile meanwhile
     )  # fmt: skip
     return out

@@ -209,6 +209,6 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
         hb //= 2
     _gated_norm_kernel[(rows, heads // hb)](
         o, z, z.stride(0), weight, out, eps, HV=heads, DV=width // heads, HB=hb,
-        num_warps=4, **pdl_args("start"),  # out_proj's GEMV prefetches its weights meanwhile
+        num_warps=4, **pdl_args("start"),  # out_proj's GEMV loads its first weight tile meanwhile
     )  # fmt: skip
     return out

@@ -61,7 +61,7 @@ def add_rms_norm(h, add, weight, eps, h_out=None, x_out=None, num_warps: int | N
         HAS_ADD=add is not None,
         num_warps=num_warps,
         BLOCK=next_pow2(n),
-        **pdl_args("start"),  # the next projection's GEMV prefetches its weights meanwhile
+        **pdl_args("start"),  # the next projection's GEMV loads its first weight tile meanwhile
     )
     return h_out, x_out
 
@@ -115,6 +115,6 @@ def moe_combine(
         h, y, shared if has_shared else h, proj if has_shared else h, proj.stride(0) if has_shared else 0,
         gate_col, next_weight, h_out, x_out, n, eps,
         TOPK=top_k, HAS_SHARED=has_shared, BLOCK=next_pow2(n), num_warps=num_warps,
-        **pdl_args("start"),  # the next layer's input projection prefetches its weights meanwhile
+        **pdl_args("start"),  # the next layer's input projection loads its first tile meanwhile
     )  # fmt: skip
     return h_out, x_out

@@ -216,9 +216,12 @@ def gemv_gate_up(x, packed, scales, decode, topk_ids, out=None, tiles: GemvTiles
 
 def gemv_down(act, packed, scales, decode, topk_ids, topk_weights, out=None, tiles: GemvTiles | None = None):
     """act [T*k, I] bf16 (pair rows); packed [E, H, I/2] (or bf16 [E, H, I]) -> weight * down(act) per pair
-    [T*k, H] bf16."""
+    [T*k, H] bf16. ``topk_ids`` must be contiguous: the down programs read them before they wait for the
+    kernel ahead (``_gemv_kernel``), so a copy launched just before them could still be in flight."""
     hidden, inter = packed.shape[1], act.shape[1]
-    ids = topk_ids.reshape(-1)
+    if not topk_ids.is_contiguous():
+        raise ValueError("gemv_down needs contiguous topk_ids (read before the wait for the kernel ahead)")
+    ids = topk_ids.view(-1)
     if out is None:
         out = torch.empty(ids.numel(), hidden, dtype=torch.bfloat16, device=act.device)
     s = uint8_view(scales)
