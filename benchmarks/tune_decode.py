@@ -19,6 +19,7 @@ import contextlib
 import json
 import statistics
 from pathlib import Path
+from unittest import mock
 
 import torch
 from decode import build_model, event_seconds, kernel_breakdown, log, random_runner
@@ -29,25 +30,13 @@ from fp4moe.kernels import gdn_decode, moe_router, norm
 from fp4moe.kernels import nvfp4_gemv as gemv
 
 
-@contextlib.contextmanager
+attr = mock.patch.object  # (obj, name, value): set for the duration of a with block
+
+
 def patched(module, name: str, **kwargs):
-    """``module.name`` called with ``kwargs`` (over the caller's own) for the duration."""
+    """``module.name`` called with ``kwargs`` (over the caller's own), as a context manager."""
     orig = getattr(module, name)
-    setattr(module, name, lambda *a, **k: orig(*a, **{**k, **kwargs}))
-    try:
-        yield
-    finally:
-        setattr(module, name, orig)
-
-
-@contextlib.contextmanager
-def attr(obj, name: str, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
+    return attr(module, name, lambda *a, **k: orig(*a, **{**k, **kwargs}))
 
 
 def variants(runner) -> dict:
