@@ -29,7 +29,6 @@ from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
 from fp4moe.kernels import gdn_decode, moe_router, norm
 from fp4moe.kernels import nvfp4_gemv as gemv
 
-
 attr = mock.patch.object  # (obj, name, value): set for the duration of a with block
 
 
