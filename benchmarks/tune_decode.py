@@ -27,6 +27,7 @@ from decode import build_model, event_seconds, kernel_breakdown, log, random_run
 from fp4moe import kernels
 from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
 from fp4moe.kernels import gdn_decode, moe_router, norm
+from fp4moe.kernels import nvfp4_gemm as gemm
 from fp4moe.kernels import nvfp4_gemv as gemv
 
 attr = mock.patch.object  # (obj, name, value): set for the duration of a with block
@@ -85,7 +86,26 @@ def variants(runner) -> dict:
     for splits in (2, 4, 8):
         v[f"gdn {splits} value splits"] = lambda s=splits: patched(gdn_decode, "gdn_decode", v_splits=s)
     v["shared expert on the main stream"] = lambda: attr(runner, "overlap_shared", False)
+    from fp4moe.kernels import nvfp4_mma_gemv as mma
+
+    tc = lambda: attr(gemm, "MMA_GEMV_MAX_TOKENS", 64)  # noqa: E731
+    v["tc gemv"] = tc
+    for gu, dn in (((4, 128), (4, 64)), ((8, 64), (2, 128)), ((4, 64), (2, 64)), ((8, 128), (8, 32))):
+        v[f"tc gemv gate_up {gu} down {dn}"] = lambda gu=gu, dn=dn: stacked(
+            tc,
+            lambda: attr(mma, "GATE_UP_TILES", mma.MmaTiles(*gu)),
+            lambda: attr(mma, "DOWN_TILES", mma.MmaTiles(*dn)),
+        )
     return v
+
+
+@contextlib.contextmanager
+def stacked(*factories):
+    """Several variants' context managers at once."""
+    with contextlib.ExitStack() as stack:
+        for f in factories:
+            stack.enter_context(f())
+        yield
 
 
 def time_step(runner, b: int, ctx: int, replays: int) -> float:
@@ -120,10 +140,6 @@ def main() -> int:
     if not set(batches) <= set(GRAPH_BATCH_SIZES):
         raise SystemExit(f"--batches: captured batch sizes only, {GRAPH_BATCH_SIZES}")
     for b in batches:
-        if args.profile:  # eager launches under the profiler (kernel times include waits for the one ahead)
-            profiles[b] = kernel_breakdown(model, b, args.context)
-            for r in profiles[b][:14]:
-                log(f"B={b:3d} {r['us']:9.1f} us  x{r['calls']:3d}  {r['kernel']}")
         runner = random_runner(model, b, args.context, "auto", steps=8)
         vs = variants(runner)
         names = [
@@ -145,6 +161,12 @@ def main() -> int:
         log(f"B={b:3d} default median {statistics.median(base) * 1e6:8.1f} us")
         del runner
         torch.cuda.empty_cache()
+    for b in batches if args.profile else ():
+        # after every timing (a profiler session slows the graph replays timed after it); eager launches under
+        # the profiler, so kernel times include waits for the one ahead
+        profiles[b] = kernel_breakdown(model, b, args.context)
+        for r in profiles[b][:14]:
+            log(f"B={b:3d} {r['us']:9.1f} us  x{r['calls']:3d}  {r['kernel']}")
     out = dict(device=torch.cuda.get_device_name(), rows=rows, profiles=profiles)
     Path(args.out).write_text(json.dumps(out, indent=2))
     return 0

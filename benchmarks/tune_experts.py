@@ -91,7 +91,8 @@ def main() -> None:
     ap.add_argument(
         "--kernels",
         default="mma,gemv",
-        help="which expert kernels to sweep: mma (grouped GEMM), gemv (per pair)",
+        help="which expert kernels to sweep: mma (grouped GEMM), gemv (per pair), tcgemv (tensor-core GEMV, "
+        "blocks of up to 8 tokens of an expert)",
     )
     ap.add_argument("--budget", type=float, default=330, help="seconds of sweeping before it stops early")
     ap.add_argument("--out", default="", help="write every timing to this JSON file")
@@ -189,6 +190,38 @@ def main() -> None:
                     gbs=(gu_bytes + dn_bytes) / (sg + sd) / 1e9,
                 )  # fmt: skip
                 print(f"\nT={t} GEMV: {json.dumps(results['best_gemv'][t])}", flush=True)
+        if "tcgemv" in kinds:  # the tensor-core GEMVs (nvfp4_mma_gemv): pairs at T <= 4, blocks of 8 beyond
+            from fp4moe.kernels import nvfp4_mma_gemv as mma
+
+            blocks = [
+                gemm.pair_routing(i, 1) if t <= gemm.PAIR_ROUTING_MAX_TOKENS else gemm.align(i, E, mma.TOKENS)
+                for i in ids
+            ]
+            act_tc = torch.empty(t * K, I, device=dev, dtype=torch.bfloat16)
+            out_tc = torch.empty(t * K, H, device=dev, dtype=torch.bfloat16)
+
+            def tc_gate_up(cfg):
+                return graph_time(lambda: [
+                    mma.mma_gate_up(x, *lay["gu"], r, K, out=act_tc, tiles=cfg)
+                    for lay, r in zip(layers, blocks, strict=True)
+                ])  # fmt: skip
+
+            def tc_down(cfg):
+                return graph_time(lambda: [
+                    mma.mma_down(act_tc, *lay["dn"], r, w, out=out_tc, tiles=cfg)
+                    for lay, r in zip(layers, blocks, strict=True)
+                ])  # fmt: skip
+
+            grid = [mma.MmaTiles(wk, kc) for wk, kc in itertools.product((2, 4, 8), (32, 64, 128))]
+            rg = sweep("tcgemv gate_up", grid, tc_gate_up)
+            rd = sweep("tcgemv down", grid, tc_down)
+            if rg and rd:
+                (sg, cg), (sd, cd) = rg[0], rd[0]
+                results.setdefault("best_tcgemv", {})[t] = dict(
+                    gate_up=repr(cg), down=repr(cd), us=(sg + sd) * 1e6, gate_up_us=sg * 1e6, down_us=sd * 1e6,
+                    gbs=(gu_bytes + dn_bytes) / (sg + sd) / 1e9,
+                )  # fmt: skip
+                print(f"\nT={t} tensor-core GEMV: {json.dumps(results['best_tcgemv'][t])}", flush=True)
         best_gu, best_dn = {}, {}
         for mode, split in itertools.product(modes if "mma" in kinds else [], splits):
             gemm.DEQUANT_MODE = mode

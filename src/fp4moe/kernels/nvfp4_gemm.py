@@ -650,6 +650,21 @@ def moe_experts(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
 
 
 GEMV_MAX_TOKENS = 4  # up to this many tokens, every (token, expert) pair runs as GEMVs (nvfp4_gemv)
+# up to this many tokens, NVFP4 experts run as tensor-core GEMVs (nvfp4_mma_gemv; sm80+, not the interpreter)
+MMA_GEMV_MAX_TOKENS = int(os.environ.get("FP4MOE_MMA_GEMV_MAX_TOKENS", "0"))
+
+
+def _mma_gemv_fits(experts, x: torch.Tensor) -> bool:
+    return (
+        experts.quantized
+        and not INTERPRET
+        and x.is_cuda
+        and DEQUANT_MODE == 7
+        and x.shape[0] <= MMA_GEMV_MAX_TOKENS
+        and torch.cuda.get_device_capability(x.device)[0] >= 8
+        and x.shape[1] % 64 == 0
+        and experts.inter % 64 == 0
+    )
 
 
 def moe_pairs(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -662,6 +677,15 @@ def moe_pairs(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         ones = experts.unit_scales()
         gu = (experts.gate_up_proj, experts.gate_up_proj, ones[0])
         dn = (experts.down_proj, experts.down_proj, ones[1])
+    if _mma_gemv_fits(experts, x):
+        from fp4moe.kernels import nvfp4_mma_gemv as mma
+
+        if t <= PAIR_ROUTING_MAX_TOKENS:
+            routing = pair_routing(topk_ids, 1)
+        else:
+            routing = align(topk_ids, experts.num_experts, mma.TOKENS)
+        act = mma.mma_gate_up(x, *gu, routing, k)
+        return mma.mma_down(act, *dn, routing, topk_weights)
     if t <= GEMV_MAX_TOKENS and x.shape[1] % 32 == 0 and experts.inter % 32 == 0:
         from fp4moe.kernels import nvfp4_gemv as gemv
 

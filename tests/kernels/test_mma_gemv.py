@@ -1,0 +1,72 @@
+"""The tensor-core expert GEMVs (``kernels.nvfp4_mma_gemv``, Gluon: GPU only, no interpreter) against the
+dequantized reference and against the CUDA-core GEMV they stand in for. Tolerances as in test_kernels.py
+(relative L2 2e-2 against the float64 reference: the same bf16 roundings of gate, up, silu and the weighted
+output; another fp32 summation order), and the activations within a bf16 ulp of the CUDA-core GEMV's (1e-2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from test_gemv import _experts  # noqa: E402
+from test_kernels import BF16, DEV, RTOL, rel  # noqa: E402
+
+from fp4moe.kernels import moe_router  # noqa: E402
+from fp4moe.kernels import nvfp4_gemm as gemm  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _mma():
+    if DEV.type != "cuda" or torch.cuda.get_device_capability()[0] < 8:
+        pytest.skip("Gluon kernels need an NVIDIA GPU (sm80+); there is no interpreter")
+    from fp4moe.kernels import nvfp4_mma_gemv as mma
+
+    return mma
+
+
+@pytest.mark.parametrize(
+    ("tokens", "blocks"),
+    [(1, "pairs"), (3, "pairs"), (3, "align"), (16, "align"), (40, "align")],
+)
+@pytest.mark.parametrize(
+    ("gu_tiles", "dn_tiles"), [((4, 32), (2, 32)), ((1, 64), (1, 32)), ((1, 32), (4, 128))]
+)
+def test_mma_gemv_matches_the_reference(tokens, blocks, gu_tiles, dn_tiles):
+    mma = _mma()
+    gen = torch.Generator().manual_seed(300 + tokens)
+    # H = 256, I = 128 (K: 128 and 64 bytes a row): one, two or four K steps per program
+    (gp, gs, gd), (dp, ds, dd) = _experts(gen, e=8, h=256, i=128)
+    gp, gs, gd, dp, ds, dd = (t.to(DEV) for t in (gp, gs, gd, dp, ds, dd))
+    k, h = 3, gp.shape[-1] * 2
+    x = torch.randn(tokens, h, generator=gen).to(BF16).to(DEV)
+    ids, w = moe_router.router_reference(torch.randn(tokens, gp.shape[0], generator=gen).to(DEV), k)
+    ids = ids.int().contiguous()
+    # with 8 experts and 40 tokens, blocks of 8 pairs: several blocks per expert, some partly filled
+    routing = gemm.pair_routing(ids, 1) if blocks == "pairs" else gemm.align(ids, gp.shape[0], mma.TOKENS)
+    poison = torch.full((tokens * k, gp.shape[1] // 2), float("nan"), dtype=BF16, device=DEV)
+    act = mma.mma_gate_up(x, gp, gs, gd, routing, k, out=poison, tiles=mma.MmaTiles(*gu_tiles))
+    out = mma.mma_down(act, dp, ds, dd, routing, w, tiles=mma.MmaTiles(*dn_tiles))
+    assert torch.isfinite(act).all() and torch.isfinite(out).all()  # every pair row written
+    ref = gemm.moe_reference(x.double(), gp, gs, gd.double(), dp, ds, dd.double(), ids, w.double())
+    assert rel(out.view(tokens, k, h).sum(1, dtype=torch.float32), ref) < RTOL
+    from fp4moe.kernels import nvfp4_gemv as gemv
+
+    assert rel(act, gemv.gemv_gate_up(x, gp, gs, gd, ids)) < 1e-2
+    assert rel(out, gemv.gemv_down(act, dp, ds, dd, ids, w)) < 1e-2
+
+
+def test_mma_gemv_refuses_what_it_cannot_tile():
+    mma = _mma()
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.tensor([[0, 1]], dtype=torch.int32, device=DEV)
+    for h, routing, match in (
+        (96, gemm.pair_routing(ids, 1), "multiple of 64"),
+        (128, gemm.align(ids, 4, 16), "at most"),
+    ):
+        (gp, gs, gd), _ = _experts(gen, e=4, h=h, i=32)
+        x = torch.randn(1, h).to(BF16).to(DEV)
+        with pytest.raises(ValueError, match=match):
+            mma.mma_gate_up(x, gp.to(DEV), gs.to(DEV), gd.to(DEV), routing, 2)
