@@ -90,7 +90,12 @@ def variants(runner) -> dict:
 
     tc = lambda: attr(gemm, "MMA_GEMV_MAX_TOKENS", 64)  # noqa: E731
     v["tc gemv"] = tc
-    for gu, dn in (((4, 128), (4, 64)), ((8, 64), (2, 128)), ((4, 64), (2, 64)), ((8, 128), (8, 32))):
+    for gu, dn in (
+        ((2, 64), (2, 32, 16)),
+        ((4, 32), (2, 32, 32)),
+        ((4, 64), (4, 32, 16)),
+        ((2, 32), (1, 64, 16)),
+    ):
         v[f"tc gemv gate_up {gu} down {dn}"] = lambda gu=gu, dn=dn: stacked(
             tc,
             lambda: attr(mma, "GATE_UP_TILES", mma.MmaTiles(*gu)),

@@ -212,8 +212,13 @@ def main() -> None:
                     for lay, r in zip(layers, blocks, strict=True)
                 ])  # fmt: skip
 
-            grid = [mma.MmaTiles(wk, kc) for wk, kc in itertools.product((2, 4, 8), (32, 64, 128))]
+            grid = [mma.MmaTiles(wk, kc) for wk, kc in ((1, 64), (2, 32), (2, 64), (4, 32), (4, 64), (8, 32))]
             rg = sweep("tcgemv gate_up", grid, tc_gate_up)
+            grid = [
+                mma.MmaTiles(wk, kc, rows)
+                for wk, kc in ((1, 64), (2, 32), (4, 32), (2, 64))
+                for rows in (16, 32)
+            ]
             rd = sweep("tcgemv down", grid, tc_down)
             if rg and rd:
                 (sg, cg), (sd, cd) = rg[0], rd[0]

@@ -32,7 +32,7 @@ def _mma():
     [(1, "pairs"), (3, "pairs"), (3, "align"), (16, "align"), (40, "align")],
 )
 @pytest.mark.parametrize(
-    ("gu_tiles", "dn_tiles"), [((4, 32), (2, 32)), ((1, 64), (1, 32)), ((1, 32), (4, 128))]
+    ("gu_tiles", "dn_tiles"), [((4, 32), (2, 32, 16)), ((1, 64), (1, 32, 32)), ((1, 32), (4, 128, 16))]
 )
 def test_mma_gemv_matches_the_reference(tokens, blocks, gu_tiles, dn_tiles):
     mma = _mma()
