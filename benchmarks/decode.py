@@ -47,12 +47,14 @@ def correctness_gate() -> dict:
     from fp4moe.engine.compare import RouterMargins, greedy_agreement
     from fp4moe.engine.llm import LLM
     from fp4moe.engine.sampler import SamplingParams
-    from fp4moe.models.tiny import write_tiny_checkpoint
+    from fp4moe.models.tiny import TinySpec, write_tiny_checkpoint
     from fp4moe.quantize.pipeline import QuantizeOptions, quantize
 
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
-        src = write_tiny_checkpoint(Path(tmp) / "bf16")
+        # expert intermediate 64: the tensor-core expert GEMVs take K in multiples of 64 (nvfp4_mma_gemv), and
+        # the five prompts decode together (5 tokens a step: past the one-token GEMVs)
+        src = write_tiny_checkpoint(Path(tmp) / "bf16", spec=TinySpec(moe_intermediate_size=64))
         dst = Path(tmp) / "nvfp4"
         quantize(src, dst, QuantizeOptions(num_samples=8, seq_len=64, overwrite=True))
         gen = torch.Generator().manual_seed(0)

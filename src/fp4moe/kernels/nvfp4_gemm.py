@@ -650,8 +650,12 @@ def moe_experts(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
 
 
 GEMV_MAX_TOKENS = 4  # up to this many tokens, every (token, expert) pair runs as GEMVs (nvfp4_gemv)
-# up to this many tokens, NVFP4 experts run as tensor-core GEMVs (nvfp4_mma_gemv; sm80+, not the interpreter)
-MMA_GEMV_MAX_TOKENS = int(os.environ.get("FP4MOE_MMA_GEMV_MAX_TOKENS", "0"))
+# from GEMV_MAX_TOKENS + 1 up to this many tokens, NVFP4 experts run as tensor-core GEMVs in blocks of up to 8
+# tokens of an expert (nvfp4_mma_gemv; sm80+, not under the interpreter). H200, full-size experts per layer
+# (benchmarks/tune_experts.py): 50 + 29 us at 16 tokens against the grouped GEMM's 81 + 43, 101 + 58 at 64
+# against 156 + 87; at 1 token 7.9 + 4.4 against the CUDA-core GEMV's 7.7 + 5.1, and in the captured step
+# 0-4% slower than the GEMV, so those keep the one-token kernels. 0 turns it off.
+MMA_GEMV_MAX_TOKENS = int(os.environ.get("FP4MOE_MMA_GEMV_MAX_TOKENS", "128"))
 
 
 def _mma_gemv_fits(experts, x: torch.Tensor) -> bool:
@@ -660,7 +664,7 @@ def _mma_gemv_fits(experts, x: torch.Tensor) -> bool:
         and not INTERPRET
         and x.is_cuda
         and DEQUANT_MODE == 7
-        and x.shape[0] <= MMA_GEMV_MAX_TOKENS
+        and GEMV_MAX_TOKENS < x.shape[0] <= MMA_GEMV_MAX_TOKENS
         and torch.cuda.get_device_capability(x.device)[0] >= 8
         and x.shape[1] % 64 == 0
         and experts.inter % 64 == 0
@@ -680,10 +684,7 @@ def moe_pairs(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     if _mma_gemv_fits(experts, x):
         from fp4moe.kernels import nvfp4_mma_gemv as mma
 
-        if t <= PAIR_ROUTING_MAX_TOKENS:
-            routing = pair_routing(topk_ids, 1)
-        else:
-            routing = align(topk_ids, experts.num_experts, mma.TOKENS)
+        routing = align(topk_ids, experts.num_experts, mma.TOKENS)
         act = mma.mma_gate_up(x, *gu, routing, k)
         return mma.mma_down(act, *dn, routing, topk_weights)
     if t <= GEMV_MAX_TOKENS and x.shape[1] % 32 == 0 and experts.inter % 32 == 0:

@@ -49,8 +49,11 @@ def _scale_layout(sa):
 
     wk, rows, kc = sa.shape
     return gl.DistributedLinearLayout(
-        [split(v) for v in sa.reg_bases if any(v)], [split(v) for v in sa.lane_bases],
-        [split(v) for v in sa.warp_bases], [], [wk, rows, kc // 8, 8],
+        [split(v) for v in sa.reg_bases if any(v)],
+        [split(v) for v in sa.lane_bases],
+        [split(v) for v in sa.warp_bases],
+        [],
+        [wk, rows, kc // 8, 8],
     )  # fmt: skip  (zero register bases -- registers repeated -- left out, as in _act_layout)
 
 
