@@ -63,8 +63,10 @@ def route(
     shared_inter: int = 0,
     out=None,
     num_warps: int | None = None,
+    trigger: str = "",
 ):
-    """proj [T, >= E + 2S] -> (topk_ids [T, k] int32, topk_weights [T, k] fp32, shared act [T, S])."""
+    """proj [T, >= E + 2S] -> (topk_ids [T, k] int32, topk_weights [T, k] fp32, shared act [T, S]);
+    ``trigger``: when the kernel behind may start (``pdl_args``)."""
     t = proj.shape[0]
     if num_warps is None:  # H200, in the captured decode step (benchmarks/tune_decode.py): one warp per
         # program (shuffle-only reductions) 1.5% faster than 8 warps at batch 1, 0.8% at 16
@@ -80,7 +82,7 @@ def route(
     _router_kernel[(t,)](
         proj, proj.stride(0), ids, weights, shared, num_experts, shared_inter,
         EP=next_pow2(num_experts), TOPK=top_k, KP=next_pow2(top_k), SP=next_pow2(max(shared_inter, 1)),
-        num_warps=num_warps, **pdl_args(),
+        num_warps=num_warps, **pdl_args(trigger),
     )  # fmt: skip
     return ids, weights, shared
 

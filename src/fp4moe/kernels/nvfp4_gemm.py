@@ -658,13 +658,18 @@ GEMV_MAX_TOKENS = 4  # up to this many tokens, every (token, expert) pair runs a
 MMA_GEMV_MAX_TOKENS = int(os.environ.get("FP4MOE_MMA_GEMV_MAX_TOKENS", "128"))
 
 
-def _mma_gemv_fits(experts, x: torch.Tensor) -> bool:
+ONE_TOKEN_MMA_DOWN = (
+    False  # at up to GEMV_MAX_TOKENS tokens: the CUDA-core gate/up, then the tensor-core down
+)
+
+
+def _mma_gemv_fits(experts, x: torch.Tensor, one_token: bool = False) -> bool:
     return (
         experts.quantized
         and not INTERPRET
         and x.is_cuda
         and DEQUANT_MODE == 7
-        and GEMV_MAX_TOKENS < x.shape[0] <= MMA_GEMV_MAX_TOKENS
+        and (one_token or GEMV_MAX_TOKENS < x.shape[0] <= MMA_GEMV_MAX_TOKENS)
         and torch.cuda.get_device_capability(x.device)[0] >= 8
         and x.shape[1] % 64 == 0
         and experts.inter % 64 == 0
@@ -691,6 +696,10 @@ def moe_pairs(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         from fp4moe.kernels import nvfp4_gemv as gemv
 
         act = gemv.gemv_gate_up(x, *gu, topk_ids)
+        if ONE_TOKEN_MMA_DOWN and _mma_gemv_fits(experts, x, one_token=True):
+            from fp4moe.kernels import nvfp4_mma_gemv as mma
+
+            return mma.mma_down(act, *dn, pair_routing(topk_ids, 1), topk_weights)
         return gemv.gemv_down(act, *dn, topk_ids, topk_weights)
     bm = block_m(t, k, experts.num_experts)
     if t <= PAIR_ROUTING_MAX_TOKENS and bm == 16:
