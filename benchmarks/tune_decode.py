@@ -88,10 +88,10 @@ def variants(runner) -> dict:
     v["shared expert on the main stream"] = lambda: attr(runner, "overlap_shared", False)
     from fp4moe.kernels import nvfp4_mma_gemv as mma
 
-    v["route: trigger at start"] = lambda: patched(moe_router, "route", trigger="start")
-    v["one token: tensor-core down GEMV"] = lambda: attr(gemm, "ONE_TOKEN_MMA_DOWN", True)
-    v["one token: tensor-core down GEMV (2, 64)"] = lambda: stacked(
-        lambda: attr(gemm, "ONE_TOKEN_MMA_DOWN", True), lambda: attr(mma, "DOWN_TILES", mma.MmaTiles(2, 64))
+    v["route: no early trigger"] = lambda: patched(moe_router, "route", trigger="")
+    v["one token: CUDA-core down GEMV"] = lambda: attr(gemm, "ONE_TOKEN_MMA_DOWN", False)
+    v["one token: tensor-core down GEMV (2, 32)"] = lambda: attr(
+        mma, "ONE_TOKEN_DOWN_TILES", mma.MmaTiles(2, 32)
     )
     tc = contextlib.nullcontext  # (the default since the tensor-core GEMVs were adopted)
     v["grouped GEMM for the experts (no tensor-core GEMV)"] = lambda: attr(gemm, "MMA_GEMV_MAX_TOKENS", 0)

@@ -658,9 +658,9 @@ GEMV_MAX_TOKENS = 4  # up to this many tokens, every (token, expert) pair runs a
 MMA_GEMV_MAX_TOKENS = int(os.environ.get("FP4MOE_MMA_GEMV_MAX_TOKENS", "128"))
 
 
-ONE_TOKEN_MMA_DOWN = (
-    False  # at up to GEMV_MAX_TOKENS tokens: the CUDA-core gate/up, then the tensor-core down
-)
+# up to GEMV_MAX_TOKENS tokens: the CUDA-core gate/up GEMV, then the tensor-core down (pairs, wk 2, kc 64): H200,
+# batch-1 step 1.4% faster (benchmarks/tune_decode.py; the down launch alone 4.4 against 5.1 us per layer)
+ONE_TOKEN_MMA_DOWN = True
 
 
 def _mma_gemv_fits(experts, x: torch.Tensor, one_token: bool = False) -> bool:
@@ -699,7 +699,9 @@ def moe_pairs(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         if ONE_TOKEN_MMA_DOWN and _mma_gemv_fits(experts, x, one_token=True):
             from fp4moe.kernels import nvfp4_mma_gemv as mma
 
-            return mma.mma_down(act, *dn, pair_routing(topk_ids, 1), topk_weights)
+            return mma.mma_down(
+                act, *dn, pair_routing(topk_ids, 1), topk_weights, tiles=mma.ONE_TOKEN_DOWN_TILES
+            )
         return gemv.gemv_down(act, *dn, topk_ids, topk_weights)
     bm = block_m(t, k, experts.num_experts)
     if t <= PAIR_ROUTING_MAX_TOKENS and bm == 16:
