@@ -131,3 +131,70 @@ def test_expert_kernel_variants_compile_for_sm90():
         )
         assert (r["loads_before_wait"] > 0) == (kind in ("gemv dense", "gemv down")), (kind, r)
         assert r["cg_before_wait"] == (kind == "gemv down"), (kind, r)
+
+
+MMA_SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from fp4moe.kernels import nvfp4_mma_gemv as mma
+
+fn = mma._mma_gemv_kernel
+POINTERS = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "d_ptr": "*fp32", "out_ptr": "*bf16", "order_ptr": "*i32",
+            "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_count_ptr": "*i32", "nblk_ptr": "*i32",
+            "topw_ptr": "*fp32"}
+results = []
+for gated, pairs, k, wk, kc, rows in json.loads(sys.argv[1]):
+    consts = dict(K=k, GATED=gated, PAIRS=pairs, ROWS=32 if gated else rows, WK=wk, KC=kc, PDL=3 if gated else 1)
+    signature = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and n not in ("TOPK", "stride_de")}
+    try:
+        kern = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=wk))
+        ptx = kern.asm["ptx"]
+        wait = ptx.index("griddepcontrol.wait")
+        results.append(dict(ok=True, mma=ptx.count("mma.sync.aligned.m16n8k16"), prmt="prmt.b32" in ptx,
+                            loads_before_wait=ptx[:wait].count("ld.global"), spills="st.local" in ptx,
+                            smem=kern.metadata.shared, error=""))
+    except Exception as exc:
+        results.append(dict(ok=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
+print(json.dumps(results))
+"""
+# (gated, pairs, K, wk, kc, rows): the engine's launches on the full-size model (gate/up K = H = 2048, down K = I =
+# 512; blocks of 8 pairs, and one pair per block at batch 1) and on the decode gate's tiny model (H = I = 64)
+MMA_VARIANTS = [
+    (True, False, 2048, 4, 32, 16),
+    (False, False, 512, 2, 32, 16),
+    (False, True, 512, 2, 64, 16),
+    (False, False, 512, 2, 32, 32),
+    (True, True, 2048, 4, 64, 16),
+    (True, False, 64, 1, 32, 16),
+    (False, False, 64, 1, 32, 16),
+]
+
+
+@pytest.mark.slow
+def test_tensor_core_gemv_compiles_for_sm90():
+    """The Gluon kernel (no interpreter: this is the CPU's only check of it) compiles for the H200 with every
+    layout change a no-op (``convert_layout(..., assert_trivial=True)`` fails the compile otherwise), one
+    m16n8k16 MMA per 16 bytes of a row per matrix and parity, the inline-PTX dequantization, no spills, and
+    only down programs reading before their wait (their expert and first weights)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", MMA_SCRIPT, json.dumps(MMA_VARIANTS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    for (gated, _, k, wk, _, rows), r in zip(MMA_VARIANTS, results, strict=True):
+        assert r["ok"], r["error"]
+        rows_all = 32 if gated else rows
+        # per warp: (rows / 16) M tiles x (K / 2 bytes / wk) / 16 bytes x 2 (even and odd weights)
+        assert r["mma"] == (rows_all // 16) * (k // 2 // wk // 16) * 2, r
+        assert r["prmt"] and not r["spills"], r
+        assert (r["loads_before_wait"] > 0) == (not gated), r

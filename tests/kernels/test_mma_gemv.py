@@ -16,8 +16,6 @@ from test_kernels import BF16, DEV, RTOL, rel  # noqa: E402
 from fp4moe.kernels import moe_router  # noqa: E402
 from fp4moe.kernels import nvfp4_gemm as gemm  # noqa: E402
 
-pytestmark = pytest.mark.gpu
-
 
 def _mma():
     if DEV.type != "cuda" or torch.cuda.get_device_capability()[0] < 8:
@@ -27,6 +25,7 @@ def _mma():
     return mma
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("tokens", "blocks"),
     [(1, "pairs"), (3, "pairs"), (3, "align"), (16, "align"), (40, "align")],
@@ -58,6 +57,7 @@ def test_mma_gemv_matches_the_reference(tokens, blocks, gu_tiles, dn_tiles):
     assert rel(out, gemv.gemv_down(act, dp, ds, dd, ids, w)) < 1e-2
 
 
+@pytest.mark.gpu
 def test_mma_gemv_refuses_what_it_cannot_tile():
     mma = _mma()
     gen = torch.Generator().manual_seed(7)
@@ -70,3 +70,24 @@ def test_mma_gemv_refuses_what_it_cannot_tile():
         x = torch.randn(1, h).to(BF16).to(DEV)
         with pytest.raises(ValueError, match=match):
             mma.mma_gate_up(x, gp.to(DEV), gs.to(DEV), gd.to(DEV), routing, 2)
+
+
+@pytest.mark.parametrize(
+    ("k", "tiles", "fitted"),
+    [
+        (2048, (4, 32), (4, 32)),  # gate/up: 8 steps of 128 bytes a row
+        (512, (2, 64), (2, 64)),  # down at batch 1: 2 steps
+        (64, (4, 32), (1, 32)),  # the decode gate's tiny model: 32 bytes a row, one warp
+        (192, (4, 64), (1, 32)),  # 96 bytes: 3 steps of 32
+        (256, (8, 128), (4, 32)),
+    ],
+)
+def test_tiles_fit_any_k_of_64(k, tiles, fitted):
+    from fp4moe.kernels import nvfp4_mma_gemv as mma
+
+    t = mma.MmaTiles(*tiles).for_k(k)
+    assert (t.wk, t.kc) == fitted and (k // 2) % (t.wk * t.kc) == 0
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mma.MmaTiles(*tiles).for_k(k + 32)
+    with pytest.raises(ValueError, match="16 or 32"):
+        mma.MmaTiles(2, 32, rows=64)
