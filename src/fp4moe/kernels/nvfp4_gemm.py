@@ -21,6 +21,7 @@ activation for every output tile; kept as a tuning option). References: ``moe_re
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -663,6 +664,17 @@ MMA_GEMV_MAX_TOKENS = int(os.environ.get("FP4MOE_MMA_GEMV_MAX_TOKENS", "128"))
 ONE_TOKEN_MMA_DOWN = True
 
 
+@functools.cache
+def _have_gluon() -> bool:
+    """Whether this Triton has the Gluon API the tensor-core GEMVs use (3.6; ``pip install '.[gpu]'`` allows
+    older Tritons, which then keep the Triton kernels)."""
+    try:
+        from fp4moe.kernels import nvfp4_mma_gemv  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
 def _mma_gemv_fits(experts, x: torch.Tensor, one_token: bool = False) -> bool:
     return (
         experts.quantized
@@ -673,6 +685,7 @@ def _mma_gemv_fits(experts, x: torch.Tensor, one_token: bool = False) -> bool:
         and torch.cuda.get_device_capability(x.device)[0] >= 8
         and x.shape[1] % 64 == 0
         and experts.inter % 64 == 0
+        and _have_gluon()
     )
 
 
