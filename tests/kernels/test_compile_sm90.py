@@ -103,18 +103,23 @@ GEMV_VARIANTS = [
 ]
 
 
-@pytest.mark.slow
-def test_expert_kernel_variants_compile_for_sm90():
+def _compile(script: str, variants: list) -> list[dict]:
+    """Run a compile script in a subprocess without the interpreter; its last line of output, parsed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(VARIANTS)],
+        [sys.executable, "-c", script, json.dumps(variants)],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_expert_kernel_variants_compile_for_sm90():
+    results = _compile(SCRIPT, VARIANTS)
     names = [*VARIANTS, "align 8", "align 512", "align 4096", *GEMV_VARIANTS]
     for variant, r in zip(names, results, strict=True):
         assert r["ok"], (variant, r["error"])
@@ -181,16 +186,7 @@ def test_tensor_core_gemv_compiles_for_sm90():
     layout change a no-op (``convert_layout(..., assert_trivial=True)`` fails the compile otherwise), one
     m16n8k16 MMA per 16 bytes of a row per matrix and parity, the inline-PTX dequantization, no spills, and
     only down programs reading before their wait (their expert and first weights)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", MMA_SCRIPT, json.dumps(MMA_VARIANTS)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+    results = _compile(MMA_SCRIPT, MMA_VARIANTS)
     for (gated, _, k, wk, _, rows), r in zip(MMA_VARIANTS, results, strict=True):
         assert r["ok"], r["error"]
         rows_all = 32 if gated else rows
