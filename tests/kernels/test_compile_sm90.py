@@ -139,10 +139,11 @@ def test_expert_kernel_variants_compile_for_sm90():
 
 
 MMA_SCRIPT = r"""
-import json, sys
+import json, os, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 from fp4moe.kernels import nvfp4_mma_gemv as mma
 
 fn = mma._mma_gemv_kernel
@@ -160,9 +161,17 @@ for gated, pairs, k, wk, kc, rows in json.loads(sys.argv[1]):
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=wk))
         ptx = kern.asm["ptx"]
         wait = ptx.index("griddepcontrol.wait")
+        launch = ptx.find("griddepcontrol.launch_dependents")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:  # spills are ptxas's: look in the machine code
+            f.write(kern.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True,
+                                  text=True, check=True).stdout
         results.append(dict(ok=True, mma=ptx.count("mma.sync.aligned.m16n8k16"), prmt="prmt.b32" in ptx,
-                            loads_before_wait=ptx[:wait].count("ld.global"), spills="st.local" in ptx,
-                            smem=kern.metadata.shared, error=""))
+                            loads_before_wait=ptx[:wait].count("ld.global"),
+                            cg_before_wait="ld.global.cg" in ptx[:wait],
+                            launch=-1 if launch < 0 else int(launch > wait), hmma=sass.count("HMMA"),
+                            spills=" STL" in sass or " LDL" in sass, error=""))
     except Exception as exc:
         results.append(dict(ok=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
 print(json.dumps(results))
@@ -192,5 +201,8 @@ def test_tensor_core_gemv_compiles_for_sm90():
         rows_all = 32 if gated else rows
         # per warp: (rows / 16) M tiles x (K / 2 bytes / wk) / 16 bytes x 2 (even and odd weights)
         assert r["mma"] == (rows_all // 16) * (k // 2 // wk // 16) * 2, r
-        assert r["prmt"] and not r["spills"], r
-        assert (r["loads_before_wait"] > 0) == (not gated), r
+        assert r["hmma"] == r["mma"] and r["prmt"] and not r["spills"], r
+        # gate/up reads nothing before its wait and then lets the down launch start; down reads its block's
+        # expert (table entries through L2) and its first weights before the wait, and releases nothing
+        assert (r["loads_before_wait"] > 0) == r["cg_before_wait"] == (not gated), r
+        assert r["launch"] == (1 if gated else -1), r

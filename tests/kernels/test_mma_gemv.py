@@ -18,8 +18,8 @@ from fp4moe.kernels import nvfp4_gemm as gemm  # noqa: E402
 
 
 def _mma():
-    if DEV.type != "cuda" or torch.cuda.get_device_capability()[0] < 8:
-        pytest.skip("Gluon kernels need an NVIDIA GPU (sm80+); there is no interpreter")
+    if DEV.type != "cuda" or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the Gluon kernel needs an NVIDIA GPU (sm89+: fp8 scales); there is no interpreter")
     from fp4moe.kernels import nvfp4_mma_gemv as mma
 
     return mma
@@ -91,3 +91,48 @@ def test_tiles_fit_any_k_of_64(k, tiles, fitted):
         mma.MmaTiles(*tiles).for_k(k + 32)
     with pytest.raises(ValueError, match="16 or 32"):
         mma.MmaTiles(2, 32, rows=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 3, 16, 130])
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_moe_pairs_dispatch(tokens, ids_dtype, monkeypatch):
+    """The engine's entry (``moe_pairs``) at each token count: up to 4 tokens the CUDA-core gate/up and, with
+    the router's int32 ids, the tensor-core down over pairs (other ids: the CUDA-core down, since the down
+    programs read the ids before their wait); 5-128 tokens the tensor-core GEMVs over blocks of 8; 130 the
+    grouped GEMM. Every path against the float64 reference (GPU only; not yet run on one: see BENCHMARKS)."""
+    mma = _mma()
+    from types import SimpleNamespace
+
+    from fp4moe.kernels import nvfp4_gemv as gemv
+
+    gen = torch.Generator().manual_seed(400 + tokens)
+    (gp, gs, gd), (dp, ds, dd) = _experts(gen, e=8, h=128, i=64)
+    experts = SimpleNamespace(
+        quantized=True, num_experts=8, inter=64, gate_up_packed=gp.to(DEV), gate_up_scales=gs.to(DEV),
+        gate_up_decode=gd.to(DEV), down_packed=dp.to(DEV), down_scales=ds.to(DEV), down_decode=dd.to(DEV),
+    )  # fmt: skip
+    k, h = 3, 128
+    x = torch.randn(tokens, h, generator=gen).to(BF16).to(DEV)
+    ids, w = moe_router.router_reference(torch.randn(tokens, 8, generator=gen).to(DEV), k)
+    ids = ids.to(ids_dtype).contiguous()
+    calls = []
+
+    def spy(module, name):
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(name) or fn(*a, **kw))
+
+    spy(mma, "mma_down")  # (moe_pairs calls them through their modules)
+    spy(gemv, "gemv_down")
+    spy(gemm, "moe_down")
+    out = gemm.moe_pairs(experts, x, ids, w.float())
+    expected = (
+        ("mma_down" if ids_dtype == torch.int32 else "gemv_down")
+        if tokens <= gemm.GEMV_MAX_TOKENS
+        else "mma_down"
+        if tokens <= gemm.MMA_GEMV_MAX_TOKENS
+        else "moe_down"
+    )
+    assert calls == [expected]
+    ref = gemm.moe_reference(x.double(), gp, gs, gd.double(), dp, ds, dd.double(), ids, w.double())
+    assert rel(out.view(tokens, k, h).sum(1, dtype=torch.float32), ref) < RTOL

@@ -68,7 +68,8 @@ def pdl_args(trigger: str = "") -> dict:
     what no kernel it has not waited for writes -- not this one, not (with "start") the one ahead of it,
     and not even a kernel that just finished without triggering (its writes need not be visible yet): a
     GEMV's weights, the Gated DeltaNet kernel's states, slots and positions; a down GEMV behind an
-    "after_wait" gate/up launch also reads its pair's expert, written by the router that gate/up waited for.
+    "after_wait" gate/up launch also reads its pair's expert, written by the router that gate/up waited for
+    (the tensor-core down GEMV: its block's table entries, written by the align kernel or the router).
     Used ahead of such kernels (at any row count: batch 16 and 64 showed no change); triggering along a whole
     chain made each boundary slower (2.1 against 0.96 us in launch_latency.py)."""
     if trigger not in _TRIGGERS:

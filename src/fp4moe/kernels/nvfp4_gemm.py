@@ -652,22 +652,27 @@ def moe_experts(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
 
 GEMV_MAX_TOKENS = 4  # up to this many tokens, every (token, expert) pair runs as GEMVs (nvfp4_gemv)
 # from GEMV_MAX_TOKENS + 1 up to this many tokens, NVFP4 experts run as tensor-core GEMVs in blocks of up to 8
-# tokens of an expert (nvfp4_mma_gemv; sm80+, not under the interpreter). H200, full-size experts per layer
+# tokens of an expert (nvfp4_mma_gemv; sm89+, not under the interpreter). H200, full-size experts per layer
 # (benchmarks/tune_experts.py): 50 + 29 us at 16 tokens against the grouped GEMM's 81 + 43, 101 + 58 at 64
 # against 156 + 87; at 1 token 7.9 + 4.4 against the CUDA-core GEMV's 7.7 + 5.1, and in the captured step
-# 0-4% slower than the GEMV, so those keep the one-token kernels. 0 turns it off.
+# 0-4% slower than the GEMV, so those keep the one-token kernels. 0 turns every tensor-core GEMV off.
 MMA_GEMV_MAX_TOKENS = int(os.environ.get("FP4MOE_MMA_GEMV_MAX_TOKENS", "128"))
 
 
 # up to GEMV_MAX_TOKENS tokens: the CUDA-core gate/up GEMV, then the tensor-core down (pairs, wk 2, kc 64): H200,
-# batch-1 step 1.4% faster (benchmarks/tune_decode.py; the down launch alone 4.4 against 5.1 us per layer)
+# batch-1 step 1.4% faster (benchmarks/tune_decode.py; the down launch alone 4.4 against 5.1 us per layer). Needs
+# int32 contiguous ids (the router kernel's): its programs read them before they wait, so no copy may be in flight
 ONE_TOKEN_MMA_DOWN = True
 
 
 @functools.cache
 def _have_gluon() -> bool:
-    """Whether this Triton has the Gluon API the tensor-core GEMVs use (3.6; ``pip install '.[gpu]'`` allows
-    older Tritons, which then keep the Triton kernels)."""
+    """Whether this Triton has the Gluon API the tensor-core GEMVs use (3.6: linear layouts, trivial-conversion
+    checks; ``pip install '.[gpu]'`` allows older Tritons, which then keep the Triton kernels)."""
+    import triton
+
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 6):
+        return False
     try:
         from fp4moe.kernels import nvfp4_mma_gemv  # noqa: F401
     except (ImportError, AttributeError):
@@ -681,8 +686,9 @@ def _mma_gemv_fits(experts, x: torch.Tensor, one_token: bool = False) -> bool:
         and not INTERPRET
         and x.is_cuda
         and DEQUANT_MODE == 7
+        and MMA_GEMV_MAX_TOKENS > 0
         and (one_token or GEMV_MAX_TOKENS < x.shape[0] <= MMA_GEMV_MAX_TOKENS)
-        and torch.cuda.get_device_capability(x.device)[0] >= 8
+        and torch.cuda.get_device_capability(x.device) >= (8, 9)  # (fp8 scale conversion: sm89+)
         and x.shape[1] % 64 == 0
         and experts.inter % 64 == 0
         and _have_gluon()
@@ -708,13 +714,19 @@ def moe_pairs(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     if t <= GEMV_MAX_TOKENS and x.shape[1] % 32 == 0 and experts.inter % 32 == 0:
         from fp4moe.kernels import nvfp4_gemv as gemv
 
+        one_token_mma = (
+            ONE_TOKEN_MMA_DOWN
+            and topk_ids.dtype == torch.int32
+            and topk_ids.is_contiguous()
+            and topk_weights.dtype == torch.float32
+            and _mma_gemv_fits(experts, x, one_token=True)
+        )
+        pairs = pair_routing(topk_ids, 1) if one_token_mma else None  # (a view of the ids: no copy)
         act = gemv.gemv_gate_up(x, *gu, topk_ids)
-        if ONE_TOKEN_MMA_DOWN and _mma_gemv_fits(experts, x, one_token=True):
+        if one_token_mma:
             from fp4moe.kernels import nvfp4_mma_gemv as mma
 
-            return mma.mma_down(
-                act, *dn, pair_routing(topk_ids, 1), topk_weights, tiles=mma.ONE_TOKEN_DOWN_TILES
-            )
+            return mma.mma_down(act, *dn, pairs, topk_weights, tiles=mma.ONE_TOKEN_DOWN_TILES)
         return gemv.gemv_down(act, *dn, topk_ids, topk_weights)
     bm = block_m(t, k, experts.num_experts)
     if t <= PAIR_ROUTING_MAX_TOKENS and bm == 16:

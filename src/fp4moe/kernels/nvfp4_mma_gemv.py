@@ -1,5 +1,5 @@
 """NVFP4 expert GEMVs on the tensor cores for decode: the weights as the MMA's M operand, dequantized in
-registers, up to 8 tokens of one expert as its N operand (Gluon: layouts written out, H100/H200 only).
+registers, up to 8 tokens of one expert as its N operand (Gluon: layouts written out; sm89+ for the fp8 scales).
 
 The CUDA-core GEMV (``nvfp4_gemv``) spends ~7 instructions per weight on the H200 (sm90 SASS: the
 dequantization, a conversion to fp32 and a multiply-add per weight, and the activation passed through
@@ -178,7 +178,7 @@ def _mma_gemv_kernel(
         e = gl.load(blk_expert_ptr + b, cache_modifier=".cg").to(gl.int64)
         start = b
         count = 1
-    else:  # (the four loads are independent: one round trip)
+    else:  # (the compiler issues the table loads after the nblk test: two round trips)
         nblk = gl.load(nblk_ptr, cache_modifier=".cg")
         e = gl.load(blk_expert_ptr + b, cache_modifier=".cg").to(gl.int64)
         start = gl.load(blk_start_ptr + b, cache_modifier=".cg")
