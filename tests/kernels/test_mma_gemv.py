@@ -100,7 +100,7 @@ def test_moe_pairs_dispatch(tokens, ids_dtype, monkeypatch):
     """The engine's entry (``moe_pairs``) at each token count: up to 4 tokens the CUDA-core gate/up and, with
     the router's int32 ids, the tensor-core down over pairs (other ids: the CUDA-core down, since the down
     programs read the ids before their wait); 5-128 tokens the tensor-core GEMVs over blocks of 8; 130 the
-    grouped GEMM. Every path against the float64 reference (GPU only; not yet run on one: see BENCHMARKS)."""
+    grouped GEMM. Every path against the float64 reference."""
     mma = _mma()
     from types import SimpleNamespace
 
