@@ -93,7 +93,6 @@ def variants(runner) -> dict:
     v["one token: tensor-core down GEMV (2, 32)"] = lambda: attr(
         mma, "ONE_TOKEN_DOWN_TILES", mma.MmaTiles(2, 32)
     )
-    tc = contextlib.nullcontext  # (the default since the tensor-core GEMVs were adopted)
     v["grouped GEMM for the experts (no tensor-core GEMV)"] = lambda: attr(gemm, "MMA_GEMV_MAX_TOKENS", 0)
     for gu, dn in (
         ((2, 64), (2, 32, 16)),
@@ -102,7 +101,6 @@ def variants(runner) -> dict:
         ((2, 32), (1, 64, 16)),
     ):
         v[f"tc gemv gate_up {gu} down {dn}"] = lambda gu=gu, dn=dn: stacked(
-            tc,
             lambda: attr(mma, "GATE_UP_TILES", mma.MmaTiles(*gu)),
             lambda: attr(mma, "DOWN_TILES", mma.MmaTiles(*dn)),
         )

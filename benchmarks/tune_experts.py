@@ -161,6 +161,16 @@ def main() -> None:
                 found.append((s, cfg))
             return sorted(found, key=lambda r: r[0])
 
+        def keep_best(key, label, rg, rd):
+            """results[key][t]: the fastest gate/up and down settings of two sweeps, and their sum."""
+            if rg and rd:
+                (sg, cg), (sd, cd) = rg[0], rd[0]
+                results.setdefault(key, {})[t] = dict(
+                    gate_up=repr(cg), down=repr(cd), us=(sg + sd) * 1e6, gate_up_us=sg * 1e6, down_us=sd * 1e6,
+                    gbs=(gu_bytes + dn_bytes) / (sg + sd) / 1e9,
+                )  # fmt: skip
+                print(f"\nT={t} {label}: {json.dumps(results[key][t])}", flush=True)
+
         if "gemv" in kinds:  # the per-pair GEMVs (ids are the router's, no routing tables)
             act_gemv = gemv.gemv_gate_up(x, *layers[0]["gu"], ids[0])
             out_gemv = torch.empty(t * K, H, device=dev, dtype=torch.bfloat16)
@@ -183,13 +193,7 @@ def main() -> None:
             ]
             rg = sweep("gemv gate_up", grid, gemv_gate_up)
             rd = sweep("gemv down", grid, gemv_down)
-            if rg and rd:
-                (sg, cg), (sd, cd) = rg[0], rd[0]
-                results["best_gemv"][t] = dict(
-                    gate_up=repr(cg), down=repr(cd), us=(sg + sd) * 1e6, gate_up_us=sg * 1e6, down_us=sd * 1e6,
-                    gbs=(gu_bytes + dn_bytes) / (sg + sd) / 1e9,
-                )  # fmt: skip
-                print(f"\nT={t} GEMV: {json.dumps(results['best_gemv'][t])}", flush=True)
+            keep_best("best_gemv", "GEMV", rg, rd)
         if "tcgemv" in kinds:  # the tensor-core GEMVs (nvfp4_mma_gemv): pairs at T <= 4, blocks of 8 beyond
             from fp4moe.kernels import nvfp4_mma_gemv as mma
 
@@ -220,13 +224,7 @@ def main() -> None:
                 for rows in (16, 32)
             ]
             rd = sweep("tcgemv down", grid, tc_down)
-            if rg and rd:
-                (sg, cg), (sd, cd) = rg[0], rd[0]
-                results.setdefault("best_tcgemv", {})[t] = dict(
-                    gate_up=repr(cg), down=repr(cd), us=(sg + sd) * 1e6, gate_up_us=sg * 1e6, down_us=sd * 1e6,
-                    gbs=(gu_bytes + dn_bytes) / (sg + sd) / 1e9,
-                )  # fmt: skip
-                print(f"\nT={t} tensor-core GEMV: {json.dumps(results['best_tcgemv'][t])}", flush=True)
+            keep_best("best_tcgemv", "tensor-core GEMV", rg, rd)
         best_gu, best_dn = {}, {}
         for mode, split in itertools.product(modes if "mma" in kinds else [], splits):
             gemm.DEQUANT_MODE = mode

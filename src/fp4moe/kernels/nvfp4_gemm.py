@@ -681,7 +681,7 @@ def _have_gluon() -> bool:
 
 
 def _mma_gemv_fits(experts, x: torch.Tensor, one_token: bool = False) -> bool:
-    return (
+    if not (
         experts.quantized
         and not INTERPRET
         and x.is_cuda
@@ -689,10 +689,12 @@ def _mma_gemv_fits(experts, x: torch.Tensor, one_token: bool = False) -> bool:
         and MMA_GEMV_MAX_TOKENS > 0
         and (one_token or GEMV_MAX_TOKENS < x.shape[0] <= MMA_GEMV_MAX_TOKENS)
         and torch.cuda.get_device_capability(x.device) >= (8, 9)  # (fp8 scale conversion: sm89+)
-        and x.shape[1] % 64 == 0
-        and experts.inter % 64 == 0
         and _have_gluon()
-    )
+    ):
+        return False
+    from fp4moe.kernels import nvfp4_mma_gemv as mma
+
+    return mma.fits(x.shape[1], experts.inter)
 
 
 def moe_pairs(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
