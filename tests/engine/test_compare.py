@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from fp4moe.engine.compare import RouterMargins, greedy_agreement
 
 
@@ -54,3 +56,28 @@ def test_router_margins_recorded_per_forward():
         moe.route(torch.tensor([[3.0, 2.0, 1.5, 0.0, 0, 0, 0, 0], [3.0, 2.0, 2.0, 1.9, 0, 0, 0, 0]]))
     assert SparseMoE.route is original  # restored
     assert rm.forwards == [1.0, 0.0]  # gap between the 2nd and 3rd logit; the smallest over rows
+
+
+def test_a_shorter_output_fails_and_counts_say_what_was_compared():
+    """A 1-of-4-token output (passed while the comparison zipped without checking lengths) and a longer
+    one fail; the agreement says how many tokens it really compared."""
+    first_only = _output([(1, -0.5, -2.0)])
+    a = greedy_agreement([REF], [first_only])
+    assert not a.ok and "1 tokens where the reference has 4" in a.detail
+    longer = _output([(1, -0.5, -2.0), (2, -0.3, -3.0), (3, -0.2, -2.5), (4, -0.4, -2.0), (5, -1.0, -2.0)])
+    assert not greedy_agreement([REF], [longer]).ok
+    assert not greedy_agreement([REF], [[1, 2, 3]]).ok  # token ids alone, one short
+    a = greedy_agreement([REF, REF], [REF, [1, 2, 3, 4]])
+    assert a.ok and a.identical and (a.compared, a.total) == (8, 8)
+    with pytest.raises(ValueError, match="1 outputs to compare with 2"):
+        greedy_agreement([REF, REF], [REF])
+
+
+def test_a_near_tie_split_ends_only_its_own_sequence():
+    tied = _output([(1, -0.5, -2.0), (2, -0.70, -0.72), (3, -0.2, -2.5), (4, -0.4, -2.0)])
+    parted = [1, 7, 9]  # parts at the tie, then ends early: the rest is another text, excused
+    a = greedy_agreement([tied, REF], [parted, [1, 2, 3, 4]])
+    assert a.ok and not a.identical and a.near_tie_splits == 1
+    assert (a.compared, a.total) == (1 + 4, 8)
+    a = greedy_agreement([tied, REF], [parted, [1, 2, 9, 4]])  # the other sequence is still checked
+    assert not a.ok and "sequence 1 step 2" in a.detail

@@ -25,43 +25,78 @@ class Agreement:
     max_logprob_diff: float
     detail: str = ""
     router_tie_splits: int = 0
+    compared: int = 0  # tokens found equal before any excused split (what the comparison really checked)
+    total: int = 0  # tokens in the reference
+
+    def __str__(self) -> str:
+        return (
+            f"{self.compared} of {self.total} tokens compared, {self.near_tie_splits} near-tie split(s), "
+            f"{self.router_tie_splits} router near-tie split(s), chosen-token logprobs within "
+            f"{self.max_logprob_diff:.4f}" + (f"; {self.detail}" if self.detail else "")
+        )
+
+
+def _tokens_and_logprobs(out) -> tuple[list[int], list | None]:
+    """A RequestOutput's first completion (token ids and per-step logprobs), or a plain list of ids."""
+    if isinstance(out, list | tuple):
+        return list(out), None
+    first = out.outputs[0]
+    return list(first.token_ids), first.logprobs
 
 
 def greedy_agreement(
     ref, got, tie: float = 0.1, tol: float = 0.2, router_margins=None, router_tie: float = 0.02
-):
-    """``ref``/``got``: RequestOutputs from generate(..., SamplingParams(temperature=0, logprobs>=2)).
+) -> Agreement:
+    """``ref``: RequestOutputs from generate(..., SamplingParams(temperature=0, logprobs>=2)); ``got``: the
+    same from the engine under test, or its token ids alone (then only tokens are compared).
+
+    Both must hold the same number of sequences, and each pair the same number of tokens, unless the pair
+    parted at an excused split (after it, the continuations are different texts and may end elsewhere).
 
     ``router_margins`` (optional, from ``RouterMargins``): per sequence, per forward of the reference (the
     prefill first, then one per decode step), the smallest gap between the k-th and (k+1)-th router logit
     over its layers and rows. From the first forward whose gap is below ``router_tie`` on, a difference
     (token or logprob) ends that sequence's comparison as a router near tie: a last-bit difference in the
     hidden state may pick another expert there, a jump no tolerance on the logits can absorb."""
-    splits, router_splits, worst, problems = 0, 0, 0.0, []
+    if len(ref) != len(got):
+        raise ValueError(f"{len(got)} outputs to compare with {len(ref)} reference outputs")
+    splits, router_splits, worst, problems, compared, total = 0, 0, 0.0, [], 0, 0
+    identical = True
     for i, (r, g) in enumerate(zip(ref, got, strict=True)):
-        a, b = r.outputs[0], g.outputs[0]
+        ref_ids, ref_lps = _tokens_and_logprobs(r)
+        got_ids, got_lps = _tokens_and_logprobs(g)
+        if ref_lps is None or len(ref_lps) != len(ref_ids):
+            raise ValueError("the reference needs logprobs (SamplingParams(logprobs>=2)) for every token")
+        total += len(ref_ids)
+        identical &= ref_ids == got_ids
         margins = router_margins[i] if router_margins is not None else []
-        first_tie = next((j for j, m in enumerate(margins) if m < router_tie), len(a.logprobs))
-        for step, (ra, gb) in enumerate(zip(a.logprobs, b.logprobs, strict=False)):
-            diff = abs(ra.logprob - gb.logprob) if ra.token_id == gb.token_id else float("inf")
-            if step >= first_tie and diff > tol:
-                router_splits += 1
+        first_tie = next((j for j, m in enumerate(margins) if m < router_tie), len(ref_ids))
+        excused = False
+        for step, (ra, token) in enumerate(zip(ref_lps, got_ids)):  # noqa: B905 (lengths checked below)
+            same = ra.token_id == token
+            diff = abs(ra.logprob - got_lps[step].logprob) if same and got_lps is not None else 0.0
+            if step >= first_tie and (not same or diff > tol):
+                router_splits, excused = router_splits + 1, True
                 break
-            if ra.token_id != gb.token_id:
+            if not same:
                 top = sorted(ra.top_logprobs.values(), reverse=True)
                 margin = top[0] - top[1] if len(top) > 1 else float("inf")
                 if margin < tie:
-                    splits += 1
+                    splits, excused = splits + 1, True
                 else:
                     problems.append(
-                        f"sequence {i} step {step}: {gb.token_id} != {ra.token_id} (margin {margin:.3f})"
+                        f"sequence {i} step {step}: {token} != {ra.token_id} (margin {margin:.3f})"
                     )
                 break
+            compared += 1
             worst = max(worst, diff)
+        if not excused and len(got_ids) != len(ref_ids):
+            problems.append(f"sequence {i}: {len(got_ids)} tokens where the reference has {len(ref_ids)}")
     if worst > tol:
         problems.append(f"chosen-token logprobs differ by {worst:.4f} > {tol}")
-    identical = all(r.outputs[0].token_ids == g.outputs[0].token_ids for r, g in zip(ref, got, strict=True))
-    return Agreement(not problems, identical, splits, worst, "; ".join(problems), router_splits)
+    return Agreement(
+        not problems, identical, splits, worst, "; ".join(problems), router_splits, compared, total
+    )
 
 
 class RouterMargins:
