@@ -8,9 +8,11 @@ import torch
 from fixtures import load_all, rewrite_tensors
 from fp4moe.cli import main
 from fp4moe.formats.checkpoint import CheckpointReader
+from fp4moe.quantize import inspect as inspect_module
 from fp4moe.quantize.inspect import inspect_checkpoint
 
 E = "model.language_model.layers.1.mlp.experts.3."
+MIXED = "attention,shared,deltanet:fp8,lm_head"  # NVFP4 and FP8 linears beside the routed experts
 
 
 @pytest.fixture
@@ -37,6 +39,19 @@ def _assert_problem(report, fragment):
     assert any(fragment in p for p in report.problems), report.problems
 
 
+def _flip_bytes(path, name, byte_indices):
+    """Flip the lowest bit of the given bytes of ``name``'s data in place in its shard (nothing else moves)."""
+    info = CheckpointReader(path).info(name)
+    with open(path / info.file, "r+b") as f:
+        for i in byte_indices:
+            assert 0 <= i < info.length
+            f.seek(info.offset + i)
+            byte = f.read(1)[0]
+            f.seek(info.offset + i)
+            f.write(bytes([byte ^ 1]))
+    return info
+
+
 def test_good_checkpoint_passes_with_numbers(checkpoints, good):
     report = inspect_checkpoint(good, reference=CheckpointReader(checkpoints.bf16()))
     assert report.ok, report.problems
@@ -47,6 +62,67 @@ def test_good_checkpoint_passes_with_numbers(checkpoints, good):
 
 def test_compressed_tensors_checkpoint_passes(checkpoints):
     assert inspect_checkpoint(checkpoints.quantized(fmt="compressed-tensors")).ok
+
+
+@pytest.mark.parametrize(
+    "fmt,options",
+    [("modelopt", {}), ("modelopt", {"quantize_extra": MIXED}), ("compressed-tensors", {})],
+    ids=["default", "mixed", "compressed-tensors"],
+)
+def test_reference_check_passes_for_what_the_quantizer_writes(checkpoints, fmt, options):
+    """Every tensor the quantizer keeps (bf16 linears, norms, vision, MTP copied verbatim) is byte-identical to
+    the source; the quantized experts and --quantize linears (NVFP4, FP8) are recognised as such."""
+    report = inspect_checkpoint(
+        checkpoints.quantized(fmt=fmt, **options), reference=CheckpointReader(checkpoints.bf16())
+    )
+    assert report.ok, report.problems
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.language_model.embed_tokens.weight",
+        "model.language_model.layers.0.input_layernorm.weight",
+        "model.language_model.layers.0.linear_attn.in_proj_z.weight",  # a bf16 linear
+        "model.visual.blocks.0.attn.qkv.weight",
+        "mtp.fc.weight",
+        "mtp.layers.0.mlp.experts.5.down_proj.weight",  # MTP experts are copied verbatim, not quantized
+    ],
+)
+def test_changed_value_against_reference(checkpoints, good, name):
+    info = _flip_bytes(good, name, [2 * 7])  # the low byte (mantissa) of bf16 element 7
+    assert inspect_checkpoint(good).ok  # still a sound checkpoint on its own ...
+    report = inspect_checkpoint(good, reference=CheckpointReader(checkpoints.bf16()))
+    numel = info.length // 2
+    _assert_problem(  # ... but one value differs from the source
+        report,
+        f"{name} is not quantized, but 1 of {numel} elements differ from the source (1 differing bytes, "
+        "the first at flat index 7)",
+    )
+    assert len(report.problems) == 1, report.problems
+
+
+def test_changed_values_are_counted_across_chunks(checkpoints, good, monkeypatch):
+    monkeypatch.setattr(inspect_module, "COMPARE_CHUNK_BYTES", 64)  # 32 bf16 values a read
+    name = "model.language_model.embed_tokens.weight"
+    last = 1024 * 64 * 2 - 1  # the high byte of the last value
+    _flip_bytes(good, name, [2 * 40, 2 * 1000, 2 * 1000 + 1, last])
+    report = inspect_checkpoint(good, reference=CheckpointReader(checkpoints.bf16()))
+    _assert_problem(
+        report,
+        f"{name} is not quantized, but 3 of 65536 elements differ from the source (4 differing bytes, "
+        "the first at flat index 40)",
+    )
+
+
+def test_changed_value_against_reference_in_a_mixed_checkpoint(checkpoints):
+    path = checkpoints.copy(checkpoints.quantized(quantize_extra=MIXED), "mixed-changed")
+    # in_proj_b stays bf16 under --quantize deltanet (in the mix as FP8 here)
+    name = "model.language_model.layers.0.linear_attn.in_proj_b.weight"
+    _flip_bytes(path, name, [0])
+    report = inspect_checkpoint(path, reference=CheckpointReader(checkpoints.bf16()))
+    _assert_problem(report, f"{name} is not quantized, but 1 of 256 elements differ from the source")
+    assert len(report.problems) == 1, report.problems
 
 
 def test_missing_scale(good):
@@ -169,6 +245,16 @@ def test_cli_exit_codes_and_json(good, capsys):
     _plant(good, lambda t: t.pop(E + "up_proj.input_scale"))
     assert main(["inspect", str(good)]) == 1
     assert "PROBLEM" in capsys.readouterr().out
+
+
+def test_cli_reference_catches_a_changed_value(checkpoints, good, capsys):
+    ref = str(checkpoints.bf16())
+    assert main(["inspect", str(good), "--reference", ref]) == 0
+    capsys.readouterr()
+    _flip_bytes(good, "model.visual.merger.norm.weight", [5])
+    assert main(["inspect", str(good), "--reference", ref]) == 1
+    out = capsys.readouterr().out
+    assert "PROBLEM: model.visual.merger.norm.weight is not quantized, but 1 of 32 elements differ" in out
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0])
