@@ -154,7 +154,13 @@ def test_cache_budget_from_device_memory():
     assert per_seq == 30 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)  # ~63 MB, dominated by the fp32 states
     gib = 1 << 30
     tokens = cache_budget_tokens(141 * gib, 22 * gib, 0.9, 10240, per_seq, 16)
-    assert tokens == (int(141 * gib * 0.9) - 22 * gib - per_seq * 16) // 10240  # ~10.6 M tokens of fp8 KV
+    # by hand: 0.9 * 141 GiB = 136,257,837,465.6 B; less 22 GiB of weights (23,622,320,128 B) and 16 DeltaNet
+    # states (16 * 64,389,120 = 1,030,225,920 B) leaves 111,605,291,417 B = 10,898,954 tokens of 10,240 B
+    # (+ 2,457 B spare): ~10.9 M tokens of fp8 KV
+    assert tokens == 10_898_954
+    # the budget fits in 90% of the device and one more token would not (exact integers: 10 * used <= 9 * total)
+    used = 22 * gib + 16 * per_seq
+    assert 10 * (used + tokens * 10240) <= 9 * 141 * gib < 10 * (used + (tokens + 1) * 10240)
     with pytest.raises(ValueError, match="no room for the KV cache"):
         cache_budget_tokens(24 * gib, 22 * gib, 0.9, 10240, per_seq, 16)
     with pytest.raises(ValueError, match="must be in"):
@@ -182,16 +188,39 @@ def test_requests_that_can_never_run_are_refused_or_ended(llm):
 
 
 def test_cache_budget_is_never_exceeded(llm):
+    """The keys/values the cache really holds stay within max_cached_tokens at every append, match the
+    scheduler's count after every step, and the budget binds (a request waits for room)."""
     expected = _reference(llm, 10)
-    config = SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=24, max_cached_tokens=100)
+    budget = 100
+    config = SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=24, max_cached_tokens=budget)
     core = EngineCore(llm, config)
     p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     seqs = [core.make_sequences(x, p)[0] for x in PROMPTS]
+    kv, sched = core.kv, core.scheduler
+    attention_layers = {i for i, t in enumerate(llm.model.args.layer_types) if t == "full_attention"}
+
+    def held(layer: int) -> int:
+        """Tokens of keys (and as many values) stored at one attention layer, over all slots."""
+        lens = [(len(k), len(v)) for (lay, _), (k, v) in kv._kv.items() if lay == layer]
+        assert all(nk == nv for nk, nv in lens)
+        return sum(nk for nk, _ in lens)
+
+    peak, blocked = 0, False
+    append = kv.append
+
+    def append_and_measure(layer, slot, k, v):
+        nonlocal peak
+        out = append(layer, slot, k, v)
+        peak = max(peak, held(layer))  # mid-step, before finished sequences are freed
+        return out
+
+    kv.append = append_and_measure
     core.add(seqs)
-    peak = 0
     while any(not s.finished for s in seqs):
         core.step()
-        peak = max(
-            peak, sum(len(k) for (k, _) in core.kv._kv.values()) // 1 and core.scheduler.cached_tokens()
-        )
-    assert peak <= 100 and [s.output_ids for s in seqs] == expected
+        assert {held(layer) for layer in attention_layers} == {sched.cached_tokens()}
+        # the head of the queue waits because the cache budget, not a slot or the step's tokens, is short
+        blocked |= bool(sched.waiting) and sched.reserved_tokens() + len(sched.waiting[0].all_ids) > budget
+    assert [s.output_ids for s in seqs] == expected
+    assert peak <= budget
+    assert blocked and peak >= budget - 5  # the limit mattered (measured peak: 99 of 100)
