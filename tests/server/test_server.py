@@ -3,7 +3,9 @@
 import base64
 import io
 import json
+import logging
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -53,7 +55,35 @@ def scripted(server, monkeypatch):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    assert httpx.get(f"{server.root}/health").status_code == 200
+    r = httpx.get(f"{server.root}/health")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert r.json() == {"status": "ok"}
+    declared = httpx.get(f"{server.root}/openapi.json").json()["paths"]["/health"]["get"]["responses"]
+    assert set(declared) >= {"200", "503"}
+
+
+def test_health_is_503_when_the_engine_thread_dies(checkpoints, monkeypatch):
+    from conftest import start_server
+
+    srv = start_server(checkpoints.bf16())
+    sched = srv.engine.core.scheduler
+    crashes = []
+    monkeypatch.setattr(threading, "excepthook", crashes.append)  # the thread's death is expected here
+
+    def crash():
+        raise RuntimeError("simulated engine crash")
+
+    try:
+        assert httpx.get(f"{srv.root}/health", timeout=10).status_code == 200
+        sched.has_work = crash  # the engine loop calls it outside its per-step guard: the thread dies
+        _wait_until(lambda: not srv.engine._thread.is_alive(), 10, "the engine thread did not die")
+        assert [type(c.exc_value) for c in crashes] == [RuntimeError]
+        r = httpx.get(f"{srv.root}/health", timeout=10)
+        assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+        assert r.json() == {"status": "engine stopped"}
+    finally:
+        del sched.has_work  # let shutdown (srv.stop) check the queue again
+        srv.stop()
 
 
 def test_chat_stream_equals_non_stream(client):
@@ -299,6 +329,154 @@ def test_disconnect_frees_the_request(server):
         time.sleep(0.05)
     core = server.engine.core
     assert core.kv._kv == {} and core.states._states == {}
+
+
+def _wait_until(condition, seconds: float, message: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def keyed_server(checkpoints):
+    """An API key (so the key-checking middleware sits in front of every route) and one running sequence."""
+    from conftest import start_server
+
+    srv = start_server(checkpoints.bf16(), api_key="sekrit", max_num_seqs=1)
+    yield srv
+    srv.stop()
+
+
+class _AccessLog(logging.Handler):
+    """Collects uvicorn.access records (the test servers run at log level warning; access lines are info)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+        self.logger = logging.getLogger("uvicorn.access")
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def __enter__(self):
+        self.level_before = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level_before)
+
+    def statuses(self, path: str) -> list[int]:
+        return [r.args[4] for r in self.records if r.args[1] == "POST" and r.args[2] == path]
+
+
+@pytest.mark.parametrize(
+    ("which", "path", "body"),
+    [
+        ("server", "/completions", {"prompt": "long"}),
+        ("keyed_server", "/chat/completions", {"messages": [{"role": "user", "content": "long"}]}),
+    ],
+    ids=["no-api-key", "api-key"],
+)
+def test_non_stream_disconnect_aborts_the_request(request, which, path, body):
+    """A non-stream client that gives up (here: a 1 s read timeout) has its request aborted within
+    seconds, its cache freed, and a 499 access-log line; the generation does not run to max_tokens."""
+    srv = request.getfixturevalue(which)
+    headers = {"authorization": "Bearer sekrit"} if which == "keyed_server" else {}
+    max_tokens = 4000  # minutes of CPU decoding: only an abort ends it within the test's deadline
+    body = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True, **body}
+    aborted = srv.metric("fp4moe:request_aborted_total")
+    generated = srv.metric("fp4moe:generation_tokens_total")
+    with _AccessLog() as log:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{srv.base_url}{path}", json=body, headers=headers, timeout=1.0)
+        gave_up = time.monotonic()
+        _wait_until(
+            lambda: (
+                srv.metric("fp4moe:request_aborted_total") > aborted
+                and srv.metric("fp4moe:num_requests_running") == 0
+            ),
+            10,
+            "the request of a client that timed out was not aborted",
+        )
+        took = time.monotonic() - gave_up
+        _wait_until(lambda: 499 in log.statuses(f"/v1{path}"), 5, "no 499 in the access log")
+    assert srv.metric("fp4moe:request_aborted_total") == aborted + 1
+    assert srv.metric("fp4moe:num_requests_waiting") == 0
+    assert srv.metric("fp4moe:generation_tokens_total") - generated < max_tokens / 2
+    core = srv.engine.core
+    assert not core.scheduler.has_work() and core.kv._kv == {} and core.states._states == {}
+    assert took < 5, took
+
+
+def test_queued_request_is_aborted_when_its_client_leaves(keyed_server):
+    """With max_num_seqs=1, a non-stream request queued behind a long one and given up by its client is
+    aborted from the queue: it is never admitted, and the running request goes on."""
+    srv, core = keyed_server, keyed_server.engine.core
+    headers = {"authorization": "Bearer sekrit"}
+    admitted = []
+    real_on_admit = core._on_admit
+
+    def on_admit(seq):
+        admitted.append(seq)
+        real_on_admit(seq)
+
+    core._on_admit = on_admit
+    aborted = srv.metric("fp4moe:request_aborted_total")
+    body = {"model": "tiny", "prompt": "long", "max_tokens": 4000, "ignore_eos": True}
+    try:
+        with httpx.stream(
+            "POST", f"{srv.base_url}/completions", json={**body, "stream": True}, headers=headers, timeout=60
+        ) as running:
+            lines = running.iter_lines()  # kept: a dropped line iterator closes the connection
+            for _ in range(4):
+                next(lines)
+            assert len(admitted) == 1 and core.scheduler.running[0] is admitted[0]
+            outcome = []
+
+            def queued():
+                try:
+                    httpx.post(f"{srv.base_url}/completions", json=body, headers=headers, timeout=1.0)
+                    outcome.append("answered")
+                except httpx.ReadTimeout:
+                    outcome.append("timed out")
+
+            client = threading.Thread(target=queued)
+            client.start()
+            _wait_until(lambda: srv.metric("fp4moe:num_requests_waiting") == 1, 5, "not queued")
+            client.join(10)
+            assert outcome == ["timed out"]
+            _wait_until(
+                lambda: (
+                    srv.metric("fp4moe:request_aborted_total") > aborted
+                    and srv.metric("fp4moe:num_requests_waiting") == 0
+                ),
+                10,
+                "the queued request of a client that timed out was not aborted",
+            )
+            assert srv.metric("fp4moe:num_requests_running") == 1 and len(admitted) == 1
+            assert srv.metric("fp4moe:request_aborted_total") == aborted + 1
+        _wait_until(lambda: srv.metric("fp4moe:num_requests_running") == 0, 10, "stream not aborted")
+    finally:
+        del core._on_admit
+    assert len(admitted) == 1 and srv.metric("fp4moe:request_aborted_total") == aborted + 2
+    assert not core.scheduler.has_work() and core.kv._kv == {} and core.states._states == {}
+
+
+def test_api_key_middleware(keyed_server):
+    root, url = keyed_server.root, f"{keyed_server.base_url}/models"
+    expected = {
+        "error": {"message": "invalid API key", "type": "authentication_error", "param": None, "code": 401}
+    }
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sekrit"}):
+        r = httpx.get(url, headers=headers)
+        assert r.status_code == 401 and r.json() == expected, headers
+    assert httpx.get(url, headers={"authorization": "Bearer sekrit"}).status_code == 200
+    assert httpx.get(f"{root}/health").status_code == 200  # only /v1/ routes need the key
+    assert httpx.get(f"{root}/metrics").status_code == 200
 
 
 def test_metrics_names(server, client):

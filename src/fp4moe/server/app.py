@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server: /v1/models, /v1/chat/completions, /v1/completions, /health, /metrics.
 
 Errors are OpenAI-shaped JSON (never a stack trace): 400 bad input, 401 wrong API key, 404 unknown model,
-429 full queue. A streaming client that disconnects has its request aborted and its cache slots freed.
+429 full queue. A client that disconnects has its request aborted and its cache slots freed, streaming or not,
+running or still queued; a non-stream one is logged with status 499 (nginx's "client closed request").
+``/health`` answers ``{"status": "ok"}`` (200) or ``{"status": "engine stopped"}`` (503).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import base64
 import dataclasses
 import hmac
 import json
+import logging
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 
@@ -19,7 +23,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fp4moe.engine.core import AsyncEngine
 from fp4moe.engine.llm import PromptError
@@ -28,7 +34,7 @@ from fp4moe.engine.scheduler import QueueFullError
 from fp4moe.server.metrics import Metrics
 from fp4moe.server.parsers.reasoning import ReasoningParser
 from fp4moe.server.parsers.tool_calls import ToolCallParser, openai_tool_calls
-from fp4moe.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from fp4moe.server.protocol import ChatCompletionRequest, CompletionRequest, HealthStatus, error_body
 
 
 @dataclass
@@ -55,6 +61,46 @@ def _check(condition: bool, message: str, param: str | None = None) -> None:
         raise APIError(400, message, param=param)
 
 
+class APIKeyMiddleware:
+    """A request to a ``/v1/`` route without ``Authorization: Bearer KEY`` gets a 401 OpenAI error.
+
+    A pure ASGI middleware on purpose: ``@app.middleware("http")`` (starlette's BaseHTTPMiddleware) hands the
+    route a wrapped ``receive`` on which ``request.is_disconnected()`` never turns true, so a non-stream
+    request whose client had left would run to its end."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = Headers(scope=scope).get("authorization", "")
+            if not hmac.compare_digest(given.encode(), self._expected):
+                response = JSONResponse(
+                    error_body("invalid API key", "authentication_error", 401), status_code=401
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _log_client_closed(scope: Scope) -> None:
+    """An access-log line with status 499 for a request whose client left: uvicorn drops the response (and
+    its own log line) once the connection is gone, so the server writes it, in uvicorn's access format."""
+    client = scope.get("client")
+    path = urllib.parse.quote(scope["path"])
+    if scope.get("query_string"):
+        path += "?" + scope["query_string"].decode("latin-1")
+    logging.getLogger("uvicorn.access").info(
+        '%s - "%s %s HTTP/%s" %d',
+        f"{client[0]}:{client[1]}" if client else "",
+        scope["method"],
+        path,
+        scope.get("http_version", "1.1"),
+        499,
+    )
+
+
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="fp4moe", docs_url=None, redoc_url=None)
     llm = engine.core.llm
@@ -62,6 +108,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
+        if exc.status == 499:
+            _log_client_closed(request.scope)
         return JSONResponse(error_body(exc.message, exc.type, exc.status, exc.param), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
@@ -82,19 +130,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             error_body(f"internal error: {type(exc).__name__}", "internal_error", 500), status_code=500
         )
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                return JSONResponse(
-                    error_body("invalid API key", "authentication_error", 401), status_code=401
-                )
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_model=HealthStatus,
+        responses={503: {"model": HealthStatus, "description": "The engine thread is not running."}},
+    )
     async def health():
-        return Response(status_code=200 if engine.alive else 503)
+        if engine.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus():
@@ -380,15 +427,21 @@ async def _fetch_images(images: list, max_bytes: int) -> list:
     return out
 
 
-async def _drain(queue: asyncio.Queue, seqs, request: Request) -> None:
-    """Wait for every sequence to finish; stop early (the caller aborts) if the client goes away."""
+async def _drain(queue: asyncio.Queue, seqs, request: Request, every: float = 0.5) -> None:
+    """Wait for every sequence to finish; stop early (the caller aborts) if the client goes away.
+
+    The client is looked at every ``every`` seconds whether or not tokens are arriving (a running request
+    fills the queue faster than any timeout on ``queue.get`` would expire)."""
     remaining = len(seqs)
+    look_at = time.monotonic() + every
     while remaining:
-        try:
-            out = await asyncio.wait_for(queue.get(), timeout=0.5)
-        except TimeoutError:
+        if time.monotonic() >= look_at:
             if await request.is_disconnected():
-                raise APIError(499, "client disconnected", "client_closed_request") from None
+                raise APIError(499, "client disconnected", "client_closed_request")
+            look_at = time.monotonic() + every
+        try:
+            out = await asyncio.wait_for(queue.get(), timeout=max(0.01, look_at - time.monotonic()))
+        except TimeoutError:
             continue
         if out.error:
             raise APIError(500, f"the engine failed this request: {out.error}", "internal_error")

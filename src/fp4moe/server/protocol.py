@@ -75,3 +75,9 @@ class CompletionRequest(_Sampling):
 
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class HealthStatus(BaseModel):
+    """The body of ``/health``: "ok" (200) while the engine thread runs, else "engine stopped" (503)."""
+
+    status: Literal["ok", "engine stopped"]
