@@ -1,8 +1,10 @@
 """The GPU runner's fused decode step (paged caches, fused kernels) against the module path.
 
 Without CUDA the kernels run under Triton's interpreter on the CPU (graphs off); with CUDA the same test
-runs on the GPU with graphs on. On the CPU the greedy tokens are identical (same rounding points); on the
-GPU (cuBLAS accumulation order) they must agree up to a near tie of the reference (fp4moe.engine.compare)."""
+runs on the GPU with graphs on. Both paths compute in bf16 but in different orders (the interpreter's dots are
+numpy's, so OpenBLAS's kernel for the CPU at hand; the GPU's are cuBLAS's and ours), so greedy tokens must
+agree up to a near tie of the reference (fp4moe.engine.compare), on every CPU and on the GPU alike: a split
+ends that sequence's comparison, and each check says how many tokens it compared."""
 
 from __future__ import annotations
 
@@ -20,6 +22,23 @@ from fp4moe.layers.moe import SparseMoE  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[5, 17, 300, 2, 9], list(range(40, 110)), [7]]
+
+
+def _agree(ref, got, **kwargs):
+    """Greedy agreement up to near ties (lengths equal unless a sequence parted at a near tie); prints what
+    it compared (``pytest -s`` or a failure shows it). A comparison that ended at the first token everywhere
+    would check nothing: at least one token per sequence and a third of all must have been compared (the
+    tiny random model's logits are flat, so near ties are common: 1 in ~20 tokens here)."""
+    agree = greedy_agreement(ref, got, **kwargs)
+    print(f"agreement: {agree}")
+    assert agree.ok, str(agree)
+    assert agree.compared >= max(len(ref), agree.total / 3), str(agree)
+    return agree
+
+
+def _all_pages_back(runner) -> bool:
+    """Every page is back in the pool but the scratch slot's one."""
+    return runner.kv.num_free_pages == runner.kv.k.shape[1] - 1
 
 
 def _fused(llm: LLM, kv_cache_dtype: str = "auto", spec_tokens: int = 0) -> None:
@@ -67,12 +86,10 @@ def test_fused_decode_gives_the_module_paths_greedy_tokens(checkpoints, which, f
     monkeypatch.setattr(SparseMoE, "forward", lambda self, x: module_moe.append(1) or moe_forward(self, x))
     got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert bool(module_moe) != fused_prefill  # the prompts went through the path asked for
-    agree = greedy_agreement(expected, got)
-    assert agree.ok, agree.detail
-    assert agree.identical or DEV == "cuda" or fused_prefill  # on the CPU the decode steps agree exactly
-    assert calls or DEV == "cuda"  # the decode steps took the fused path (on CUDA: graph replays)
-    # every page went back to the pool (the scratch slot keeps its one)
-    assert llm.runner.kv.num_free_pages == llm.runner.kv.k.shape[1] - 1 or DEV == "cuda"
+    _agree(expected, got)
+    assert calls  # the decode steps took the fused path (on CUDA: the warm-up before each capture) ...
+    assert bool(llm.runner.graphs) == (DEV == "cuda")  # ... and on CUDA the captured graphs replayed it
+    assert _all_pages_back(llm.runner)
 
 
 def test_fused_decode_logits_close_with_an_fp8_cache(checkpoints):
@@ -86,13 +103,11 @@ def test_fused_decode_logits_close_with_an_fp8_cache(checkpoints):
         pytest.skip("the fp8 path on the GPU is checked by benchmarks/decode.py's gate")
     llm = LLM(path, dtype="bfloat16", device="cpu", kv_cache_dtype="fp8")
     _fused(llm, "fp8")
-    got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    _agree(expected, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params))
     llm = LLM(path, dtype="bfloat16", device="cpu", kv_cache_dtype="fp8")
     _fused(llm, "fp8")
     llm.runner.fused_prefill = True
-    agree = greedy_agreement(expected, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params))
-    assert agree.ok, agree.detail
+    _agree(expected, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params))
 
 
 def test_serving_engine_with_prefix_caching_on_the_paged_caches(checkpoints):
@@ -127,23 +142,21 @@ def test_serving_engine_with_prefix_caching_on_the_paged_caches(checkpoints):
     served = [
         SimpleNamespace(outputs=[SimpleNamespace(token_ids=s.output_ids, logprobs=s.logprobs)]) for s in seqs
     ]
-    agree = greedy_agreement(ref, served)  # bf16 GEMM order may split greedy paths at near ties
-    assert agree.ok, agree.detail
-    assert llm.runner.kv.num_free_pages == llm.runner.kv.k.shape[1] - 1
+    _agree(ref, served)  # bf16 GEMM order may split greedy paths at near ties
+    assert _all_pages_back(llm.runner)
 
 
 def test_more_prompts_than_state_slots_run_in_waves(checkpoints):
     path = checkpoints.bf16()
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": [5 + i, 9, 11 + i]} for i in range(6)]
-    ref = [
-        o.outputs[0].token_ids for o in LLM(path, dtype="bfloat16", device="cpu").generate(prompts, params)
-    ]
+    ref = LLM(path, dtype="bfloat16", device="cpu").generate(prompts, params)
     llm = LLM(path, dtype="bfloat16", device=DEV, max_num_seqs=4)
     if DEV == "cpu":
         _fused(llm)  # 4 slots
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert len(got) == 6 and (got == ref or DEV == "cuda")
+    assert llm.runner.max_num_seqs == 4
+    _agree(ref, llm.generate(prompts, params))
+    assert _all_pages_back(llm.runner)
 
 
 def test_an_abandoned_stream_leaves_no_cache_behind(checkpoints):
@@ -156,7 +169,8 @@ def test_an_abandoned_stream_leaves_no_cache_behind(checkpoints):
     stream = llm.stream({"prompt_token_ids": list(range(50, 100))}, SamplingParams(max_tokens=20))
     next(iter(stream))
     stream.close()  # abandoned after one token
-    assert llm.runner.kv.num_free_pages == llm.runner.kv.k.shape[1] - 1
+    assert _all_pages_back(llm.runner)
+    # the same engine, the same batch of one: the same kernels in the same order, so exactly the same tokens
     assert llm.generate([{"prompt_token_ids": [9, 8, 7]}], params)[0].outputs[0].token_ids == ref
 
 
@@ -169,20 +183,8 @@ def test_speculation_through_the_gpu_runner_matches_plain_decoding(checkpoints):
     llm = LLM(path, dtype="bfloat16", device=DEV, num_speculative_tokens=2)
     if DEV == "cpu":
         _fused(llm)
-    got = llm.generate(prompts, params)
-    agree = greedy_agreement(ref, got)
-    assert agree.ok, agree.detail
+    _agree(ref, llm.generate(prompts, params))
     assert llm.speculator.stats.drafts > 0
-
-
-def _agree_up_to_near_ties(ref, got: list[list[int]], tie: float = 0.1) -> None:
-    """Greedy tokens equal, or parting only where the reference's top two logprobs are within ``tie``."""
-    for i, (r, g) in enumerate(zip(ref, got, strict=True)):
-        for step, (lp, token) in enumerate(zip(r.outputs[0].logprobs, g, strict=False)):
-            if lp.token_id != token:
-                top = sorted(lp.top_logprobs.values(), reverse=True)
-                assert top[0] - top[1] < tie, f"sequence {i} step {step}: {token} != {lp.token_id}"
-                break
 
 
 @pytest.mark.parametrize("drafts", ["mtp", "oracle", "second-wrong", "kv-fp8"])
@@ -216,19 +218,18 @@ def test_fused_speculative_round_gives_plain_greedy_tokens(checkpoints, drafts):
 
         spec.fused = oracle
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    if DEV == "cpu":
-        assert got == truth  # the interpreter keeps the module path's roundings
-    else:
-        _agree_up_to_near_ties(ref, got)
+    agree = _agree(ref, [o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     stats = spec.stats
     assert stats.drafts > 0
-    if drafts == "oracle" and DEV == "cpu":
-        assert stats.accepted_per_position[1] > 0 and stats.mean_acceptance_length > 2.5
+    if drafts == "oracle":  # every draft is the reference's continuation: most are accepted ...
+        assert stats.accepted_per_position[1] > 0
+        # ... all of them while the engine's tokens are the reference's (a near-tie split makes the later
+        # oracle drafts wrong for the engine's own continuation)
+        assert stats.mean_acceptance_length > 2.5 or not agree.identical, stats.mean_acceptance_length
     if drafts == "second-wrong":
         assert stats.accepted_per_position[1] == 0
-        assert stats.accepted_per_position[0] > 0 or DEV == "cuda"
-    assert llm.runner.kv.num_free_pages == llm.runner.kv.k.shape[1] - 1 or DEV == "cuda"
+        assert stats.accepted_per_position[0] > 0
+    assert _all_pages_back(llm.runner)
 
 
 @pytest.mark.parametrize("variant", ["sorted", "unsorted"])
@@ -274,21 +275,23 @@ def test_fused_speculative_round_samples(checkpoints, variant):
             return getattr(fused, name)
 
         def __call__(self, slots, positions, tokens, deltas, **sampling):
+            rounds.append(sampling.get("sampling") is not None)
             for slot, p, row in zip(slots, positions, tokens, strict=True):
                 if slot == 2:
                     row[1:] = (truth[2][p - len(PROMPTS[2]) + 1 :] + [0] * k)[:k]
             return fused(slots, positions, tokens, deltas, **sampling)
 
+    rounds = []  # per round: whether a sampled sequence was in it
     spec.fused = Oracle()
     runs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for _ in range(2)]
-    assert runs[0] == runs[1]  # the same seeds, the same tokens
+    assert runs[0] == runs[1]  # the same engine, the same seeds: the same arithmetic, the same tokens
     got = runs[0]
-    if DEV == "cpu":
-        assert [got[0], got[2]] == [truth[0], truth[2]]
-        want = SORTED if variant == "sorted" else SAMPLED
-        assert modes.count(want) >= 4 and set(modes) <= {GREEDY, want}  # >= 2 sampled rounds per run
-    else:
-        _agree_up_to_near_ties([ref[0], ref[2]], [got[0], got[2]])
+    _agree([ref[0], ref[2]], [got[0], got[2]])
+    want = SORTED if variant == "sorted" else SAMPLED
+    assert sum(rounds) >= 4  # >= 2 sampled rounds per run ...
+    # ... in the graph variant that fits them (on the GPU the forwards ran once, to capture each variant)
+    assert want in modes and set(modes) <= {GREEDY, want}
+    assert DEV == "cpu" or {mode for _, mode in fused.graphs} == set(modes)
     assert sorted(set(stored)) == [1, 2]  # the module path's first drafts of the sampled sequences
     assert spec.stats.accepted_per_position[k - 1] > 0
     sampled = PROMPTS[1] + got[1]
@@ -296,7 +299,7 @@ def test_fused_speculative_round_samples(checkpoints, variant):
     for i in range(len(PROMPTS[1]), len(sampled)):
         kept = filter_logits(logprobs[i - 1], params[1]) > float("-inf")
         assert kept[sampled[i]], f"token {i - len(PROMPTS[1])} ({sampled[i]}) is not one the filter keeps"
-    assert llm.runner.kv.num_free_pages == llm.runner.kv.k.shape[1] - 1 or DEV == "cuda"
+    assert _all_pages_back(llm.runner)
 
 
 def test_top_p_sequences_decode_plainly_next_to_speculating_ones(checkpoints):
@@ -311,9 +314,25 @@ def test_top_p_sequences_decode_plainly_next_to_speculating_ones(checkpoints):
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True),
     ]
+    greedy_ref = LLM(path, dtype="bfloat16", device="cpu").generate(
+        prompts[:1], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
+    )
     plain = LLM(path, dtype="bfloat16", device=DEV)
     if DEV == "cpu":
         _fused(plain)
+    sampled_logits = {}  # run -> the top-p sequence's logits per step, as its sampler saw them
+
+    def record(llm, run):
+        sample_into = llm.sample_into
+
+        def wrapped(seq, logits):
+            if seq.params.top_p < 1:
+                sampled_logits.setdefault(run, []).append(logits.float().clone())
+            return sample_into(seq, logits)
+
+        llm.sample_into = wrapped
+
+    record(plain, "plain")
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     llm = LLM(path, dtype="bfloat16", device=DEV, num_speculative_tokens=k)
     if DEV == "cpu":
@@ -330,9 +349,21 @@ def test_top_p_sequences_decode_plainly_next_to_speculating_ones(checkpoints):
         return encoded, made
 
     llm._make_sequences = keep
+    record(llm, "spec")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert got[0] == expected[0] or DEV == "cuda"  # greedy: the interpreter keeps the roundings
-    assert got[1] == expected[1] or DEV == "cuda"  # the same seed, the same plain steps' logits
+    _agree(greedy_ref, got[:1])  # greedy: up to near ties (bf16 in another order)
+    # the sampled sequence: the same seed draws the same tokens from the same logits; the plain step ran
+    # it in a batch of two, the speculative batch's plain step alone (another GEMM shape), so the logits may
+    # differ by bf16 noise -- and a draw may then fall on the other side of a boundary: the first token
+    # that differs must come with logits that differ, and ends the comparison
+    assert len(got[1]) == len(expected[1]) == n
+    ref_logits, got_logits = sampled_logits["plain"], sampled_logits["spec"]
+    assert len(ref_logits) == len(got_logits) == n
+    for step, (a, b) in enumerate(zip(ref_logits, got_logits, strict=True)):
+        assert float((a - b).abs().max()) < 0.1 * float(a.abs().max()), step  # bf16 noise, not a bug
+        if got[1][step] != expected[1][step]:
+            assert not torch.equal(a, b), f"step {step}: the same logits and seed drew another token"
+            break
     assert steps and all(p == [0.9] for p in steps)  # only the top-p sequence took plain steps
     assert spec.stats.drafts > 0 and spec.stats.drafts == spec.stats.draft_tokens // k
     assert seqs[1].hidden_tail.shape[0] == 0  # no MTP inputs kept for a sequence that never drafts
@@ -452,10 +483,9 @@ def test_plain_steps_under_load_leave_the_mtp_cache_to_the_head(checkpoints):
     ref = LLM(path, dtype="bfloat16", device="cpu")
     truth = [
         ref.generate(
-            [{"prompt_token_ids": p}], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            [{"prompt_token_ids": p}],
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2),
         )[0]
-        .outputs[0]
-        .token_ids
         for p, n in zip(PROMPTS, lengths, strict=False)
     ]
     llm = LLM(
@@ -488,5 +518,4 @@ def test_plain_steps_under_load_leave_the_mtp_cache_to_the_head(checkpoints):
         core.step()
     assert spec.stats.disabled_steps > 0 and spec.stats.drafts > 0  # paused under load, drafted when alone
     assert checked and all(length == cached for length, cached in checked), checked
-    got = [s.output_ids for s in seqs]
-    assert got == truth or DEV == "cuda"
+    _agree(truth, [s.output_ids for s in seqs])
