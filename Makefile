@@ -1,17 +1,20 @@
 # One-command set-up on a fresh machine (Python 3.11): `make demo` runs the embedded end-to-end job,
-# `make test` runs lint and the test suite. Both create .venv with a CPU build of torch first.
+# `make test` runs lint and the test suite. Both create .venv first, every package pinned by constraints.txt
+# (pip-tools' compiled requirements: `make lock` regenerates it), torch as the CPU build.
 PY ?= python3
 VENV := .venv
 TORCH ?= torch==2.13.0
+PIP := $(VENV)/bin/pip install -q -c constraints.txt
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q $(TORCH)
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(PIP) --upgrade pip
+	$(PIP) $(TORCH)
+	$(PIP) -e '.[test]'
+	$(VENV)/bin/pip check
 	touch $@
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test lint lock gpu-test
 setup: $(VENV)/.installed
 
 demo: setup
@@ -22,3 +25,11 @@ lint: setup
 
 test: lint
 	$(VENV)/bin/python -m pytest -q
+
+# constraints.txt from pyproject.toml and requirements/lock.in (needs the package index)
+lock:
+	scripts/lock.sh
+
+# on the GPU machine (no network): the carried wheels (scripts/gpu_wheels.sh) and every GPU test
+gpu-test:
+	scripts/gpu_test.sh
