@@ -4,6 +4,8 @@
 PY ?= python3
 VENV := .venv
 TORCH ?= torch==2.13.0
+# pytest-xdist workers for `make test` (auto: one per core)
+JOBS ?= auto
 PIP := $(VENV)/bin/pip install -q -c constraints.txt
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -24,7 +26,7 @@ lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 
 test: lint
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n $(JOBS) --dist worksteal --durations=25
 
 # constraints.txt from pyproject.toml and requirements/lock.in (needs the package index)
 lock:

@@ -5,6 +5,9 @@ import torch
 
 if not torch.cuda.is_available():  # GPU kernels are checked on the CPU through Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if "PYTEST_XDIST_WORKER" in os.environ and not torch.cuda.is_available():
+    # `make test` runs one worker per core (pytest-xdist): one torch thread each, not one per core each
+    torch.set_num_threads(1)
 
 from fixtures import Checkpoints  # noqa: E402
 

@@ -197,7 +197,7 @@ def test_fused_speculative_round_gives_plain_greedy_tokens(checkpoints, drafts):
     k = 2
     kv_dtype = "fp8" if drafts == "kv-fp8" else "auto"
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    ref_params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    ref_params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     ref = LLM(path, dtype="bfloat16", device="cpu", kv_cache_dtype=kv_dtype).generate(prompts, ref_params)
     truth = [o.outputs[0].token_ids for o in ref]
     llm = LLM(path, dtype="bfloat16", device=DEV, num_speculative_tokens=k, kv_cache_dtype=kv_dtype)
@@ -217,7 +217,7 @@ def test_fused_speculative_round_gives_plain_greedy_tokens(checkpoints, drafts):
             return fused(slots, positions, tokens, deltas)
 
         spec.fused = oracle
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     agree = _agree(ref, [o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     stats = spec.stats
     assert stats.drafts > 0
@@ -246,7 +246,7 @@ def test_fused_speculative_round_samples(checkpoints, variant):
     from fp4moe.eval.quality import window_outputs
 
     path = checkpoints.bf16()
-    k, n = 2, 6
+    k, n = 2, 5
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
     ref_llm = LLM(path, dtype="bfloat16", device="cpu")
@@ -450,9 +450,9 @@ def test_graph_branches_on_the_cpu_with_an_emulated_graph(checkpoints):
     path = checkpoints.bf16()
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
     params = [
-        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True),
-        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
     ]
     for k in (0, 2):
         outs = []
@@ -479,7 +479,7 @@ def test_plain_steps_under_load_leave_the_mtp_cache_to_the_head(checkpoints):
     from fp4moe.engine.scheduler import SchedulerConfig
 
     path = checkpoints.bf16()
-    lengths = (3, 8)
+    lengths = (3, 6)
     ref = LLM(path, dtype="bfloat16", device="cpu")
     truth = [
         ref.generate(
