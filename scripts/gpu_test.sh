@@ -14,7 +14,7 @@ python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"' ||
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$log"
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
 "transformers", transformers.__version__)' | tee -a "$log"
-git log -1 --format='commit %H %s' 2>/dev/null | tee -a "$log"
+echo "tree: ${FP4MOE_COMMIT:-unknown commit (set FP4MOE_COMMIT)}" | tee -a "$log"
 status=0
 echo "== gpu-marked tests" | tee -a "$log"
 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests "$@" 2>&1 | tee -a "$log" || status=1
