@@ -73,7 +73,11 @@ def test_bf16_compute_tracks_transformers_bf16(checkpoints):
     path = checkpoints.bf16()
     llm = LLM(path)
     assert llm.model.embed_tokens.dtype == torch.bfloat16
-    ref = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    # eager attention: torch's bf16 CPU SDPA packs for AVX-512 by what the CPU has, then refuses under a
+    # lower ATEN_CPU_CAPABILITY ("pack_vnni2 is only supported when avx512 is supported")
+    ref = Qwen3_5MoeForConditionalGeneration.from_pretrained(
+        str(path), dtype=torch.bfloat16, attn_implementation="eager"
+    ).eval()
     no_eos(ref)
     prompt = _prompts(seed=22, lengths=(100,))[0]
     ours, _ = _flat_prefill(llm.model, [prompt])
