@@ -318,15 +318,9 @@ def test_disconnect_frees_the_request(server):
         for i, _ in enumerate(r.iter_lines()):
             if i > 3:
                 break
-    import time
-
-    deadline = time.monotonic() + 20
-    while (
-        server.metric("fp4moe:num_requests_running") > 0
-        or server.metric("fp4moe:request_aborted_total") <= before
-    ):
-        assert time.monotonic() < deadline, "the disconnected request was not aborted"
-        time.sleep(0.05)
+    _wait_aborted(
+        server, before, "fp4moe:num_requests_running", 20, "the disconnected request was not aborted"
+    )
     core = server.engine.core
     assert core.kv._kv == {} and core.states._states == {}
 
@@ -336,6 +330,15 @@ def _wait_until(condition, seconds: float, message: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, message
         time.sleep(0.05)
+
+
+def _wait_aborted(srv, aborted_before: float, gauge: str, seconds: float, message: str) -> None:
+    """Until the server has counted a new aborted request and ``gauge`` (running or waiting) is back to 0."""
+    _wait_until(
+        lambda: srv.metric("fp4moe:request_aborted_total") > aborted_before and srv.metric(gauge) == 0,
+        seconds,
+        message,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -394,11 +397,10 @@ def test_non_stream_disconnect_aborts_the_request(request, which, path, body):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{srv.base_url}{path}", json=body, headers=headers, timeout=1.0)
         gave_up = time.monotonic()
-        _wait_until(
-            lambda: (
-                srv.metric("fp4moe:request_aborted_total") > aborted
-                and srv.metric("fp4moe:num_requests_running") == 0
-            ),
+        _wait_aborted(
+            srv,
+            aborted,
+            "fp4moe:num_requests_running",
             10,
             "the request of a client that timed out was not aborted",
         )
@@ -449,11 +451,10 @@ def test_queued_request_is_aborted_when_its_client_leaves(keyed_server):
             _wait_until(lambda: srv.metric("fp4moe:num_requests_waiting") == 1, 5, "not queued")
             client.join(10)
             assert outcome == ["timed out"]
-            _wait_until(
-                lambda: (
-                    srv.metric("fp4moe:request_aborted_total") > aborted
-                    and srv.metric("fp4moe:num_requests_waiting") == 0
-                ),
+            _wait_aborted(
+                srv,
+                aborted,
+                "fp4moe:num_requests_waiting",
                 10,
                 "the queued request of a client that timed out was not aborted",
             )

@@ -10,6 +10,7 @@ byte-identical to the source's (streamed a chunk at a time).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -359,9 +360,7 @@ def _byte_differences(reader: CheckpointReader, reference: CheckpointReader, nam
         return f"{a.length} bytes in the source, {b.length} here"
     if a.length == 0:
         return None
-    numel = 1
-    for d in a.shape:
-        numel *= d
+    numel = math.prod(a.shape)
     item = a.length // numel if numel and a.length % numel == 0 else 1  # sub-byte dtypes: count bytes
     unit = "elements" if item > 1 or numel == a.length else "bytes"
     chunk = max(COMPARE_CHUNK_BYTES // item, 1) * item  # whole elements per chunk
