@@ -382,6 +382,33 @@ def _add_serve(sub) -> None:
     )
     p.add_argument("--limit-mm-per-prompt", default='{"image": 4}', help="JSON, e.g. '{\"image\": 4}'")
     p.add_argument(
+        "--max-n-sequences",
+        type=int,
+        default=16384,
+        help="largest `n` (choices per request) accepted; more is a 400 (default 16384, vLLM's)",
+    )
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="characters a prompt may have before it is tokenized; more is a 400 without tokenizing "
+        "(default: 8 x --max-model-len)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="largest request body; more is a 413 before it is parsed (default: 4 bytes per prompt character "
+        "allowed, the images --limit-mm-per-prompt allows as base64 at 20 MB each, and 1 MiB)",
+    )
+    p.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds open requests may run on; those still running 2 s before the end "
+        "are stopped (streams: an error event and [DONE]; others: 503) (default 30)",
+    )
+    p.add_argument(
         "--reasoning-parser", choices=["qwen3"], default=None, help="split <think> into reasoning_content"
     )
     p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None, help="parse tool calls")
@@ -704,12 +731,11 @@ def cmd_serve(args) -> int:
             os.execvp(cmd[0], cmd)
         print(shlex.join(cmd))
         return 0
-    import uvicorn
-
     from fp4moe.engine.core import AsyncEngine, EngineCore
     from fp4moe.engine.llm import LLM
     from fp4moe.engine.scheduler import SchedulerConfig
     from fp4moe.server.app import ServerConfig, build_app
+    from fp4moe.server.uvicorn_server import serve
 
     try:
         overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
@@ -777,9 +803,12 @@ def cmd_serve(args) -> int:
             tool_call_parser=args.tool_call_parser,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             allowed_media_domains=frozenset(args.allowed_media_domains),
+            max_n_sequences=args.max_n_sequences,
+            max_prompt_chars=args.max_prompt_chars,
+            max_request_bytes=args.max_request_bytes,
         ),
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
+    serve(app, args.host, args.port, args.timeout_graceful_shutdown)
     return 0
 
 

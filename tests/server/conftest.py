@@ -10,6 +10,7 @@ from fp4moe.engine.core import AsyncEngine, EngineCore
 from fp4moe.engine.llm import LLM
 from fp4moe.engine.scheduler import SchedulerConfig
 from fp4moe.server.app import ServerConfig, build_app
+from fp4moe.server.uvicorn_server import Server
 
 
 class RunningServer:
@@ -18,9 +19,7 @@ class RunningServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.engine = engine
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
+        self.server = Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -44,10 +43,22 @@ class RunningServer:
 
 
 def start_server(
-    path, api_key=None, prefix_cache=None, allowed_media_domains=(), num_speculative_tokens=0, **sched
+    path,
+    api_key=None,
+    prefix_cache=None,
+    allowed_media_domains=(),
+    num_speculative_tokens=0,
+    max_model_len=None,
+    server_config=None,
+    **sched,
 ) -> RunningServer:
+    """``server_config``: more ServerConfig fields (limits); ``sched``: SchedulerConfig fields."""
     llm = LLM(
-        path, dtype="float32", limit_mm_per_prompt={"image": 2}, num_speculative_tokens=num_speculative_tokens
+        path,
+        dtype="float32",
+        limit_mm_per_prompt={"image": 2},
+        num_speculative_tokens=num_speculative_tokens,
+        max_model_len=max_model_len,
     )
     scheduler = SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 256, **sched})
     engine = AsyncEngine(EngineCore(llm, scheduler, prefix_cache=prefix_cache))
@@ -58,6 +69,7 @@ def start_server(
         tool_call_parser="qwen3_coder",
         enable_auto_tool_choice=True,
         allowed_media_domains=frozenset(allowed_media_domains),
+        **(server_config or {}),
     )
     return RunningServer(build_app(engine, config), engine)
 

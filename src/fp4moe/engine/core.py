@@ -33,6 +33,10 @@ class StepOutput:
     error: str | None = None  # the engine failed this request (the server answers with an error)
 
 
+class EngineStoppedError(RuntimeError):
+    """The engine thread is not running (it failed, or the server is shutting down)."""
+
+
 @dataclass
 class EngineStats:
     prompt_tokens: int = 0
@@ -191,7 +195,7 @@ class AsyncEngine:
         self.core = core
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Sequence]] = {}
         self._inbox: deque = deque()  # ("add" | "abort", sequences), appended by the event loop
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="fp4moe-engine", daemon=True)
@@ -208,8 +212,10 @@ class AsyncEngine:
         pending = sum(len(item[1]) for item in list(self._inbox) if item[0] == "add")
         if len(sched.waiting) + pending + len(seqs) > sched.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({sched.config.max_waiting} requests)")
+        if not self.alive:
+            raise EngineStoppedError("the engine is not running")
         for seq in seqs:
-            self._queues[id(seq)] = (loop, queue)
+            self._queues[id(seq)] = (loop, queue, seq)
         self._inbox.append(("add", seqs))
         self._wake.set()
         return queue
@@ -230,7 +236,7 @@ class AsyncEngine:
                     for seq in seqs:
                         target = self._queues.pop(id(seq), None)
                         if target is not None:
-                            loop, queue = target
+                            loop, queue, _ = target
                             loop.call_soon_threadsafe(
                                 queue.put_nowait, StepOutput(seq, -1, "", True, error=str(e))
                             )
@@ -239,6 +245,19 @@ class AsyncEngine:
                     self.core.abort(seq)
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # the thread dies: no request may wait for it forever
+            logging.getLogger("fp4moe").exception("the engine thread stopped")
+            self._fail_all(f"the engine stopped ({type(e).__name__}: {e})")
+            raise
+
+    def _fail_all(self, error: str) -> None:
+        for loop, queue, seq in list(self._queues.values()):
+            loop.call_soon_threadsafe(queue.put_nowait, StepOutput(seq, -1, "", True, error=error))
+        self._queues.clear()
+
+    def _run(self) -> None:
         while not self._stop:
             with self._lock:
                 self._drain_inbox()
@@ -259,7 +278,7 @@ class AsyncEngine:
                         self._queues.pop(id(o.seq), None)
             for target, out in targets:
                 if target is not None:
-                    loop, queue = target
+                    loop, queue, _ = target
                     loop.call_soon_threadsafe(queue.put_nowait, out)
             if not busy:
                 self._wake.wait(0.05)
@@ -272,7 +291,7 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Finish in-flight requests (up to ``timeout`` seconds), then stop the thread."""
         deadline = time.monotonic() + timeout
-        while self.core.scheduler.has_work() and time.monotonic() < deadline:
+        while self._thread.is_alive() and self.core.scheduler.has_work() and time.monotonic() < deadline:
             time.sleep(0.02)
         with self._lock:
             for seq in list(self.core.scheduler.running) + list(self.core.scheduler.waiting):

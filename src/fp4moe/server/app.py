@@ -1,9 +1,17 @@
 """The OpenAI-compatible HTTP server: /v1/models, /v1/chat/completions, /v1/completions, /health, /metrics.
 
-Errors are OpenAI-shaped JSON (never a stack trace): 400 bad input, 401 wrong API key, 404 unknown model,
-429 full queue. A client that disconnects has its request aborted and its cache slots freed, streaming or not,
-running or still queued; a non-stream one is logged with status 499 (nginx's "client closed request").
-``/health`` answers ``{"status": "ok"}`` (200) or ``{"status": "engine stopped"}`` (503).
+Errors are OpenAI-shaped JSON (never a stack trace): 400 bad input (checked at the boundary by the request
+models in ``protocol``, and by the limits below before any work), 401 wrong API key, 404 unknown model, 413
+request body too large, 429 full queue, 503 engine stopped or server shutting down. A 500 (a bug) closes its
+connection cleanly (``Connection: close``). A client that disconnects has its request aborted and its cache
+slots freed, streaming or not, running or still queued; a non-stream one is logged with status 499 (nginx's
+"client closed request"). On shutdown, streams that cannot finish within the grace period end with an error
+event and ``[DONE]``. ``/health`` answers ``{"status": "ok"}`` (200) or ``{"status": "engine stopped"}`` (503).
+
+Limits (``ServerConfig``): ``n`` ≤ ``max_n_sequences`` (vLLM's default, 16384) and ≤ the waiting queue; the
+body ≤ ``max_request_bytes``; a prompt's characters ≤ ``max_prompt_chars`` before it is tokenized (default 8 per
+token of the context); ``max_tokens`` ≤ the room the prompt leaves in the context (absent: all of it for chat,
+16 for completions, OpenAI's defaults); stop strings and tools as ``protocol`` bounds them.
 """
 
 from __future__ import annotations
@@ -27,14 +35,24 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from fp4moe.engine.core import AsyncEngine
+from fp4moe.engine.core import AsyncEngine, EngineStoppedError
 from fp4moe.engine.llm import PromptError
 from fp4moe.engine.multimodal import ImageError
 from fp4moe.engine.scheduler import QueueFullError
 from fp4moe.server.metrics import Metrics
 from fp4moe.server.parsers.reasoning import ReasoningParser
 from fp4moe.server.parsers.tool_calls import ToolCallParser, openai_tool_calls
-from fp4moe.server.protocol import ChatCompletionRequest, CompletionRequest, HealthStatus, error_body
+from fp4moe.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    HealthStatus,
+    Message,
+    clip,
+    error_body,
+)
+
+PROMPT_CHARS_PER_TOKEN = 8  # default --max-prompt-chars = this x max_model_len (English averages ~4)
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 @dataclass
@@ -46,6 +64,20 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     max_image_bytes: int = 20 << 20
     allowed_media_domains: frozenset[str] = frozenset()  # hosts remote image URLs may come from
+    max_n_sequences: int = 16384  # `n` at most (vLLM's VLLM_MAX_N_SEQUENCES default)
+    max_prompt_chars: int | None = None  # None: PROMPT_CHARS_PER_TOKEN x max_model_len
+    max_request_bytes: int | None = None  # None: room for max_prompt_chars of text and the images allowed
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
+
+    def request_bytes(self, max_model_len: int, limit_images: int) -> int:
+        """Up to 4 bytes a character of text (UTF-8), each allowed image as base64, and 1 MiB for the rest."""
+        if self.max_request_bytes:
+            return self.max_request_bytes
+        return (
+            4 * self.prompt_chars(max_model_len) + limit_images * (self.max_image_bytes * 4 // 3) + (1 << 20)
+        )
 
 
 class APIError(Exception):
@@ -84,6 +116,97 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodyLimitMiddleware:
+    """A request body over ``max_bytes`` gets a 413 OpenAI error before the app parses any of it: at once from
+    its Content-Length, else as soon as the chunks received pass the limit. The body read here is handed on
+    to the app, and after it the real ``receive`` (so a disconnect is still seen)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._refuse(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before its body was complete
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"request body larger than {self.max_bytes} bytes (--max-request-bytes)"
+        response = JSONResponse(
+            error_body(message, "invalid_request_error", 413),
+            status_code=413,
+            headers={"connection": "close"},
+        )
+        await response(scope, receive, send)
+
+
+class InternalErrorMiddleware:
+    """An unexpected exception (a bug) becomes a 500 OpenAI error with ``Connection: close``, and its traceback
+    goes to the log; the client never sees a stack trace, and never reuses a connection the server is closing.
+    (starlette's own handler re-raises after answering, and uvicorn then drops the keep-alive connection
+    without telling the client.)"""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            logging.getLogger("fp4moe.server").exception("internal error on %s", scope.get("path"))
+            if started:
+                raise  # mid-body: nothing valid can follow; uvicorn closes the connection
+            response = JSONResponse(
+                error_body(f"internal error: {type(exc).__name__}", "internal_error", 500),
+                status_code=500,
+                headers={"connection": "close"},
+            )
+            await response(scope, receive, send)
+
+
+class _ShuttingDown:
+    """Put on a request's output queue when the shutdown grace period ends: streams end with an error event
+    and [DONE], non-stream requests answer 503."""
+
+
+SHUTTING_DOWN = _ShuttingDown()
+
+
 def _log_client_closed(scope: Scope) -> None:
     """An access-log line with status 499 for a request whose client left: uvicorn drops the response (and
     its own log line) once the connection is gone, so the server writes it, in uvicorn's access format."""
@@ -105,6 +228,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="fp4moe", docs_url=None, redoc_url=None)
     llm = engine.core.llm
     metrics = Metrics(config.served_model_name)
+    max_prompt_chars = config.prompt_chars(llm.max_model_len)
+    live: set[asyncio.Queue] = set()  # the output queues of requests in flight (told when shutdown ends them)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -119,19 +244,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        message = f"{first.get('msg', 'invalid request')}" + (f" ({where})" if where else "")
-        return JSONResponse(error_body(message, "invalid_request_error", 400, where or None), status_code=400)
+        message, where = _validation_message(exc.errors())
+        return JSONResponse(error_body(message, "invalid_request_error", 400, where), status_code=400)
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        return JSONResponse(
-            error_body(f"internal error: {type(exc).__name__}", "internal_error", 500), status_code=500
-        )
-
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=config.request_bytes(llm.max_model_len, llm.limit_images)
+    )
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(InternalErrorMiddleware)
 
     @app.get(
         "/health",
@@ -171,24 +292,67 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if name and name != config.served_model_name:
             raise APIError(
                 404,
-                f"model {name!r} does not exist; this server serves {config.served_model_name!r}",
+                f"model {clip(name)!r} does not exist; this server serves {config.served_model_name!r}",
                 "not_found_error",
                 "model",
             )
 
-    async def _start(prompt, params):
+    def _check_n(n: int) -> None:
+        _check(
+            n <= config.max_n_sequences,
+            f"n is {n}; this server allows at most {config.max_n_sequences} (--max-n-sequences)",
+            "n",
+        )
+        waiting = engine.core.scheduler.config.max_waiting
+        _check(n <= waiting, f"n is {n}; the waiting queue holds at most {waiting} (--max-waiting)", "n")
+
+    def _check_prompt_chars(text: str, param: str) -> None:
+        _check(
+            len(text) <= max_prompt_chars,
+            f"the prompt has {len(text)} characters; this server takes at most {max_prompt_chars} "
+            f"(--max-prompt-chars; default {PROMPT_CHARS_PER_TOKEN} per token of --max-model-len "
+            f"{llm.max_model_len})",
+            param,
+        )
+
+    async def _start(prompt, params, requested: int | None, default: int | None, param: str):
+        """Tokenize, size ``max_tokens`` to the context's room (a request for more than the room is a 400;
+        ``default`` None = all of it) and queue the sequences."""
         try:
             seqs = await asyncio.to_thread(engine.core.make_sequences, prompt, params)
-            for seq in seqs:
-                room = llm.max_model_len - len(seq.prompt_ids)
-                seq.params = dataclasses.replace(
-                    seq.params, max_tokens=max(1, min(seq.params.max_tokens, room))
-                )
-            return seqs, engine.submit(seqs)
-        except QueueFullError as e:
-            raise APIError(429, str(e), "rate_limit_exceeded") from None
         except (PromptError, ImageError, ValueError) as e:
             raise APIError(400, str(e)) from None
+        room = llm.max_model_len - len(seqs[0].prompt_ids)
+        if requested is not None and requested > room:
+            raise APIError(
+                400,
+                f"{param} is {requested}, more than the {room} tokens the context leaves after the prompt's "
+                f"{len(seqs[0].prompt_ids)} (--max-model-len {llm.max_model_len})",
+                param=param,
+            )
+        max_tokens = requested if requested is not None else min(default or room, room)
+        for seq in seqs:
+            seq.params = dataclasses.replace(seq.params, max_tokens=max_tokens)
+        try:
+            queue = engine.submit(seqs)
+        except QueueFullError as e:
+            raise APIError(429, str(e), "rate_limit_exceeded") from None
+        except EngineStoppedError as e:
+            raise APIError(503, str(e), "service_unavailable") from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        live.add(queue)
+        return seqs, queue
+
+    def _finish(seqs, queue) -> None:
+        live.discard(queue)
+        engine.abort([s for s in seqs if not s.finished])
+
+    def _end_streams() -> None:
+        for queue in live:
+            queue.put_nowait(SHUTTING_DOWN)
+
+    app.state.end_streams = _end_streams
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
@@ -198,31 +362,36 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             "response_format json_object/json_schema is not supported yet (no guided decoding)",
             "response_format",
         )
+        _check_n(req.n)
         tools = _tools_for(req, config)
         messages, images = _prepare_messages(
             req.messages, llm.limit_images, config.max_image_bytes, config.allowed_media_domains
         )
-        images = await _fetch_images(images, config.max_image_bytes)
+        top = req.top_logprobs if req.logprobs else None
+        try:
+            params = req.sampling_params(llm.max_model_len, (top or 0) if req.logprobs else None)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        _check(
+            req.requested_max_tokens is None or req.requested_max_tokens >= 1,
+            f"max_tokens must be at least 1, got {req.requested_max_tokens}",
+            "max_tokens",
+        )
         try:
             text = llm.apply_chat_template(messages, tools=tools, **(req.chat_template_kwargs or {}))
         except Exception as e:  # template errors are the caller's messages
-            raise APIError(400, f"cannot apply the chat template: {e}") from None
-        max_tokens = next(
-            (v for v in (req.max_completion_tokens, req.max_tokens) if v is not None), llm.max_model_len
-        )
-        top = req.top_logprobs if req.logprobs else None
-        try:
-            params = req.sampling_params(max_tokens, (top or 0) if req.logprobs else None)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, f"cannot apply the chat template: {clip(str(e), 300)}") from None
+        _check_prompt_chars(text, "messages")
+        images = await _fetch_images(images, config.max_image_bytes)
         opened_think = text.rstrip().endswith("<think>")
         forced = ""  # a named tool_choice starts the call in the prompt; the model writes its parameters
-        if isinstance(req.tool_choice, dict) and config.tool_call_parser:
-            forced = f"<tool_call>\n<function={req.tool_choice['function']['name']}>\n"
+        if req.tool_choice is not None and not isinstance(req.tool_choice, str) and config.tool_call_parser:
+            forced = f"<tool_call>\n<function={req.tool_choice.function.name}>\n"
             text += ("</think>\n\n" if opened_think else "") + forced
             opened_think = False
         prompt = {"prompt": text, "multi_modal_data": {"image": images}} if images else text
-        seqs, queue = await _start(prompt, params)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        seqs, queue = await _start(prompt, params, req.requested_max_tokens, None, param)
 
         def make_parsers():
             reasoning = ReasoningParser(opened_think) if config.reasoning_parser and not forced else None
@@ -237,7 +406,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         try:
             await _drain(queue, seqs, request)
         finally:
-            engine.abort([s for s in seqs if not s.finished])
+            _finish(seqs, queue)
         choices = []
         for i, seq in enumerate(seqs):
             reasoning_parser, tool_parser, prefix = make_parsers()
@@ -288,8 +457,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             remaining = len(seqs)
             while remaining:
                 out = await queue.get()
-                if out.error:
-                    yield _error_event(out.error)
+                if out is SHUTTING_DOWN or out.error:
+                    yield _error_event(out)
+                    yield "data: [DONE]\n\n"
                     return
                 i = index[id(out.seq)]
                 texts = [pending[i] + out.delta]
@@ -311,19 +481,37 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             if req.stream_options and req.stream_options.include_usage:
                 yield _usage_event(rid, "chat.completion.chunk", created, model, seqs)
             yield "data: [DONE]\n\n"
+        except Exception as e:  # a bug mid-stream: the client gets an error event, not a cut connection
+            logging.getLogger("fp4moe.server").exception("chat stream failed")
+            yield _error_event(e)
+            yield "data: [DONE]\n\n"
         finally:  # client gone (the task is cancelled) or done: free whatever is left
-            engine.abort([s for s in seqs if not s.finished])
+            _finish(seqs, queue)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         _check_model(req.model)
-        try:
-            params = req.sampling_params(
-                llm.max_model_len if req.max_tokens is None else req.max_tokens, req.logprobs
+        _check_n(req.n)
+        if isinstance(req.prompt, str):
+            _check_prompt_chars(req.prompt, "prompt")
+        else:
+            _check(
+                len(req.prompt) < llm.max_model_len,
+                f"the prompt has {len(req.prompt)} tokens; the maximum model length is {llm.max_model_len}",
+                "prompt",
             )
+        _check(
+            req.max_tokens is None or req.max_tokens >= 1,
+            f"max_tokens must be at least 1, got {req.max_tokens}",
+            "max_tokens",
+        )
+        try:
+            params = req.sampling_params(llm.max_model_len, req.logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        seqs, queue = await _start(req.prompt, params)
+        seqs, queue = await _start(
+            req.prompt, params, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens"
+        )
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return StreamingResponse(
@@ -332,7 +520,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         try:
             await _drain(queue, seqs, request)
         finally:
-            engine.abort([s for s in seqs if not s.finished])
+            _finish(seqs, queue)
         choices = [
             {
                 "index": i,
@@ -358,8 +546,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             remaining = len(seqs)
             while remaining:
                 out = await queue.get()
-                if out.error:
-                    yield _error_event(out.error)
+                if out is SHUTTING_DOWN or out.error:
+                    yield _error_event(out)
+                    yield "data: [DONE]\n\n"
                     return
                 logprobs = None
                 if req.logprobs is not None and out.logprob is not None:
@@ -391,8 +580,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             if req.stream_options and req.stream_options.include_usage:
                 yield _usage_event(rid, "text_completion", created, model, seqs)
             yield "data: [DONE]\n\n"
+        except Exception as e:
+            logging.getLogger("fp4moe.server").exception("completion stream failed")
+            yield _error_event(e)
+            yield "data: [DONE]\n\n"
         finally:
-            engine.abort([s for s in seqs if not s.finished])
+            _finish(seqs, queue)
 
     @app.on_event("shutdown")
     async def _shutdown():
@@ -400,6 +593,25 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     app.state.engine, app.state.metrics = engine, metrics
     return app
+
+
+def _validation_message(errors) -> tuple[str, str | None]:
+    """One readable message for pydantic's errors: the deepest one (a union reports every branch; the one that
+    got furthest is what the client meant), its location without pydantic's branch labels."""
+    if not errors:
+        return "invalid request", None
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    parts = [str(x) for x in first.get("loc", ()) if x != "body" and not _branch_label(x)]
+    where = ".".join(parts) or None
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return msg + (f" ({clip(where, 120)})" if where else ""), where and clip(where, 120)
+
+
+def _branch_label(loc_item) -> bool:
+    """pydantic's names for union branches in an error location ("str", "list[...]", "function-after[...]")."""
+    return isinstance(loc_item, str) and (
+        "[" in loc_item or loc_item in ("str", "int", "float", "bool", "dict", "list", "none", "literal")
+    )
 
 
 async def _fetch_images(images: list, max_bytes: int) -> list:
@@ -428,7 +640,8 @@ async def _fetch_images(images: list, max_bytes: int) -> list:
 
 
 async def _drain(queue: asyncio.Queue, seqs, request: Request, every: float = 0.5) -> None:
-    """Wait for every sequence to finish; stop early (the caller aborts) if the client goes away.
+    """Wait for every sequence to finish; stop early (the caller aborts) if the client goes away, the engine
+    fails the request or the shutdown grace period ends.
 
     The client is looked at every ``every`` seconds whether or not tokens are arriving (a running request
     fills the queue faster than any timeout on ``queue.get`` would expire)."""
@@ -443,14 +656,25 @@ async def _drain(queue: asyncio.Queue, seqs, request: Request, every: float = 0.
             out = await asyncio.wait_for(queue.get(), timeout=max(0.01, look_at - time.monotonic()))
         except TimeoutError:
             continue
+        if out is SHUTTING_DOWN:
+            raise APIError(503, _SHUTDOWN_MESSAGE, "service_unavailable")
         if out.error:
             raise APIError(500, f"the engine failed this request: {out.error}", "internal_error")
         remaining -= out.finished
 
 
-def _error_event(error: str) -> str:
-    """A stream event telling the client the engine failed its request (the stream then ends)."""
-    body = error_body(f"the engine failed this request: {error}", "internal_error", 500)
+_SHUTDOWN_MESSAGE = "the server is shutting down; this request was stopped before it finished"
+
+
+def _error_event(cause) -> str:
+    """A stream event telling the client its request failed (the stream then ends with [DONE]): the engine
+    failed it (an output with ``error``), the server is shutting down, or an exception in the server."""
+    if cause is SHUTTING_DOWN:
+        body = error_body(_SHUTDOWN_MESSAGE, "service_unavailable", 503)
+    elif isinstance(cause, Exception):
+        body = error_body(f"internal error: {type(cause).__name__}", "internal_error", 500)
+    else:
+        body = error_body(f"the engine failed this request: {cause.error}", "internal_error", 500)
     return f"data: {json.dumps(body)}\n\n"
 
 
@@ -475,21 +699,21 @@ def _usage(seqs) -> dict:
 
 def _tools_for(req: ChatCompletionRequest, config: ServerConfig) -> list[dict] | None:
     choice = req.tool_choice
+    named = choice is not None and not isinstance(choice, str)
     if not req.tools or choice == "none":
+        _check(not named, "tool_choice names a function but no tools were given", "tool_choice")
+        return None
+    if named:
+        name = choice.function.name
         _check(
-            not isinstance(choice, dict),
-            "tool_choice names a function but no tools were given",
+            name in {t.function.name for t in req.tools},
+            f"tool_choice names {clip(name)!r}, which is not among the tools",
             "tool_choice",
         )
-        return None
-    names = {t.get("function", {}).get("name") for t in req.tools}
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        _check(name in names, f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-    elif choice not in (None, "auto"):
+    elif choice == "required":
         raise APIError(
             400,
-            f"tool_choice {choice!r} is not supported; use 'auto', 'none' or a named function",
+            "tool_choice 'required' is not supported; use 'auto', 'none' or a named function",
             param="tool_choice",
         )
     else:
@@ -498,72 +722,59 @@ def _tools_for(req: ChatCompletionRequest, config: ServerConfig) -> list[dict] |
             '"auto" tool choice needs --enable-auto-tool-choice and --tool-call-parser',
             "tool_choice",
         )
-    return req.tools
+    return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
 def _prepare_messages(
-    messages: list[dict], limit: int, max_bytes: int, allowed_domains: frozenset[str] = frozenset()
+    messages: list[Message], limit: int, max_bytes: int, allowed_domains: frozenset[str] = frozenset()
 ) -> tuple[list[dict], list]:
     """Template-ready messages (tool-call arguments as dicts) and the images in order: bytes of data URLs,
     or the URL itself for remote images on an allowed domain (fetched later by ``_fetch_images``)."""
     out, images = [], []
     for m in messages:
-        _check(
-            isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool"),
-            f"invalid message {str(m)[:80]!r}",
-            "messages",
-        )
-        m = dict(m)
-        if isinstance(m.get("content"), list):
-            for part in m["content"]:
+        for part in m.content if isinstance(m.content, list) else ():
+            if part.type != "image_url":
+                continue
+            _check(
+                len(images) < limit,
+                f"more than {limit} images in one request; the limit is {limit}",
+                "messages",
+            )
+            url = part.url
+            if url.startswith(("http://", "https://")):
+                try:
+                    host = httpx.URL(url).host
+                except httpx.InvalidURL:
+                    raise APIError(400, f"invalid image URL {clip(url)!r}", param="messages") from None
                 _check(
-                    isinstance(part, dict) and isinstance(part.get("type"), str),
-                    "message content parts must be objects with a type",
+                    host in allowed_domains,
+                    f"remote image URLs are not fetched unless their domain is allowed "
+                    f"(--allowed-media-domains); {clip(host)!r} is not",
                     "messages",
                 )
-                if part.get("type") == "image_url":
-                    url = (
-                        part["image_url"]["url"]
-                        if isinstance(part.get("image_url"), dict)
-                        else part.get("image_url")
-                    )
-                    _check(isinstance(url, str), "image_url needs a url", "messages")
-                    if url.startswith(("http://", "https://")):
-                        host = httpx.URL(url).host
-                        _check(
-                            host in allowed_domains,
-                            f"remote image URLs are not fetched unless their domain is allowed "
-                            f"(--allowed-media-domains); {host!r} is not",
-                            "messages",
-                        )
-                        images.append(url)
-                        continue
-                    _check(url.startswith("data:"), "image URLs must be data: URLs", "messages")
-                    _check(len(url) * 3 // 4 <= max_bytes, f"image larger than {max_bytes} bytes", "messages")
-                    try:
-                        header, _, payload = url.partition(",")
-                        images.append(base64.b64decode(payload, validate=True))
-                    except ValueError:
-                        raise APIError(
-                            400, "undecodable base64 in an image data URL", param="messages"
-                        ) from None
-        if m.get("tool_calls"):
-            calls = []
-            for call in m["tool_calls"]:
-                fn = dict(call.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"] or "{}")
-                    except json.JSONDecodeError:
-                        raise APIError(
-                            400, "tool_calls arguments must be a JSON object", param="messages"
-                        ) from None
-                calls.append({**call, "function": fn})
-            m["tool_calls"] = calls
-        if m.get("content") is None:
-            m["content"] = ""
+                images.append(url)
+                continue
+            _check(url.startswith("data:"), "image URLs must be data: URLs", "messages")
+            _check(len(url) * 3 // 4 <= max_bytes, f"image larger than {max_bytes} bytes", "messages")
+            try:
+                header, _, payload = url.partition(",")
+                images.append(base64.b64decode(payload, validate=True))
+            except ValueError:
+                raise APIError(400, "undecodable base64 in an image data URL", param="messages") from None
+        m = m.template_dict()
+        for call in m.get("tool_calls", ()):
+            fn = call["function"]
+            if isinstance(fn["arguments"], str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"] or "{}")
+                except json.JSONDecodeError:
+                    fn["arguments"] = None
+                _check(
+                    isinstance(fn["arguments"], dict),
+                    "tool_calls arguments must be a JSON object",
+                    "messages",
+                )
         out.append(m)
-    _check(len(images) <= limit, f"{len(images)} images in one request; the limit is {limit}", "messages")
     return out, images
 
 

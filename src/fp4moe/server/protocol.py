@@ -1,21 +1,177 @@
-"""OpenAI request shapes (the fields we honour) and their translation into SamplingParams."""
+"""OpenAI request shapes (the fields we honour), checked at the boundary, and their SamplingParams.
+
+Everything a handler later reads is typed here, so a malformed request is refused with a 400 that names the
+field before any work is done: message roles and content parts (``text`` and ``image_url``; other part types
+are refused, as vLLM does), tools, ``tool_choice``, ``tool_calls`` in the history, numbers that are finite,
+and text that is valid Unicode (a lone UTF-16 surrogate such as ``"\\ud800"`` cannot be encoded to UTF-8, so
+no tokenizer can take it). Limits that depend on the server (``n``, prompt length, ``max_tokens``) are
+checked by the handlers; the fixed ones are the constants below.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fp4moe.engine.sampler import SamplingParams
 
+MAX_STOP_STRINGS = 32  # `stop` entries per request (OpenAI allows 4; vLLM sets no limit)
+MAX_STOP_CHARS = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOOLS = 512
+MAX_ERROR_CHARS = 1024  # an error message never echoes more than this of what the client sent
 
-class StreamOptions(BaseModel):
+# the range torch.Generator.manual_seed takes, less the n-1 that sequences 2..n add to the seed
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+def clip(text: object, limit: int = 80) -> str:
+    """``repr``-like text of a client's value for an error message, cut to ``limit`` characters."""
+    s = text if isinstance(text, str) else repr(text)
+    return s if len(s) <= limit else s[:limit] + f"… ({len(s)} characters)"
+
+
+def _bad_unicode(value: Any, path: str = "") -> str | None:
+    """The JSON path of the first string (or key) that is not valid Unicode (lone surrogates), or None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            where = f"{path}.{k}" if path else str(k)
+            if isinstance(k, str) and _bad_unicode(k, where):
+                return where
+            found = _bad_unicode(v, where)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _bad_unicode(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # unknown fields are ignored, as vLLM does
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL | str  # OpenAI sends {"url": ...}; a bare URL string is taken too
+
+    @property
+    def url(self) -> str:
+        return self.image_url.url if isinstance(self.image_url, ImageURL) else self.image_url
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+PART_TYPES = ("text", "image_url")
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # a JSON object (as text, OpenAI's form, or already parsed)
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ValueError("message content must be a string, a list of content parts or null")
+        for part in v:
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ValueError("message content parts must be objects with a type")
+            if part["type"] not in PART_TYPES:
+                raise ValueError(
+                    f"content part type {clip(part['type'], 40)!r} is not supported; use 'text' or 'image_url'"
+                )
+        return v
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template takes it (tool-call arguments as dicts, content never None)."""
+        m = self.model_dump(exclude_none=True)
+        m["content"] = m.get("content") or ""
+        if m["role"] == "developer":  # OpenAI's newer name for the system role; chat templates know "system"
+            m["role"] = "system"
+        return m
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _json_schema_object(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        props = v.get("properties")
+        if props is not None and not (
+            isinstance(props, dict) and all(isinstance(p, dict) for p in props.values())
+        ):
+            raise ValueError("parameters.properties must be an object mapping names to JSON schemas")
+        required = v.get("required")
+        if required is not None and not (
+            isinstance(required, list) and all(isinstance(r, str) for r in required)
+        ):
+            raise ValueError("parameters.required must be a list of names")
+        return v
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI-compatible servers do
-
+class _Sampling(_Strict):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -24,14 +180,28 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: (
+        Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+        | Annotated[
+            list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_STRINGS)
+        ]
+        | None
+    ) = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = _bad_unicode(data)
+        if where:
+            raise ValueError(f"{clip(where, 80)} is not valid Unicode (a lone UTF-16 surrogate)")
+        return data
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError with the offending field for bad values."""
@@ -55,25 +225,35 @@ class _Sampling(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None), None)
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # absent: 16 (OpenAI's default), or less if the context leaves less room
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
 
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[: MAX_ERROR_CHARS - 40] + f"… ({len(message)} characters)"
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
