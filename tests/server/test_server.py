@@ -385,8 +385,8 @@ class _AccessLog(logging.Handler):
     ids=["no-api-key", "api-key"],
 )
 def test_non_stream_disconnect_aborts_the_request(request, which, path, body):
-    """A non-stream client that gives up (here: a 1 s read timeout) has its request aborted within
-    seconds, its cache freed, and a 499 access-log line; the generation does not run to max_tokens."""
+    """A non-stream client that gives up (here: a 1 s read timeout) has its request aborted within 1 s (the
+    server looks every 0.25 s), its cache freed, and a 499 access-log line; the generation does not run on."""
     srv = request.getfixturevalue(which)
     headers = {"authorization": "Bearer sekrit"} if which == "keyed_server" else {}
     max_tokens = 4000  # minutes of CPU decoding: only an abort ends it within the test's deadline
@@ -411,7 +411,7 @@ def test_non_stream_disconnect_aborts_the_request(request, which, path, body):
     assert srv.metric("fp4moe:generation_tokens_total") - generated < max_tokens / 2
     core = srv.engine.core
     assert not core.scheduler.has_work() and core.kv._kv == {} and core.states._states == {}
-    assert took < 5, took
+    assert took < 1.0, took
 
 
 def test_queued_request_is_aborted_when_its_client_leaves(keyed_server):
@@ -450,6 +450,7 @@ def test_queued_request_is_aborted_when_its_client_leaves(keyed_server):
             client.start()
             _wait_until(lambda: srv.metric("fp4moe:num_requests_waiting") == 1, 5, "not queued")
             client.join(10)
+            gave_up = time.monotonic()
             assert outcome == ["timed out"]
             _wait_aborted(
                 srv,
@@ -458,6 +459,8 @@ def test_queued_request_is_aborted_when_its_client_leaves(keyed_server):
                 10,
                 "the queued request of a client that timed out was not aborted",
             )
+            took = time.monotonic() - gave_up
+            assert took < 1.0, took
             assert srv.metric("fp4moe:num_requests_running") == 1 and len(admitted) == 1
             assert srv.metric("fp4moe:request_aborted_total") == aborted + 1
         _wait_until(lambda: srv.metric("fp4moe:num_requests_running") == 0, 10, "stream not aborted")

@@ -639,7 +639,7 @@ async def _fetch_images(images: list, max_bytes: int) -> list:
     return out
 
 
-async def _drain(queue: asyncio.Queue, seqs, request: Request, every: float = 0.5) -> None:
+async def _drain(queue: asyncio.Queue, seqs, request: Request, every: float = 0.25) -> None:
     """Wait for every sequence to finish; stop early (the caller aborts) if the client goes away, the engine
     fails the request or the shutdown grace period ends.
 
