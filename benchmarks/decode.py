@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from fp4moe.engine.dummy import fill_random
 from fp4moe.models.qwen3_5_moe import REAL_TEXT_CONFIG
 
 FULL = REAL_TEXT_CONFIG  # Qwen3.5/3.6-35B-A3B text shapes
@@ -128,34 +129,9 @@ def build_model(quantized: bool, device, mix: str = ""):
                     linear = owner.get_submodule(name)
                     linear.use_fp8() if algo == "fp8" else linear.use_nvfp4()
     model.to_empty(device=device)
-    fill_random(model, torch.Generator(device=device).manual_seed(0))
+    fill_random(model, torch.Generator(device=device).manual_seed(0))  # as --load-format dummy fills it
     model.rotary = Rotary(args.rope, device)
     return model.eval()
-
-
-def fill_random(module, gen) -> None:
-    """Random weights in place (on the module's device): random FP4 codes, FP8 block scales in [0.5, 2.5),
-    small decode scales, zero-centred norms at zero, bf16 N(0, 0.02) elsewhere."""
-    from fp4moe.formats import nvfp4
-
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        device = t.device
-        if t.dtype == torch.uint8:
-            t.random_(0, 256, generator=gen)
-        elif t.dtype == nvfp4.FP8_DTYPE:
-            t.copy_((torch.rand(t.shape, device=device, generator=gen) * 2 + 0.5).to(t.dtype))
-        elif name.endswith(("decode", "decode_scale")):
-            t.fill_(2e-3)
-        elif name.endswith(".scale"):  # FP8 linears' per-tensor scale
-            t.fill_(1e-2)
-        elif "A_log" in name or "dt_bias" in name:
-            t.data = torch.rand(t.shape, device=device, generator=gen).float()
-        elif name.endswith("norm_weight"):  # Gated DeltaNet's output norm: a plain weight
-            t.data = torch.ones(t.shape, device=device, dtype=torch.bfloat16)
-        elif "norm" in name:
-            t.data = torch.zeros(t.shape, device=device, dtype=torch.bfloat16)
-        else:
-            t.data = (torch.randn(t.shape, device=device, generator=gen) * 0.02).to(torch.bfloat16)
 
 
 def add_mtp_head(model) -> None:

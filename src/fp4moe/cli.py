@@ -276,10 +276,22 @@ def _add_generate(sub) -> None:
         help="compute dtype (auto: the checkpoint's)",
     )
     p.add_argument("--device", default="cpu", help="cpu (the reference path) or cuda")
+    _add_load_format(p)
     p.add_argument(
         "--hf-overrides",
         default=None,
         help='JSON merged into config.json, e.g. YaRN: \'{"text_config": {"rope_parameters": {...}}}\'',
+    )
+
+
+def _add_load_format(p) -> None:
+    p.add_argument(
+        "--load-format",
+        choices=["auto", "safetensors", "dummy"],
+        default="auto",
+        help="auto/safetensors: read the checkpoint's weights; dummy (vLLM's name): build the model from "
+        "config.json alone with random weights in the checkpoint's precision (no shards needed: for speed "
+        "measurements at full size; the output is noise, images are refused)",
     )
 
 
@@ -420,6 +432,7 @@ def _add_serve(sub) -> None:
         "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="compute dtype"
     )
     p.add_argument("--device", default="cpu", help="cpu (reference path) or cuda")
+    _add_load_format(p)
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="with --engine vllm: GPUs to shard over"
     )
@@ -629,6 +642,7 @@ def cmd_generate(args) -> int:
         limit_mm_per_prompt={"image": args.limit_mm_per_prompt},
         max_model_len=args.max_model_len,
         num_speculative_tokens=args.num_speculative_tokens,
+        load_format=args.load_format,
     )
     if args.image and "<|image_pad|>" not in args.prompt:
         content = [
@@ -717,6 +731,8 @@ def vllm_command(args) -> list[str]:
         cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size), "--enable-expert-parallel"]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
+    if args.load_format == "dummy":
+        cmd += ["--load-format", "dummy"]
     return cmd
 
 
@@ -754,6 +770,7 @@ def cmd_serve(args) -> int:
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        load_format=args.load_format,
     )
     from fp4moe.engine.prefix_cache import PrefixCache
 

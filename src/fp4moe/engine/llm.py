@@ -63,14 +63,16 @@ class LLM:
         max_num_seqs: int = 64,
         gpu_memory_utilization: float = 0.9,
         cuda_graphs: bool = True,
+        load_format: str = "auto",
     ):
         self.path = Path(model)
         self.device = torch.device(device)
         self.limit_images = int((limit_mm_per_prompt or {}).get("image", 4))
         self._vision = None
         self._image_processor = None
+        self.load_format = load_format
         self.model, self.config = load_model(
-            model, dtype=dtype, device=self.device, hf_overrides=hf_overrides
+            model, dtype=dtype, device=self.device, hf_overrides=hf_overrides, load_format=load_format
         )
         args = self.model.args
         rope = args.rope
@@ -142,6 +144,8 @@ class LLM:
         if self._vision is None:
             if "vision_config" not in self.config:
                 raise ImageError(f"{self.path} has no vision tower (no vision_config): it cannot take images")
+            if self.load_format == "dummy":
+                raise ImageError("--load-format dummy builds the text model only: it cannot take images")
             self._image_processor = ImageProcessor(self.path)
             self._vision = VisionTower(
                 self.config["vision_config"],

@@ -20,6 +20,8 @@ from fp4moe.models import qwen3_5_moe as arch
 from fp4moe.models.qwen3_5_moe_model import ModelArgs, Qwen3_5MoeModel
 from fp4moe.quantize.inspect import detect_format
 
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
 # checkpoint name (relative to the layer) -> engine parameter (relative to the layer)
 _RENAMES = {
     "linear_attn.conv1d.weight": "linear_attn.conv1d_weight",
@@ -104,11 +106,23 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     hf_overrides: dict | None = None,
+    load_format: str = "auto",
 ) -> tuple[Qwen3_5MoeModel, dict]:
-    """Build the engine model from a checkpoint directory; returns (model, merged config)."""
+    """Build the engine model from a checkpoint directory; returns (model, merged config).
+
+    ``load_format``: "auto"/"safetensors" read the shards; "dummy" builds the model from config.json alone
+    with random weights in the checkpoint's precision (``engine.dummy``; dtype "auto" is bf16 there)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r}: choose from {', '.join(LOAD_FORMATS)}")
     config = load_config(path, hf_overrides)
     text = text_config_of(config)
     args = ModelArgs.from_text_config(text)
+    if load_format == "dummy":
+        from fp4moe.engine.dummy import dummy_model
+
+        dtype = torch.bfloat16 if dtype in (None, "auto") else dtype
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        return dummy_model(config, args, dtype, torch.device(device), Path(path)), config
     reader = CheckpointReader(path)
     prefix = arch.text_prefix(reader)
     fmt, _, problem = detect_format(config, Path(path))
