@@ -205,7 +205,12 @@ def _add_generate(sub) -> None:
             "form, experts kept packed) into fp4moe's engine and generate from a prompt. Text is streamed to stdout."
         ),
     )
-    p.add_argument("model", help="checkpoint directory")
+    p.add_argument(
+        "model",
+        help="checkpoint directory; with --load-format dummy also a full-size name (qwen3.5-35b-a3b, "
+        "qwen3.6-35b-a3b, or either with -nvfp4: experts in NVFP4): config and a synthetic tokenizer are "
+        "written once under ~/.cache/fp4moe/full-size",
+    )
     p.add_argument("prompt", help="the prompt (raw text, or a user message with --chat)")
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message with the chat template"
@@ -305,7 +310,12 @@ def _add_serve(sub) -> None:
             "(or --exec) the vLLM command for the checkpoint instead -- the way past one GPU."
         ),
     )
-    p.add_argument("model", help="checkpoint directory")
+    p.add_argument(
+        "model",
+        help="checkpoint directory; with --load-format dummy also a full-size name (qwen3.5-35b-a3b, "
+        "qwen3.6-35b-a3b, or either with -nvfp4: experts in NVFP4): config and a synthetic tokenizer are "
+        "written once under ~/.cache/fp4moe/full-size",
+    )
     p.add_argument(
         "--engine",
         choices=["fp4moe", "vllm"],
@@ -612,6 +622,9 @@ def cmd_generate(args) -> int:
 
     from fp4moe.engine.llm import LLM
     from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.models.full_size import resolve
+
+    args.model = resolve(args.model, args.load_format)
 
     try:
         overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
@@ -741,6 +754,9 @@ def cmd_serve(args) -> int:
     import shlex
     from pathlib import Path
 
+    from fp4moe.models.full_size import resolve
+
+    args.model = resolve(args.model, args.load_format)
     if args.engine == "vllm":
         cmd = vllm_command(args)
         if args.exec:

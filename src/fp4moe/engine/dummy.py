@@ -99,12 +99,15 @@ def dummy_model(
             elif algo == "fp8":
                 module.use_fp8()
     model.to_empty(device=device)
-    fill_random(model, torch.Generator(device=device).manual_seed(seed), dtype)
+    gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed)  # meta: sizing
+    fill_random(model, gen, dtype)
     return model.eval()
 
 
 @torch.no_grad()
-def fill_random(module: torch.nn.Module, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> None:
+def fill_random(
+    module: torch.nn.Module, gen: torch.Generator | None, dtype: torch.dtype = torch.bfloat16
+) -> None:
     """Random weights in place (on the module's device): random FP4 codes, FP8 block scales in [0.5, 2.5),
     small decode scales, zero-centred norms at zero, N(0, 0.02) elsewhere in ``dtype`` -- a model whose
     activations stay finite through every layer (what a speed measurement needs; its text is noise)."""
