@@ -35,6 +35,9 @@ at the runner's scratch slot.
 
 from __future__ import annotations
 
+import os
+import random
+
 import torch
 
 from fp4moe.engine.sampler import SamplingParams
@@ -63,8 +66,15 @@ class FusedSpecRound:
         self.q: torch.Tensor | None = None
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # benchmarks only (timing, not output): every sequence accepts ``forced[0]`` drafts; set before the
-        # first round, since graphs are captured with or without it
+        # first round, since graphs are captured with or without it. FP4MOE_FORCE_ACCEPTANCE=ALPHA (a served
+        # benchmark's switch) draws forced[0] per round: each draft position accepted with probability ALPHA
+        # until the first rejection
         self.forced: torch.Tensor | None = None
+        rate = os.environ.get("FP4MOE_FORCE_ACCEPTANCE")
+        self.force_rate = float(rate) if rate else None
+        if self.force_rate is not None:
+            self.forced = torch.zeros(1, dtype=torch.long, device=dev)
+            self._force_rng = random.Random(0)
 
     def __call__(
         self,
@@ -92,6 +102,11 @@ class FusedSpecRound:
             self._park()  # the warm-up round writes only the scratch slot
             self.graphs[bucket, mode] = r.graph_of(lambda: self.forward(bucket, mode))
         self._park()
+        if self.force_rate is not None:
+            a = 0
+            while a < self.k and self._force_rng.random() < self.force_rate:
+                a += 1
+            self.forced.fill_(a)
         self.slots[:b] = torch.tensor(slots, dtype=torch.int32)
         self.pos[:b] = torch.tensor(positions, dtype=torch.int32)
         self.delta[:b] = torch.tensor(deltas, dtype=torch.int32)

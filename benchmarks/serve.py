@@ -1,0 +1,294 @@
+"""Served throughput at full size (issue 20): ``fp4moe serve`` on the full-size model through an OpenAI-style
+client, beside the engine's own decode-step rate and offline ``LLM.generate`` on the same shapes, same run.
+
+    python benchmarks/serve.py --spec off --engine-rate --offline --profile 64 --out $OUT/serve
+    python benchmarks/serve.py --spec forced rejected --out $OUT/serve     # speculation (k = 2)
+
+1. For each ``--spec`` mode, ``fp4moe serve qwen3.6-35b-a3b-nvfp4 --load-format dummy --device cuda`` starts
+   in a subprocess (``off``: --num-speculative-tokens 0; ``forced``: k = 2 with each draft accepted with
+   probability 0.8 (FP4MOE_FORCE_ACCEPTANCE, the fused round's benchmark switch); ``rejected``: k = 2 with the
+   random MTP head, whose drafts are all but never accepted). Its start-up time is recorded.
+2. ``fp4moe bench``'s client (streaming /v1/completions, usage from the server) runs the reference card's sweep:
+   pp 512, tg 128 at concurrency ``--concurrency`` (1 4 8 16 32 48 64), then pp 8192 tg 128 at 1, and with
+   ``--sglang`` SGLang's shape (pp 8192, tg 1024 at 1 and 16). ``--profile C``: py-spy samples the server
+   process (all threads, 100 Hz) during the sweep's round at concurrency C; the top functions by own and
+   inclusive samples go into the result.
+3. ``--engine-rate``: after the server stops, the engine's decode step at each batch size (graph replay and
+   the engine's own step with its host work, ``decode.py``'s ``time_decode``) at context pp + tg/2.
+4. ``--offline``: ``LLM.generate`` on the same dummy model with the same limits (max 64 sequences, chunked
+   prefill budget as served), each concurrency's requests as one call: random prompts of pp tokens,
+   tg tokens each, greedy, ignore_eos -- served ÷ offline is the serving path's own cost.
+
+Everything goes to ``--out``/serve.json (and a markdown table on stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import datetime
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+HERE = Path(__file__).parent
+SPEC = {"off": ("0", None), "forced": ("2", "0.8"), "rejected": ("2", None)}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, spec: str, args, port: int) -> tuple[subprocess.Popen, float]:
+    k, rate = SPEC[spec]
+    env = dict(os.environ)
+    if rate:
+        env["FP4MOE_FORCE_ACCEPTANCE"] = rate
+    cmd = [
+        sys.executable,
+        "-m",
+        "fp4moe.cli",
+        "serve",
+        model,
+        "--load-format",
+        "dummy",
+        "--device",
+        args.device,
+    ]
+    cmd += [
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-model-len",
+        str(args.max_model_len),
+    ]
+    cmd += ["--num-speculative-tokens", k, "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    log("$", " ".join(cmd))
+    t0 = time.monotonic()
+    with open(args.out / f"server-{spec}.log", "w") as errors:  # the child keeps its own descriptor
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=errors)
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc, time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() - t0 > 600:
+            raise RuntimeError(f"the server did not start; see {args.out / f'server-{spec}.log'}")
+        time.sleep(0.5)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def bench(
+    port: int,
+    pp: int,
+    tg: int,
+    concurrency: list[int],
+    runs: int,
+    profile_at: int | None,
+    pid: int,
+    out: Path,
+):
+    """Rows of fp4moe bench's summary; with ``profile_at`` py-spy records the server during that concurrency."""
+    from fp4moe.bench.client import BenchConfig, run_bench, summarize
+    from fp4moe.data import corpus_text
+
+    rows, profile = [], None
+    for c in concurrency:
+        cfg = BenchConfig(
+            base_url=f"http://127.0.0.1:{port}/v1", pp=[pp], tg=[tg], concurrency=[c], runs=runs, warmup=1,
+            prompt_text=corpus_text("heldout"), timeout=900,
+        )  # fmt: skip
+        spy = None
+        if profile_at == c:
+            raw = out / f"py-spy-c{c}.txt"
+            spy = subprocess.Popen(
+                ["py-spy", "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--threads",
+                 "--nonblocking", "--output", str(raw), "--duration", "600"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            )  # fmt: skip
+            time.sleep(1.0)
+        rows += summarize(asyncio.run(run_bench(cfg)))
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            try:
+                spy.wait(60)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+            profile = top_functions(raw) if raw.exists() else {"error": spy.stderr.read().decode()[-2000:]}
+        r = rows[-1]
+        log(f"  pp {pp} tg {tg} c {c}: {r['aggregate_tps_median']:.1f} tok/s aggregate, "
+            f"{r['decode_tps_per_request_median']:.1f} per request, TTFT p50 {r['ttft_s_median'] * 1e3:.0f} ms, "
+            f"errors {r['errors']}" + (f", acceptance {r['spec_acceptance_rate']:.1%}" if "spec_acceptance_rate" in r else ""))  # fmt: skip
+    return rows, profile
+
+
+def top_functions(raw: Path, top: int = 30) -> dict:
+    """py-spy's raw (collapsed) stacks -> the functions with the most own and inclusive samples, per thread."""
+    own, inclusive, threads, total = collections.Counter(), collections.Counter(), collections.Counter(), 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        total += n
+        threads[frames[0]] += n
+        own[frames[-1]] += n
+        for f in set(frames[1:]):
+            inclusive[f] += n
+    return {
+        "samples": total,
+        "threads": threads.most_common(),
+        "own": own.most_common(top),
+        "inclusive": inclusive.most_common(top),
+    }
+
+
+def engine_rates(batches: list[int], ctx: int) -> list[dict]:
+    sys.path.insert(0, str(HERE))
+    import decode as dec
+
+    dev = torch.device("cuda")
+    model = dec.build_model(True, dev)
+    rows = []
+    for b in batches:
+        t = dec.time_decode(model, b, ctx, "auto")
+        rows.append(
+            dict(batch=b, context=ctx, replay_tok_s=b / t["replay_s"], engine_tok_s=b / t["engine_s"])
+        )
+        log(
+            f"  engine b {b}: {rows[-1]['replay_tok_s']:.0f} tok/s replay, {rows[-1]['engine_tok_s']:.0f} engine step"
+        )
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def offline(model_dir: str, concurrency: list[int], pp: int, tg: int, args) -> list[dict]:
+    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.sampler import SamplingParams
+
+    llm = LLM(model_dir, device=args.device, load_format="dummy", max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_model_len, num_speculative_tokens=0)  # fmt: skip
+    gen, vocab = torch.Generator().manual_seed(0), min(llm.model.args.vocab_size, 200_000)  # below the markup
+    params = SamplingParams(max_tokens=tg, temperature=0, ignore_eos=True)
+    llm.generate([torch.randint(0, vocab, (pp,), generator=gen).tolist()], SamplingParams(max_tokens=8))
+    rows = []
+    for c in concurrency:
+        times = []
+        for _ in range(args.runs):
+            prompts = [torch.randint(0, vocab, (pp,), generator=gen).tolist() for _ in range(c)]
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)  # returns after the last token reached the host
+            times.append(time.perf_counter() - t0)
+            assert all(len(o.outputs[0].token_ids) == tg for o in outs)
+        rows.append(dict(pp=pp, tg=tg, concurrency=c, aggregate_tps_median=c * tg / statistics.median(times)))
+        log(f"  offline c {c}: {rows[-1]['aggregate_tps_median']:.1f} tok/s")
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--model", default="qwen3.6-35b-a3b-nvfp4", help="a full-size name or a checkpoint directory"
+    )
+    p.add_argument(
+        "--spec", nargs="*", default=["off"], choices=list(SPEC), help="speculation modes to serve"
+    )
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32, 48, 64])
+    p.add_argument("--pp", type=int, default=512)
+    p.add_argument("--tg", type=int, default=128)
+    p.add_argument("--long-pp", type=int, default=8192, help="the single-stream long-prompt row (0: none)")
+    p.add_argument("--sglang", action="store_true", help="also pp 8192 / tg 1024 at concurrency 1 and 16")
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--profile", type=int, default=None, help="py-spy the server at this concurrency")
+    p.add_argument("--engine-rate", action="store_true", help="the engine's decode step at the same batches")
+    p.add_argument("--offline", action="store_true", help="LLM.generate on the same shapes")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=16384)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--device", default="cuda", help="cuda; cpu only to try the script on a tiny model")
+    p.add_argument("--out", type=Path, default=Path("serve-results"))
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from fp4moe.models.full_size import resolve
+
+    model = resolve(args.model, "dummy")
+    result = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", model=args.model,
+                  pp=args.pp, tg=args.tg, served={}, profile={}, startup_s={})  # fmt: skip
+    for spec in args.spec:
+        log(f"serve, speculation {spec}")
+        port = free_port()
+        proc, startup = start_server(model, spec, args, port)
+        result["startup_s"][spec] = startup
+        log(f"  started in {startup:.1f} s")
+        try:
+            rows, profile = bench(
+                port, args.pp, args.tg, args.concurrency, args.runs, args.profile, proc.pid, args.out
+            )
+            if args.long_pp:
+                rows += bench(port, args.long_pp, args.tg, [1], args.runs, None, proc.pid, args.out)[0]
+            if args.sglang:
+                rows += bench(port, 8192, 1024, [1, 16], 1, None, proc.pid, args.out)[0]
+        finally:
+            stop_server(proc)
+        result["served"][spec] = rows
+        if profile:
+            result["profile"][spec] = profile
+        (args.out / "serve.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.engine_rate:
+        log("engine decode step")
+        result["engine"] = engine_rates(args.concurrency, args.pp + args.tg // 2)
+    if args.offline:
+        log("offline LLM.generate")
+        result["offline"] = offline(model, args.concurrency, args.pp, args.tg, args)
+    (args.out / "serve.json").write_text(json.dumps(result, indent=2) + "\n")
+    table(result)
+    return 0
+
+
+def table(result: dict) -> None:
+    engine = {r["batch"]: r for r in result.get("engine", [])}
+    offline_rows = {r["concurrency"]: r for r in result.get("offline", [])}
+    log("\n| spec | pp | tg | concurrency | served tok/s | per request tok/s | TTFT p50 ms | acceptance | "
+        "engine step tok/s | served ÷ engine | offline tok/s | served ÷ offline |")  # fmt: skip
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for spec, rows in result["served"].items():
+        for r in rows:
+            c, tps = r["concurrency"], r["aggregate_tps_median"]
+            same_shape = r["pp"] == result.get("pp", 512) and r["tg"] == result.get("tg", 128)
+            e, o = engine.get(c) if same_shape else None, offline_rows.get(c) if same_shape else None
+            cells = [spec, r["pp"], r["tg"], c, f"{tps:.0f}", f"{r['decode_tps_per_request_median']:.1f}",
+                     f"{r['ttft_s_median'] * 1e3:.0f}", f"{r['spec_acceptance_rate']:.1%}" if "spec_acceptance_rate" in r else "-",
+                     f"{e['engine_tok_s']:.0f}" if e else "-", f"{tps / e['engine_tok_s']:.2f}" if e else "-",
+                     f"{o['aggregate_tps_median']:.0f}" if o else "-", f"{tps / o['aggregate_tps_median']:.2f}" if o else "-"]  # fmt: skip
+            log("| " + " | ".join(str(x) for x in cells) + " |")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
