@@ -256,3 +256,24 @@ def test_stop_params_are_validated_and_normalised():
     with pytest.raises(ValueError, match="non-empty strings"):
         SamplingParams(stop=[""])
     assert SamplingParams(stop=None, stop_token_ids=None).stop_token_ids == []
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-308),  # below vLLM's epsilon: greedy, not logits / 1e-308
+        SamplingParams(temperature=0.7, repetition_penalty=1e-308),  # seen positive logits overflow to inf
+        SamplingParams(temperature=1e300),
+        SamplingParams(temperature=0.5, top_p=0.5, repetition_penalty=1e-308),
+    ],
+    ids=["tiny-temperature", "tiny-repetition-penalty", "huge-temperature", "top-p-overflow"],
+)
+def test_extreme_values_never_fail_a_draw(params):
+    """They raised 'probability tensor contains inf/nan' inside the engine step, failing every request of
+    the batch; now each gives a token of the vocabulary."""
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 5
+    result = sample(logits, [1, 2, 3], [4], params, torch.Generator().manual_seed(1))
+    assert 0 <= result.token_id < 50
+    if params.repetition_penalty < 1e-300 and params.top_p == 1.0:
+        assert result.token_id in {1, 2, 3, 4} or logits[[1, 2, 3, 4]].max() <= 0  # the seen ones dominate
+    assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-5).greedy

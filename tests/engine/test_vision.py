@@ -200,3 +200,17 @@ def test_cli_generate_sampling_flags(checkpoints, capsys):
     assert out.count("[") >= 6  # one logprob line per token, each with its top-2
     code = main(["generate", str(checkpoints.bf16()), "Hello", "--max-model-len", "100000000"])
     assert code == 2 and "exceeds the model's" in capsys.readouterr().err
+
+
+def test_positions_of_chunks_that_end_inside_an_image_prompt():
+    """Chunked prefill asks for the positions of any span: one that ends inside the prompt (it raised: a
+    reversed arange), one that straddles its end, one after it."""
+    from fp4moe.engine.sequence import Sequence
+
+    prompt_positions = torch.tensor([[0, 1, 1, 1, 2], [0, 1, 1, 2, 3], [0, 1, 2, 1, 4]])
+    seq = Sequence(0, [1, 2, 3, 4, 5], SamplingParams(), 0, prompt_positions=prompt_positions, rope_delta=-1)
+    assert seq.positions(0, 3).tolist() == prompt_positions[:, :3].tolist()
+    assert seq.positions(3, 7).tolist() == [[1, 2, 4, 5], [2, 3, 4, 5], [1, 4, 4, 5]]
+    assert seq.positions(6, 8).tolist() == [[5, 6]] * 3
+    chunks = torch.cat([seq.positions(a, b) for a, b in ((0, 2), (2, 4), (4, 6))], dim=1)
+    assert chunks.tolist() == seq.positions(0, 6).tolist()

@@ -1,7 +1,9 @@
 """Sampling parameters and the sampler: penalties, temperature, top-k, top-p, min-p, seeded draws, logprobs.
 
 Semantics follow vLLM: the repetition penalty applies to prompt and output tokens (divide positive logits,
-multiply negative ones); presence and frequency penalties to output tokens only; temperature 0 is greedy.
+multiply negative ones); presence and frequency penalties to output tokens only; a temperature below 1e-5
+(vLLM's ``_SAMPLING_EPS``) is greedy. Extreme values cannot make a draw fail: logits that overflow (a
+repetition penalty of 1e-308) are clamped to the largest finite value, NaN ones dropped.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's rule: dividing by it would overflow)
 
 
 @dataclass
@@ -43,6 +47,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -116,13 +122,18 @@ def sample(
 ) -> SampleResult:
     """One token from raw logits [V] of one sequence."""
     raw = logits.float()
-    processed = apply_penalties(raw.clone(), prompt_ids, output_ids, p)
+    processed = _finite(apply_penalties(raw.clone(), prompt_ids, output_ids, p))
     if p.greedy:
         token = int(torch.argmax(processed))
     else:
-        probs = filter_logits(processed, p).softmax(-1)
+        probs = _finite(filter_logits(processed, p)).softmax(-1)
         token = int(torch.multinomial(probs, 1, generator=generator))
     return sample_result(token, raw, p)
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """+inf -> the largest finite value (still the most likely), NaN -> -inf (never drawn)."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
 
 
 def sample_result(token: int, raw_logits: torch.Tensor, p: SamplingParams) -> SampleResult:

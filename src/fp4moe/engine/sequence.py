@@ -55,7 +55,9 @@ class Sequence:
             return torch.arange(start, end).expand(3, -1)
         n = len(self.prompt_ids)
         inside = self.prompt_positions[:, start : min(end, n)]
-        after = torch.arange(max(start, n), end).expand(3, -1) + self.rope_delta
+        after = (
+            torch.arange(max(start, n), max(end, n)).expand(3, -1) + self.rope_delta
+        )  # a chunk may end inside
         return torch.cat([inside, after], dim=1)
 
     def append(self, result: SampleResult, tokenizer) -> str:
