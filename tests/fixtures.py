@@ -72,3 +72,9 @@ def no_eos(model) -> None:
     instead forbid EOS, which changes the argmax whenever EOS is the best token)."""
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
+
+
+class FuzzReport(UserWarning):
+    """What a fuzz run sent and got back (tests/server/test_fuzz.py), shown in pytest's warnings summary. It
+    lives here because pytest-xdist's controller re-imports a warning's class by module name, and only the
+    tests folder is on the import path (``tests/server/test_fuzz`` is not a module it can import)."""

@@ -424,6 +424,13 @@ def _add_serve(sub) -> None:
         "allowed, the images --limit-mm-per-prompt allows as base64 at 20 MB each, and 1 MiB)",
     )
     p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a GPU, compile every kernel variant and capture every CUDA graph before serving, so no "
+        "request waits for them (default on; --no-warmup starts faster)",
+    )
+    p.add_argument(
         "--timeout-graceful-shutdown",
         type=float,
         default=30.0,
@@ -813,6 +820,17 @@ def cmd_serve(args) -> int:
             ),
         )
 
+    if llm.device.type == "cuda" and args.warmup:
+        print("warming up: compiling kernels, capturing CUDA graphs ...", file=sys.stderr, flush=True)
+        print(f"warm-up took {llm.warmup(args.max_num_batched_tokens):.1f} s", file=sys.stderr, flush=True)
+    spec = llm.speculator.k if llm.speculator is not None else 0
+    print(
+        f"fp4moe serve: device {llm.device}, {llm.model.embed_tokens.dtype} compute, KV cache "
+        f"{args.kv_cache_dtype} for {max_cached} tokens, at most {args.max_num_seqs} sequences running and "
+        f"{args.max_num_batched_tokens} tokens per step, context {llm.max_model_len}, speculative tokens {spec}",
+        file=sys.stderr,
+        flush=True,
+    )
     prefix = (
         PrefixCache(args.prefix_block_size, args.prefix_cache_entries) if args.enable_prefix_caching else None
     )

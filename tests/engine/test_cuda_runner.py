@@ -146,6 +146,57 @@ def test_serving_engine_with_prefix_caching_on_the_paged_caches(checkpoints):
     assert _all_pages_back(llm.runner)
 
 
+def test_mixed_steps_keep_decodes_on_the_fused_step(checkpoints, monkeypatch):
+    """A step that mixes prefill chunks with decoding rows runs the chunks through the module path and the
+    decodes through the fused step (they went through the module path before: issue 20's profile); plain
+    greedy rows are sampled by one batched argmax. The tokens are the CPU module path's."""
+    from fp4moe.engine.core import EngineCore
+    from fp4moe.engine.model_runner import ModelRunner
+    from fp4moe.engine.scheduler import SchedulerConfig
+
+    path = checkpoints.quantized()
+    p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[3, 4, 5], list(range(40, 110)), [9, 8]]
+    with_logprobs = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)  # near ties
+    ref = LLM(path, dtype="bfloat16", device="cpu").generate(
+        [{"prompt_token_ids": x} for x in prompts], with_logprobs
+    )
+    llm = LLM(path, dtype="bfloat16", device=DEV)
+    if DEV == "cpu":
+        _fused(llm)
+    runner, mixed, module_rows = llm.runner, [], []
+    real_module_run, real_decode = ModelRunner.run, runner.decode_step
+
+    def module_run(self, batch, kv, states):
+        module_rows.extend(n for _, n in batch)
+        return real_module_run(self, batch, kv, states)
+
+    def decode_step(seqs, **kw):
+        mixed.append(len(module_rows) > 0)
+        return real_decode(seqs, **kw)
+
+    monkeypatch.setattr(ModelRunner, "run", module_run)
+    monkeypatch.setattr(runner, "decode_step", decode_step)
+    core = EngineCore(llm, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16))
+    seqs = [core.make_sequences({"prompt_token_ids": x}, p)[0] for x in prompts]
+    core.add([seqs[0]])
+    core.step()  # the first prompt's prefill: it decodes from the next step on
+    core.add(seqs[1:])
+    steps_with_both, every_module_row = 0, []
+    for _ in range(100):
+        if all(s.finished for s in seqs):
+            break
+        module_rows.clear()
+        before = len(mixed)
+        core.step()
+        steps_with_both += len(mixed) > before and bool(module_rows)
+        every_module_row += module_rows
+    assert steps_with_both >= 3  # the 70-token prompt took 16-token chunks beside the decodes
+    assert 1 not in every_module_row  # no decoding row went through the modules (chunks: 16s, 6, 2)
+    _agree(ref, [s.output_ids for s in seqs])
+    assert _all_pages_back(llm.runner)
+
+
 def test_more_prompts_than_state_slots_run_in_waves(checkpoints):
     path = checkpoints.bf16()
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -185,6 +236,34 @@ def test_speculation_through_the_gpu_runner_matches_plain_decoding(checkpoints):
         _fused(llm)
     _agree(ref, llm.generate(prompts, params))
     assert llm.speculator.stats.drafts > 0
+
+
+def test_a_rejected_draft_head_stops_drafting_after_its_probe(checkpoints):
+    """The tiny model's random MTP head: its drafts are almost never accepted, so after PROBE_ROUNDS fused
+    rounds the sequence decodes plainly (not slower than without speculation, issue 20); the tokens stay
+    plain greedy decoding's."""
+    from fp4moe.engine import spec_decode
+
+    path = checkpoints.bf16()
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[2]}]
+    ref = LLM(path, dtype="bfloat16", device="cpu").generate(
+        prompts, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=2)
+    )
+    llm = LLM(path, dtype="bfloat16", device=DEV, num_speculative_tokens=2)
+    if DEV == "cpu":
+        _fused(llm, spec_tokens=2)
+    spec, rounds = llm.speculator, []
+    real_round = spec.fused_round
+
+    def fused_round(seqs, kv, states):
+        rounds.append(len(seqs))
+        return real_round(seqs, kv, states)
+
+    spec.fused_round = fused_round
+    _agree(ref, llm.generate(prompts, params))
+    assert spec.stats.accepted < 2 * spec_decode.MIN_ACCEPTED * spec_decode.PROBE_ROUNDS
+    assert spec.stats.backed_off == 2 and rounds == [2] * spec_decode.PROBE_ROUNDS
 
 
 @pytest.mark.parametrize("drafts", ["mtp", "oracle", "second-wrong", "kv-fp8"])

@@ -216,3 +216,25 @@ def test_batched_mtp_drafts_equal_per_sequence_drafts(path):
     for (_, a), (_, b) in zip(many, one, strict=True):
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+def test_the_fused_round_policy_backs_off_where_drafts_do_not_pay():
+    """After PROBE_ROUNDS fused rounds a sequence that accepted fewer than MIN_ACCEPTED drafts a round decodes
+    plainly for BACKOFF_STEPS steps, then probes again; one that accepts keeps drafting."""
+    from types import SimpleNamespace
+
+    from fp4moe.engine import spec_decode
+    from fp4moe.engine.sequence import Sequence
+
+    spec = SimpleNamespace(stats=spec_decode.SpecStats(accepted_per_position=[0, 0]))
+    judge = spec_decode.MTPSpeculator._judge
+    good, bad = Sequence(0, [1], GREEDY, 0), Sequence(1, [1], GREEDY, 1)
+    for _ in range(3 * spec_decode.PROBE_ROUNDS):
+        judge(spec, good, 1)  # 1 of 2 drafts a round: pays
+    assert good.spec_backoff == 0 and spec.stats.backed_off == 0
+    for _ in range(spec_decode.PROBE_ROUNDS - 1):
+        judge(spec, bad, 0)
+    assert bad.spec_backoff == 0  # still probing
+    judge(spec, bad, 1)  # 1 accepted in 4 rounds: 0.25 a round
+    assert bad.spec_backoff == spec_decode.BACKOFF_STEPS and spec.stats.backed_off == 1
+    assert (bad.spec_rounds, bad.spec_accepted) == (0, 0)  # a fresh window for the next probe

@@ -29,6 +29,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 
+from fixtures import FuzzReport
+
 pytestmark = pytest.mark.slow
 
 TIMEOUT = 30.0  # a request without an answer by then is reported as a hang
@@ -41,10 +43,6 @@ SCHEMA_EXAMPLES = {"positive": 80, "negative": 60}
 SCHEMA_EXAMPLES_PARAMS = 20
 SCHEMA_EXAMPLES_PLAIN = 3
 MUTATOR_LEN = 256  # the mutator server's context: its valid prompts take 180-235 tokens of it
-
-
-class FuzzReport(UserWarning):
-    """What a fuzz run sent and got back (shown in pytest's warnings summary)."""
 
 
 @pytest.fixture(scope="module")

@@ -128,8 +128,7 @@ class EngineCore:
                         seq.slot,
                     )
                     seq.stop_at = 0
-        for seq, logits in results:
-            self.llm.sample_into(seq, logits)
+        self.llm.sample_all(results)
         for seq in progressed:
             now = time.monotonic()
             if seq.last_token_time is None:

@@ -273,16 +273,23 @@ class CudaModelRunner(ModelRunner):
 
     @torch.no_grad()
     def run(self, batch: list[tuple[Sequence, int]], kv, states):
-        if not self.fusable_decode(batch, kv):
+        """As ``ModelRunner.run``, the logits of decoding rows on the device (``LLM.sample_all`` takes the
+        greedy ones' argmax there). A step that mixes prefill chunks with decodes runs the chunks through the
+        module path and the decodes through the fused step (its graph): the decodes never pay for the
+        module path (the served profile's largest share, issue 20)."""
+        decode = [(s, n) for s, n in batch if self.fusable_decode([(s, n)], kv)]
+        if not decode or len(decode) > self.max_num_seqs:
             return super().run(batch, kv, states)
-        logits, _ = self.decode_step([s for s, _ in batch], keep_hidden=False)
-        return [(s, logits[i]) for i, (s, _) in enumerate(batch)]
+        rest = [(s, n) for s, n in batch if not self.fusable_decode([(s, n)], kv)]
+        done = super().run(rest, kv, states) if rest else []
+        logits, _ = self.decode_step([s for s, _ in decode], keep_hidden=False, host=False)
+        return done + [(s, logits[i]) for i, (s, _) in enumerate(decode)]
 
     @torch.no_grad()
-    def decode_step(self, seqs: list[Sequence], keep_hidden: bool = True):
+    def decode_step(self, seqs: list[Sequence], keep_hidden: bool = True, host: bool = True):
         """The fused step for ``seqs`` (each decoding its next token; ``fusable_decode`` holds) -> (logits
-        [b, V] fp32 on the host, final-normed hidden states [b, H] on the device -- a copy: the MTP head's
-        inputs -- or None)."""
+        [b, V] fp32 on the host (``host`` False: bf16 on the device, a copy), final-normed hidden states [b, H]
+        on the device -- a copy: the MTP head's inputs -- or None)."""
         logits = self.decode_logits(
             [s.slot for s in seqs],
             [s.all_ids[s.num_cached] for s in seqs],
@@ -292,7 +299,7 @@ class CudaModelRunner(ModelRunner):
         hidden = self.last_hidden.clone() if keep_hidden else None
         for s in seqs:
             s.num_cached += 1
-        return logits.float().cpu(), hidden
+        return (logits.float().cpu() if host else logits.clone()), hidden
 
     def hidden_states(self, ids, positions, ctx, embeds=None) -> torch.Tensor:
         """The module path's layers (their mixers run as modules: chunked rule, flash attention) with the

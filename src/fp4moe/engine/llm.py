@@ -42,6 +42,17 @@ class PromptError(ValueError):
     pass
 
 
+def _plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with nothing that needs the host's per-sequence sampler (penalties, logprobs)."""
+    return (
+        p.greedy
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+    )
+
+
 # num_speculative_tokens="auto" on the GPU engine with an MTP head (H200, full-size shapes: 1.32x at batch 1
 # and 80% acceptance, 1.8-1.9x at batch 8-32; BENCHMARKS.md); 0 on the CPU, where verification is
 # compute-bound and speculation is slower than plain decoding
@@ -208,11 +219,25 @@ class LLM:
 
     def _step(self, seqs: list[Sequence], kv: KVCache, states: DeltaNetStates) -> None:
         """One flat forward over every sequence's uncached tokens; samples one token for each."""
-        for seq, logits in self.runner.run([(s, len(s.all_ids) - s.num_cached) for s in seqs], kv, states):
-            self.sample_into(seq, logits)
+        self.sample_all(self.runner.run([(s, len(s.all_ids) - s.num_cached) for s in seqs], kv, states))
+
+    def sample_all(self, results: list[tuple[Sequence, torch.Tensor]]) -> None:
+        """Sample a token for each (sequence, logits [V], on the host or the device). Plain greedy rows (no
+        penalties, no logprobs) take one batched argmax where their logits are and one small read-back;
+        the others go through ``sample`` on the host, one by one (penalties, seeded draws, logprobs)."""
+        plain = [(s, x) for s, x in results if _plain_greedy(s.params)]
+        if plain:
+            tokens = torch.stack([x for _, x in plain]).argmax(-1).tolist()
+            for (seq, _), token in zip(plain, tokens, strict=True):
+                self._accept(seq, SampleResult(token))
+        for seq, logits in results:
+            if not _plain_greedy(seq.params):
+                self.sample_into(seq, logits.cpu())
 
     def sample_into(self, seq: Sequence, logits: torch.Tensor) -> None:
-        result = sample(logits, seq.prompt_ids, seq.output_ids, seq.params, seq.generator)
+        self._accept(seq, sample(logits, seq.prompt_ids, seq.output_ids, seq.params, seq.generator))
+
+    def _accept(self, seq: Sequence, result: SampleResult) -> None:
         seq.delta = seq.append(result, self.tokenizer)
         if not seq.finished and len(seq.all_ids) >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH  # the context is full
@@ -279,6 +304,35 @@ class LLM:
                 seqs.append(seq)
             encoded.append((text, seqs[-1].prompt_ids))
         return encoded, seqs
+
+    def warmup(self, max_batch_tokens: int = 2048) -> float:
+        """Compile every kernel variant and capture every CUDA graph before the first request (vLLM's
+        compile-and-capture phase; a cold server spent 45-68% of its first seconds in Triton's compiler and
+        in graph captures, issue 20): greedy and sampled generations at every graph batch size, and prefills
+        of lengths around each power of two up to ``max_batch_tokens`` (kernels specialize on 1, on
+        multiples of 16 and on size buckets). Leaves the caches as it found them: every page freed, an fp8
+        cache's scales unset (the first real prefill sets them). Returns the seconds it took."""
+        import time
+
+        from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
+
+        start = time.perf_counter()
+        limit = min(max_batch_tokens, self.max_model_len - 4)
+        lengths = sorted(
+            {n for p in range(12) for n in (2**p - 1, 2**p, 2**p + 1) if 1 <= n <= limit} | {limit}
+        )
+        greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=3, temperature=0.8, ignore_eos=True, seed=0)
+        for n in lengths:
+            self.generate([[1] * n], greedy)
+        width = getattr(self.runner, "max_num_seqs", 1)
+        for b in [b for b in GRAPH_BATCH_SIZES if b <= width]:
+            self.generate([[1] * 4] * b, greedy)
+            self.generate([[1] * 4] * b, sampled)
+        kv = getattr(self.runner, "kv", None)
+        if kv is not None and getattr(kv, "fp8", False):
+            kv.scales.clear()  # graphs read the scale tensor, which the first real prefill fills in place
+        return time.perf_counter() - start
 
     def generate(
         self,

@@ -36,6 +36,11 @@ class Sequence:
     arrival: float = 0.0  # monotonic time the request arrived (serving)
     last_token_time: float | None = None
     stop_at: int = 0  # prefill stops here first (a prefix-cache snapshot boundary); 0 = no stop
+    # speculation's online acceptance (MTPSpeculator.decode_round): fused rounds and drafts accepted in the
+    # current probe window, and plain steps left before the next probe when drafting did not pay
+    spec_rounds: int = 0
+    spec_accepted: int = 0
+    spec_backoff: int = 0
 
     def __post_init__(self):
         if self.params.seed is not None:

@@ -36,6 +36,7 @@ class SpecStats:
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     disabled_steps: int = 0  # steps run without drafts because the batch was over the limit
+    backed_off: int = 0  # times a sequence stopped drafting because its drafts were not accepted enough
 
     def record(self, drafted: int, accepted: int) -> None:
         """One draft-and-verify round of one sequence."""
@@ -58,6 +59,16 @@ def _probs(logits: torch.Tensor, seq: Sequence, history: list[int]) -> torch.Ten
     """The distribution the sampler draws from, for a sequence whose output so far is ``history``."""
     processed = apply_penalties(logits.float().clone(), seq.prompt_ids, history, seq.params)
     return filter_logits(processed, seq.params).softmax(-1)
+
+
+# The fused round's online policy: after PROBE_ROUNDS rounds a sequence whose drafts were accepted less than
+# MIN_ACCEPTED per round decodes plainly for BACKOFF_STEPS steps, then probes again. A round with k = 2 costs
+# ~1.9 plain steps at batch 1 and ~1.4 at batch 8-32 on the H200 (BENCHMARKS.md), so it pays from ~0.9 and
+# ~0.4 accepted drafts a round: 0.5 keeps speculation wherever it can pay under load and stops a head whose
+# drafts are rejected (0% acceptance) after 4 rounds; probing then costs ~4 rounds in 260 steps (< 2%).
+PROBE_ROUNDS = 4
+MIN_ACCEPTED = 0.5
+BACKOFF_STEPS = 256
 
 
 class MTPSpeculator:
@@ -170,16 +181,32 @@ class MTPSpeculator:
         a plain step where they do not; returns the tokens each sequence appended."""
         room = [s for s in seqs if len(s.all_ids) + self.k + 1 < max_model_len and not self.plain_only(s, kv)]
         fused = [s for s in room if self._fusable(s, kv, max_model_len)]
+        for s in [s for s in fused if s.spec_backoff > 0]:  # drafting did not pay lately: plain steps
+            s.spec_backoff -= 1
+            fused.remove(s)
+            room.remove(s)
         # the module path's round needs positions the MTP head has not seen: a sequence fresh from a fused
         # round (drafts held, nothing to catch up; possible near the context end for k >= 4) steps plainly
         rest = [s for s in room if s not in fused and getattr(s, "drafts", None) is None]
         counts = dict(zip(map(id, fused), self.fused_round(fused, kv, states) if fused else [], strict=True))
+        for s in fused:
+            self._judge(s, counts[id(s)] - 1)
         counts.update(zip(map(id, rest), self.step_many(rest, kv, states) if rest else [], strict=True))
         plain = [seq for seq in seqs if id(seq) not in counts]
         if plain:
             self.plain_steps(plain, kv, states)
             counts.update((id(seq), 1) for seq in plain)
         return [counts[id(seq)] for seq in seqs]
+
+    def _judge(self, seq: Sequence, accepted: int) -> None:
+        """Count a fused round's accepted drafts; after PROBE_ROUNDS rounds, back off when they do not pay."""
+        seq.spec_rounds += 1
+        seq.spec_accepted += accepted
+        if seq.spec_rounds >= PROBE_ROUNDS:
+            if seq.spec_accepted < MIN_ACCEPTED * seq.spec_rounds:
+                seq.spec_backoff = BACKOFF_STEPS
+                self.stats.backed_off += 1
+            seq.spec_rounds = seq.spec_accepted = 0
 
     def plain_only(self, seq: Sequence, kv) -> bool:
         """Sampled with top-k or top-p on the GPU runner (unless ``speculate_sorted_sampling``): the sequence
