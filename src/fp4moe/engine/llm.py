@@ -226,9 +226,12 @@ class LLM:
         penalties, no logprobs) take one batched argmax where their logits are and one small read-back;
         the others go through ``sample`` on the host, one by one (penalties, seeded draws, logprobs)."""
         plain = [(s, x) for s, x in results if _plain_greedy(s.params)]
-        if plain:
-            tokens = torch.stack([x for _, x in plain]).argmax(-1).tolist()
-            for (seq, _), token in zip(plain, tokens, strict=True):
+        for device in {
+            x.device for _, x in plain
+        }:  # a mixed step: decodes' logits on the GPU, prefills' on the host
+            rows = [(s, x) for s, x in plain if x.device == device]
+            tokens = torch.stack([x for _, x in rows]).argmax(-1).tolist()
+            for (seq, _), token in zip(rows, tokens, strict=True):
                 self._accept(seq, SampleResult(token))
         for seq, logits in results:
             if not _plain_greedy(seq.params):
