@@ -176,7 +176,7 @@ def _add_eval(sub) -> None:
     p.add_argument(
         "--limit", type=int, default=4096, help="evaluate on at most this many tokens (default 4096)"
     )
-    p.add_argument("--device", default="cpu", help="cpu (reference path) or cuda")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument(
         "--dtype", default="auto", help="compute dtype: auto (the checkpoint's), bfloat16, float32"
     )
@@ -280,13 +280,25 @@ def _add_generate(sub) -> None:
         choices=["auto", "bfloat16", "float16", "float32"],
         help="compute dtype (auto: the checkpoint's)",
     )
-    p.add_argument("--device", default="cpu", help="cpu (the reference path) or cuda")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     _add_load_format(p)
     p.add_argument(
         "--hf-overrides",
         default=None,
         help='JSON merged into config.json, e.g. YaRN: \'{"text_config": {"rope_parameters": {...}}}\'',
     )
+
+
+DEVICE_HELP = "auto (default: cuda when there is one, else cpu), cpu (the reference path) or cuda"
+
+
+def _device(value: str) -> str:
+    """``--device auto`` -> cuda when torch sees one, else cpu."""
+    if value != "auto":
+        return value
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _add_load_format(p) -> None:
@@ -448,7 +460,7 @@ def _add_serve(sub) -> None:
     p.add_argument(
         "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="compute dtype"
     )
-    p.add_argument("--device", default="cpu", help="cpu (reference path) or cuda")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     _add_load_format(p)
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="with --engine vllm: GPUs to shard over"
@@ -632,6 +644,7 @@ def cmd_generate(args) -> int:
     from fp4moe.models.full_size import resolve
 
     args.model = resolve(args.model, args.load_format)
+    args.device = _device(args.device)
 
     try:
         overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
@@ -764,6 +777,7 @@ def cmd_serve(args) -> int:
     from fp4moe.models.full_size import resolve
 
     args.model = resolve(args.model, args.load_format)
+    args.device = _device(args.device)
     if args.engine == "vllm":
         cmd = vllm_command(args)
         if args.exec:
@@ -908,7 +922,7 @@ def cmd_eval(args) -> int:
         text,
         seq_len=args.seq_len,
         limit=args.limit,
-        device=args.device,
+        device=_device(args.device),
         dtype=args.dtype,
     )
     print(result.table())

@@ -166,6 +166,8 @@ def test_sigterm_lets_in_flight_streams_finish(checkpoints):
             str(port),
             "--dtype",
             "float32",
+            "--device",
+            "cpu",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

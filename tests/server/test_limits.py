@@ -286,7 +286,7 @@ def test_sigterm_ends_long_streams_with_an_error_event_and_done(checkpoints):
         port = s.getsockname()[1]
     grace = 4.0
     cmd = [sys.executable, "-m", "fp4moe.cli", "serve", str(checkpoints.bf16()), "--port", str(port)]
-    cmd += ["--dtype", "float32", "--timeout-graceful-shutdown", str(grace)]
+    cmd += ["--dtype", "float32", "--device", "cpu", "--timeout-graceful-shutdown", str(grace)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     root = f"http://127.0.0.1:{port}"
     try:
