@@ -289,6 +289,13 @@ def _add_generate(sub) -> None:
     )
 
 
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return n
+
+
 DEVICE_HELP = "auto (default: cuda when there is one, else cpu), cpu (the reference path) or cuda"
 
 
@@ -417,20 +424,20 @@ def _add_serve(sub) -> None:
     p.add_argument("--limit-mm-per-prompt", default='{"image": 4}', help="JSON, e.g. '{\"image\": 4}'")
     p.add_argument(
         "--max-n-sequences",
-        type=int,
+        type=_positive,
         default=16384,
         help="largest `n` (choices per request) accepted; more is a 400 (default 16384, vLLM's)",
     )
     p.add_argument(
         "--max-prompt-chars",
-        type=int,
+        type=_positive,
         default=None,
         help="characters a prompt may have before it is tokenized; more is a 400 without tokenizing "
         "(default: 8 x --max-model-len)",
     )
     p.add_argument(
         "--max-request-bytes",
-        type=int,
+        type=_positive,
         default=None,
         help="largest request body; more is a 413 before it is parsed (default: 4 bytes per prompt character "
         "allowed, the images --limit-mm-per-prompt allows as base64 at 20 MB each, and 1 MiB)",

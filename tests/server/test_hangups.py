@@ -12,7 +12,7 @@ import pytest
 REQUESTS = 90
 CONCURRENCY = 16
 LONG = 4000  # max_tokens of a request whose client hangs up: minutes of decoding unless it is aborted
-GIVE_UP = 0.75  # seconds: the read timeout of a non-stream client that hangs up
+GIVE_UP = 1.5  # seconds: the read timeout of a non-stream client that hangs up (time to reach the server)
 EVENTS_BEFORE_HANGUP = 3  # stream events a streaming client reads before it hangs up
 
 

@@ -112,7 +112,30 @@ def _assert_error(r, status: int, fragment: str) -> dict:
         ("/completions", {"prompt": "x", "n": 0}, "n"),
         ("/completions", {"prompt": "x", "max_tokens": -3}, "max_tokens must be at least 1"),
         ("/chat/completions", {"messages": MSG, "max_completion_tokens": 0}, "max_tokens must be at least 1"),
-        ("/completions", {"prompt": [1, 2**70]}, "token id out of range"),
+        ("/completions", {"prompt": [1, 2**70]}, "less than or equal to 2147483647"),
+        ("/completions", {"prompt": "x", "top_k": 2**70}, "top_k"),
+        ("/completions", {"prompt": "x", "stop_token_ids": [2**70]}, "stop_token_ids"),
+        (
+            "/chat/completions",
+            {
+                "messages": [
+                    *MSG,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000}}],
+                    },
+                ]
+            },
+            "JSON object",
+        ),
+        # the template is the server's: a request may not bring its own or change what rendering returns
+        (
+            "/chat/completions",
+            {"messages": MSG, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+            "chat_template",
+        ),
+        ("/chat/completions", {"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, "tokenize"),
+        ("/chat/completions", {"messages": [{"role": "user", "content": ""}] * 4097}, "messages"),
         # stop strings
         ("/completions", {"prompt": "x", "stop": ["s"] * 33}, "stop"),
         ("/completions", {"prompt": "x", "stop": "s" * 1025}, "stop"),
@@ -120,6 +143,15 @@ def _assert_error(r, status: int, fragment: str) -> dict:
 )
 def test_malformed_requests_are_400(server, path, body, fragment):
     _assert_error(_post(server, path, {"model": "tiny", **body}), 400, fragment)
+
+
+@pytest.mark.parametrize("depth", [65, 900, 960, 5000])
+def test_deep_nesting_is_400(server, depth):
+    """Past MAX_DEPTH (64) anywhere in the body: a 400 (a recursive walk overflowed at ~950 levels: a 500)."""
+    body = b'{"model": "tiny", "prompt": "x", "extra": ' + b"[" * depth + b"]" * depth + b"}"
+    r = _post(server, "/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == 400
 
 
 def test_max_tokens_beyond_the_context_is_400(server):
@@ -208,6 +240,27 @@ def test_max_waiting_bounds_n_below_the_flag(checkpoints):
         _assert_error(_post(srv, "/completions", {"prompt": "x", "n": 4}), 400, "--max-waiting")
     finally:
         srv.stop()
+
+
+def test_long_conversations_are_refused_before_templating(limited, monkeypatch):
+    """The sum of the messages' text is checked before the chat template renders them (rendering 300,000
+    messages took 10 s of the event loop)."""
+    llm = limited.engine.core.llm
+    rendered = []
+    real = llm.apply_chat_template
+    monkeypatch.setattr(llm, "apply_chat_template", lambda *a, **k: rendered.append(1) or real(*a, **k))
+    messages = [{"role": "user", "content": "w" * 500}] * 5
+    err = _assert_error(_post(limited, "/chat/completions", {"messages": messages}), 400, "at least 2500")
+    assert err["param"] == "messages" and rendered == []
+
+
+def test_limit_flags_must_be_positive(capsys):
+    from fp4moe.cli import main
+
+    for flag in ("--max-prompt-chars", "--max-request-bytes", "--max-n-sequences"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "m", flag, "0"])
+        assert exit_info.value.code == 2 and "positive" in capsys.readouterr().err
 
 
 def test_long_prompts_are_refused_before_tokenizing(limited):

@@ -196,6 +196,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Sequence]] = {}
         self._inbox: deque = deque()  # ("add" | "abort", sequences), appended by the event loop
+        self._registry = threading.Lock()  # submit's registration vs a dying thread's _fail_all
+        self._failed = False
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="fp4moe-engine", daemon=True)
         self._thread.start()
@@ -211,10 +213,11 @@ class AsyncEngine:
         pending = sum(len(item[1]) for item in list(self._inbox) if item[0] == "add")
         if len(sched.waiting) + pending + len(seqs) > sched.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({sched.config.max_waiting} requests)")
-        if not self.alive:
-            raise EngineStoppedError("the engine is not running")
-        for seq in seqs:
-            self._queues[id(seq)] = (loop, queue, seq)
+        with self._registry:  # not between a dying thread's _fail_all and its end
+            if not self.alive:
+                raise EngineStoppedError("the engine is not running")
+            for seq in seqs:
+                self._queues[id(seq)] = (loop, queue, seq)
         self._inbox.append(("add", seqs))
         self._wake.set()
         return queue
@@ -252,9 +255,11 @@ class AsyncEngine:
             raise
 
     def _fail_all(self, error: str) -> None:
-        for loop, queue, seq in list(self._queues.values()):
-            loop.call_soon_threadsafe(queue.put_nowait, StepOutput(seq, -1, "", True, error=error))
-        self._queues.clear()
+        with self._registry:
+            self._failed = True
+            for loop, queue, seq in list(self._queues.values()):
+                loop.call_soon_threadsafe(queue.put_nowait, StepOutput(seq, -1, "", True, error=error))
+            self._queues.clear()
 
     def _run(self) -> None:
         while not self._stop:
@@ -285,7 +290,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop
+        return self._thread.is_alive() and not self._stop and not self._failed
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Finish in-flight requests (up to ``timeout`` seconds), then stop the thread."""

@@ -332,9 +332,15 @@ class LLM:
         for b in [b for b in GRAPH_BATCH_SIZES if b <= width]:
             self.generate([[1] * 4] * b, greedy)
             self.generate([[1] * 4] * b, sampled)
+        if hasattr(self.runner, "capture"):  # the plain step's graphs (speculating warm-ups ran rounds)
+            self.runner.capture()
         kv = getattr(self.runner, "kv", None)
         if kv is not None and getattr(kv, "fp8", False):
             kv.scales.clear()  # graphs read the scale tensor, which the first real prefill fills in place
+        if self.speculator is not None:  # the warm-up's drafts are not the server's
+            from fp4moe.engine.spec_decode import SpecStats
+
+            self.speculator.stats = SpecStats(accepted_per_position=[0] * self.speculator.k)
         return time.perf_counter() - start
 
     def generate(

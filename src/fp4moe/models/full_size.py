@@ -197,9 +197,14 @@ def write_full_size(out: str | Path, name: str = "qwen3.6-35b-a3b-nvfp4", quanti
         (tmp / "generation_config.json").write_text(
             json.dumps({"eos_token_id": eos, "do_sample": False}) + "\n"
         )
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        if out.exists() and not (out / "tokenizer.json").exists():
+            shutil.rmtree(out, ignore_errors=True)  # an incomplete directory (written by hand, say)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished it first: keep theirs
+            if not (out / "tokenizer.json").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

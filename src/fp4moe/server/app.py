@@ -22,6 +22,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import threading
 import time
 import urllib.parse
 import uuid
@@ -69,11 +70,13 @@ class ServerConfig:
     max_request_bytes: int | None = None  # None: room for max_prompt_chars of text and the images allowed
 
     def prompt_chars(self, max_model_len: int) -> int:
-        return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
+        if self.max_prompt_chars is not None:
+            return self.max_prompt_chars
+        return PROMPT_CHARS_PER_TOKEN * max_model_len
 
     def request_bytes(self, max_model_len: int, limit_images: int) -> int:
         """Up to 4 bytes a character of text (UTF-8), each allowed image as base64, and 1 MiB for the rest."""
-        if self.max_request_bytes:
+        if self.max_request_bytes is not None:
             return self.max_request_bytes
         return (
             4 * self.prompt_chars(max_model_len) + limit_images * (self.max_image_bytes * 4 // 3) + (1 << 20)
@@ -230,6 +233,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     metrics = Metrics(config.served_model_name)
     max_prompt_chars = config.prompt_chars(llm.max_model_len)
     live: set[asyncio.Queue] = set()  # the output queues of requests in flight (told when shutdown ends them)
+    stopping = threading.Event()  # set when the shutdown grace period ends: new requests get a 503
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -315,9 +319,22 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             param,
         )
 
+    def _check_prompt_chars_at_least(chars: int) -> None:
+        _check(
+            chars <= max_prompt_chars,
+            f"the messages have at least {chars} characters; this server takes at most {max_prompt_chars} "
+            f"(--max-prompt-chars)",
+            "messages",
+        )
+
+    def _check_running() -> None:
+        if stopping.is_set():
+            raise APIError(503, _SHUTDOWN_MESSAGE.split(";")[0], "service_unavailable")
+
     async def _start(prompt, params, requested: int | None, default: int | None, param: str):
         """Tokenize, size ``max_tokens`` to the context's room (a request for more than the room is a 400;
         ``default`` None = all of it) and queue the sequences."""
+        _check_running()
         try:
             seqs = await asyncio.to_thread(engine.core.make_sequences, prompt, params)
         except (PromptError, ImageError, ValueError) as e:
@@ -342,6 +359,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         except ValueError as e:
             raise APIError(400, str(e)) from None
         live.add(queue)
+        if stopping.is_set():  # the shutdown notice went out while this request was being tokenized
+            queue.put_nowait(SHUTTING_DOWN)
         return seqs, queue
 
     def _finish(seqs, queue) -> None:
@@ -349,6 +368,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         engine.abort([s for s in seqs if not s.finished])
 
     def _end_streams() -> None:
+        stopping.set()
         for queue in live:
             queue.put_nowait(SHUTTING_DOWN)
 
@@ -377,8 +397,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             f"max_tokens must be at least 1, got {req.requested_max_tokens}",
             "max_tokens",
         )
-        try:
-            text = llm.apply_chat_template(messages, tools=tools, **(req.chat_template_kwargs or {}))
+        _check_prompt_chars_at_least(req.text_chars())  # before templating: its cost grows with the text
+        try:  # off the event loop: a long conversation takes the template a while to render
+            text = await asyncio.to_thread(
+                llm.apply_chat_template, messages, tools=tools, **(req.chat_template_kwargs or {})
+            )
         except Exception as e:  # template errors are the caller's messages
             raise APIError(400, f"cannot apply the chat template: {clip(str(e), 300)}") from None
         _check_prompt_chars(text, "messages")
@@ -456,7 +479,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 yield chunk(i, {"role": "assistant", "content": ""})
             remaining = len(seqs)
             while remaining:
-                out = await queue.get()
+                out = SHUTTING_DOWN if stopping.is_set() else await queue.get()  # a backlog waits
                 if out is SHUTTING_DOWN or out.error:
                     yield _error_event(out)
                     yield "data: [DONE]\n\n"
@@ -545,7 +568,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         try:
             remaining = len(seqs)
             while remaining:
-                out = await queue.get()
+                out = SHUTTING_DOWN if stopping.is_set() else await queue.get()  # a backlog waits
                 if out is SHUTTING_DOWN or out.error:
                     yield _error_event(out)
                     yield "data: [DONE]\n\n"
@@ -767,7 +790,7 @@ def _prepare_messages(
             if isinstance(fn["arguments"], str):
                 try:
                     fn["arguments"] = json.loads(fn["arguments"] or "{}")
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):  # not JSON, a number past 4,300 digits, deep nesting
                     fn["arguments"] = None
                 _check(
                     isinstance(fn["arguments"], dict),

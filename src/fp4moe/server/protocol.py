@@ -20,6 +20,17 @@ MAX_STOP_STRINGS = 32  # `stop` entries per request (OpenAI allows 4; vLLM sets 
 MAX_STOP_CHARS = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOOLS = 512
+MAX_MESSAGES = 4096
+MAX_DEPTH = 64  # JSON nesting of a request (tool schemas and arguments included)
+INT32 = 2**31 - 1  # token ids, top_k: what the GPU tensors hold
+# chat_template_kwargs a client may not set: they would replace the server's template (whose rendering
+# runs server code paths) or change what apply_chat_template returns (vLLM refuses a request's own template
+# unless --trust-request-chat-template)
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"chat_template", "tokenize", "tools", "messages", "conversation", "documents", "add_generation_prompt",
+     "continue_final_message", "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding",
+     "truncation", "max_length", "tokenizer_kwargs"}
+)  # fmt: skip
 MAX_ERROR_CHARS = 1024  # an error message never echoes more than this of what the client sent
 
 # the range torch.Generator.manual_seed takes, less the n-1 that sequences 2..n add to the seed
@@ -32,30 +43,43 @@ def clip(text: object, limit: int = 80) -> str:
     return s if len(s) <= limit else s[:limit] + f"… ({len(s)} characters)"
 
 
-def _bad_unicode(value: Any, path: str = "") -> str | None:
-    """The JSON path of the first string (or key) that is not valid Unicode (lone surrogates), or None."""
-    if isinstance(value, str):
-        if value.isascii():
-            return None
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, dict):
-        for k, v in value.items():
-            where = f"{path}.{k}" if path else str(k)
-            if isinstance(k, str) and _bad_unicode(k, where):
-                return where
-            found = _bad_unicode(v, where)
-            if found:
-                return found
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            found = _bad_unicode(v, f"{path}[{i}]")
-            if found:
-                return found
+def _bad_input(data: Any) -> str | None:
+    """What is wrong with the raw body, before pydantic looks at it: a string or key that is not valid Unicode
+    (a lone surrogate), or nesting deeper than MAX_DEPTH (a walk that recursed would overflow at ~950).
+    Iterative, and the location is built only for the bad value: time and memory linear in the body."""
+    stack: list[tuple[Any, int, tuple]] = [(data, 0, ())]
+    while stack:
+        value, depth, where = stack.pop()
+        if depth > MAX_DEPTH:
+            return f"the request nests deeper than {MAX_DEPTH} levels (at {_path(where)})"
+        if isinstance(value, str):
+            if not value.isascii() and not _encodes(value):
+                return f"{clip(_path(where), 80)} is not valid Unicode (a lone UTF-16 surrogate)"
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(k, str) and not k.isascii() and not _encodes(k):
+                    return f"a key in {clip(_path(where), 80)} is not valid Unicode (a lone UTF-16 surrogate)"
+                stack.append((v, depth + 1, (where, k)))
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1, (where, i)) for i, v in enumerate(value))
     return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path(where: tuple) -> str:
+    """(((), "messages"), 0), "content") -> messages[0].content"""
+    parts = []
+    while where:
+        where, key = where
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    return "".join(reversed(parts)).lstrip(".") or "body"
 
 
 class _Strict(BaseModel):
@@ -175,7 +199,7 @@ class _Sampling(_Strict):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=INT32)
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -188,7 +212,9 @@ class _Sampling(_Strict):
         ]
         | None
     ) = None
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32)]] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS
+    )
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -197,10 +223,10 @@ class _Sampling(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        where = _bad_unicode(data)
-        if where:
-            raise ValueError(f"{clip(where, 80)} is not valid Unicode (a lone UTF-16 surrogate)")
+    def _valid_input(cls, data: Any) -> Any:
+        problem = _bad_input(data)
+        if problem:
+            raise ValueError(problem)
         return data
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -225,7 +251,7 @@ class _Sampling(_Strict):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -235,13 +261,35 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(v or ()))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        return v
+
     @property
     def requested_max_tokens(self) -> int | None:
         return next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None), None)
 
+    def text_chars(self) -> int:
+        """Characters of text the template will render: contents, tool-call arguments, tool definitions
+        (a lower bound of the prompt's length, cheap to compute before templating)."""
+        total = 0
+        for m in self.messages:
+            if isinstance(m.content, str):
+                total += len(m.content)
+            elif m.content:
+                total += sum(len(p.text) for p in m.content if isinstance(p, TextPart))
+            for call in m.tool_calls or ():
+                args = call.function.arguments
+                total += len(call.function.name) + (len(args) if isinstance(args, str) else 0)
+        return total
+
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    prompt: str | list[Annotated[int, Field(ge=0, le=INT32)]]
     max_tokens: int | None = None  # absent: 16 (OpenAI's default), or less if the context leaves less room
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False

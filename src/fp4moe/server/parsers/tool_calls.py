@@ -73,12 +73,12 @@ def convert_value(raw: str, kind: str | list | None):
                 return json.loads(value)
             if k == "null" and value.strip().lower() in ("null", "none"):
                 return None
-        except (ValueError, json.JSONDecodeError):
+        except (ValueError, RecursionError):  # JSONDecodeError, a number past 4,300 digits, deep nesting
             continue
     if kind is None:  # unknown parameter: JSON if it parses, else the string
         try:
             return json.loads(value)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return value
     return value
 
