@@ -163,30 +163,40 @@ def test_yarn_rope_matches_transformers():
     )
 
 
-def test_yarn_override_matches_transformers_with_the_same_override(checkpoints):
-    path = checkpoints.bf16()
-    yarn = {
+def _yarn(factor: float) -> dict:
+    """A text_config override: YaRN x``factor`` over the tiny model's 8,192 positions."""
+    return {
         "rope_parameters": {
             "rope_type": "yarn",
-            "factor": 2.0,
+            "factor": factor,
             "original_max_position_embeddings": 8192,
             "rope_theta": 1e7,
             "partial_rotary_factor": 0.25,
             "mrope_section": [2, 1, 1],
             "mrope_interleaved": True,
         },
-        "max_position_embeddings": 16384,
+        "max_position_embeddings": int(8192 * factor),
     }
-    llm = LLM(path, dtype="float32", hf_overrides={"text_config": yarn})
-    assert llm.max_model_len == 16384
+
+
+def _reference_with(path, text_overrides: dict):
+    """transformers' model (fp32) of ``path`` with ``text_overrides`` set on its text config."""
     from transformers import AutoConfig, Qwen3_5MoeForConditionalGeneration
 
     cfg = AutoConfig.from_pretrained(str(path))
-    cfg.text_config.rope_parameters = yarn["rope_parameters"]
-    cfg.text_config.max_position_embeddings = 16384
-    ref = Qwen3_5MoeForConditionalGeneration.from_pretrained(
+    for key, value in text_overrides.items():
+        setattr(cfg.text_config, key, value)
+    return Qwen3_5MoeForConditionalGeneration.from_pretrained(
         str(path), config=cfg, dtype=torch.float32
     ).eval()
+
+
+def test_yarn_override_matches_transformers_with_the_same_override(checkpoints):
+    path = checkpoints.bf16()
+    yarn = _yarn(2.0)
+    llm = LLM(path, dtype="float32", hf_overrides={"text_config": yarn})
+    assert llm.max_model_len == 16384
+    ref = _reference_with(path, yarn)
     prompt = _prompts(seed=11, lengths=(40,))[0]
     ours, _ = _flat_prefill(llm.model, [prompt])
     torch.testing.assert_close(ours, _ref_logits(ref, prompt), atol=ATOL, rtol=0)
@@ -216,18 +226,7 @@ def test_long_context_chunked_prefill_with_yarn_matches_transformers(checkpoints
     from fp4moe.engine.sequence import Sequence
 
     path = checkpoints.bf16()
-    yarn = {
-        "rope_parameters": {
-            "rope_type": "yarn",
-            "factor": 4.0,
-            "original_max_position_embeddings": 8192,
-            "rope_theta": 1e7,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [2, 1, 1],
-            "mrope_interleaved": True,
-        },
-        "max_position_embeddings": 32768,
-    }
+    yarn = _yarn(4.0)
     llm = LLM(path, dtype="float32", hf_overrides={"text_config": yarn})
     n, chunk, steps = 9000, 512, 4
     prompt = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(22)).tolist()
@@ -249,14 +248,7 @@ def test_long_context_chunked_prefill_with_yarn_matches_transformers(checkpoints
             hidden, _ = runner.forward([(seq, 1)], kv, states)
             seq.num_cached += 1
             ours[len(seq.all_ids) - 1] = llm.model.compute_logits(hidden[-1:])[0]
-    from transformers import AutoConfig, Qwen3_5MoeForConditionalGeneration
-
-    cfg = AutoConfig.from_pretrained(str(path))
-    cfg.text_config.rope_parameters = yarn["rope_parameters"]
-    cfg.text_config.max_position_embeddings = 32768
-    ref = Qwen3_5MoeForConditionalGeneration.from_pretrained(
-        str(path), config=cfg, dtype=torch.float32
-    ).eval()
+    ref = _reference_with(path, yarn)
     full = _ref_logits(ref, torch.tensor(seq.all_ids))
     positions = sorted(ours)
     assert len(positions) >= 2 * (n // chunk) and positions[-1] == n + steps - 1

@@ -1,4 +1,6 @@
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,11 +15,36 @@ from fp4moe.server.app import ServerConfig, build_app
 from fp4moe.server.uvicorn_server import Server
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_cli_server(path, *args: str) -> tuple[subprocess.Popen, str]:
+    """``fp4moe serve PATH`` in its own process (fp32 on the CPU, a free port, ``args`` appended) -> (process,
+    root URL) once /health answers; stderr is piped for the caller to read."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "fp4moe.cli", "serve", str(path), "--port", str(port)]
+    cmd += ["--dtype", "float32", "--device", "cpu", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    root = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{root}/health", timeout=1).status_code == 200:
+                return proc, root
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise AssertionError("server did not start")
+        time.sleep(0.2)
+
+
 class RunningServer:
     def __init__(self, app, engine):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.engine = engine
         self.server = Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

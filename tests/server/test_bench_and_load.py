@@ -147,44 +147,14 @@ def test_stream_and_nonstream_share_the_engine_under_threads(server):
 def test_sigterm_lets_in_flight_streams_finish(checkpoints):
     import os
     import signal
-    import socket
-    import subprocess
-    import sys
-    import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "fp4moe.cli",
-            "serve",
-            str(checkpoints.bf16()),
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-            "--device",
-            "cpu",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    from conftest import start_cli_server
+
+    proc, root = start_cli_server(checkpoints.bf16())
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
-            time.sleep(0.2)
         lines = []
         body = {"prompt": "hello", "max_tokens": 40, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", f"{root}/v1/completions", json=body, timeout=60) as r:
             for i, line in enumerate(r.iter_lines()):
                 lines.append(line)
                 if i == 4:

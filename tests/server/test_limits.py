@@ -4,9 +4,6 @@ server that keeps serving; the limits (n, body, prompt characters, max_tokens, s
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -334,24 +331,11 @@ def test_engine_death_ends_requests_in_flight(checkpoints, monkeypatch):
 def test_sigterm_ends_long_streams_with_an_error_event_and_done(checkpoints):
     """A stream (and a non-stream request) still running when the shutdown grace period ends is stopped with
     an error event and [DONE] (a 503) before the process exits, instead of a cut connection."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from conftest import start_cli_server
+
     grace = 4.0
-    cmd = [sys.executable, "-m", "fp4moe.cli", "serve", str(checkpoints.bf16()), "--port", str(port)]
-    cmd += ["--dtype", "float32", "--device", "cpu", "--timeout-graceful-shutdown", str(grace)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    root = f"http://127.0.0.1:{port}"
+    proc, root = start_cli_server(checkpoints.bf16(), "--timeout-graceful-shutdown", str(grace))
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{root}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
-            time.sleep(0.2)
         body = {"prompt": "x", "max_tokens": 8000, "ignore_eos": True}  # minutes of CPU decoding
         results = {}
 

@@ -44,13 +44,7 @@ class PromptError(ValueError):
 
 def _plain_greedy(p: SamplingParams) -> bool:
     """Greedy with nothing that needs the host's per-sequence sampler (penalties, logprobs)."""
-    return (
-        p.greedy
-        and p.logprobs is None
-        and p.repetition_penalty == 1.0
-        and not p.presence_penalty
-        and not p.frequency_penalty
-    )
+    return p.greedy and p.logprobs is None and not p.penalized
 
 
 # num_speculative_tokens="auto" on the GPU engine with an MTP head (H200, full-size shapes: 1.32x at batch 1

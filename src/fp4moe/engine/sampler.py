@@ -69,6 +69,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Any repetition, presence or frequency penalty (they depend on the history, sampled on the host)."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
 
 def apply_penalties(
     logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], p: SamplingParams

@@ -230,9 +230,7 @@ class MTPSpeculator:
             and self.drafter == self._mtp_drafts
             and kv is self.llm.runner.kv
             and p.logprobs is None
-            and p.repetition_penalty == 1.0
-            and not p.presence_penalty
-            and not p.frequency_penalty
+            and not p.penalized
             and len(seq.all_ids) - 1 + 2 * self.k <= max_model_len  # its MTP drafts reach p + 2k - 1
             and (not kv.fp8 or all(layer in kv.scales for layer in kv.index))
         )
