@@ -60,6 +60,15 @@ def start_server(model: str, spec: str, args, port: int) -> tuple[subprocess.Pop
     env = dict(os.environ)
     if rate:
         env["FP4MOE_FORCE_ACCEPTANCE"] = rate
+    if args.engine == "vllm":  # stock vLLM through fp4moe's recipe printer, in its own environment
+        if rate:
+            raise SystemExit("--spec forced is fp4moe's benchmark switch; vLLM runs off or rejected")
+        serve = ["python3", "-m", "fp4moe.cli", "serve", model, "--engine", "vllm", "--exec", "--load-format", "dummy",
+                 "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
+                 "--num-speculative-tokens", k]  # fmt: skip
+        script = f"unset PYTHONPATH; . {args.vllm_site}/vllm-env.sh; export PYTHONPATH=$PYTHONPATH:{HERE.parent / 'src'}; exec "
+        cmd = ["bash", "-c", script + " ".join(serve)]
+        return _wait_for(cmd, env, port, spec, args)
     cmd = [
         sys.executable,
         "-m",
@@ -80,6 +89,10 @@ def start_server(model: str, spec: str, args, port: int) -> tuple[subprocess.Pop
         str(args.max_model_len),
     ]
     cmd += ["--num-speculative-tokens", k, "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    return _wait_for(cmd, env, port, spec, args)
+
+
+def _wait_for(cmd: list[str], env: dict, port: int, spec: str, args) -> tuple[subprocess.Popen, float]:
     log("$", " ".join(cmd))
     t0 = time.monotonic()
     with open(args.out / f"server-{spec}.log", "w") as errors:  # the child keeps its own descriptor
@@ -234,13 +247,15 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--device", default="cuda", help="cuda; cpu only to try the script on a tiny model")
     p.add_argument("--out", type=Path, default=Path("serve-results"))
+    p.add_argument("--engine", choices=["fp4moe", "vllm"], default="fp4moe", help="whose server to measure")
+    p.add_argument("--vllm-site", default="/tmp/vllm-site", help="where scripts/vllm_join.sh installed vLLM")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from fp4moe.models.full_size import resolve
 
     model = resolve(args.model, "dummy")
     result = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", model=args.model,
-                  pp=args.pp, tg=args.tg, served={}, profile={}, startup_s={})  # fmt: skip
+                  engine=args.engine, pp=args.pp, tg=args.tg, served={}, profile={}, startup_s={})  # fmt: skip
     for spec in args.spec:
         log(f"serve, speculation {spec}")
         port = free_port()

@@ -716,6 +716,14 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def vllm_without_flashinfer() -> bool:
+    """vLLM installed here without flashinfer (an optional dependency on Hopper): its defaults then need the
+    Triton GDN prefill and VLLM_USE_FLASHINFER_SAMPLER=0."""
+    from importlib.util import find_spec
+
+    return find_spec("vllm") is not None and find_spec("flashinfer") is None
+
+
 def vllm_command(args) -> list[str]:
     """The reference recipe for stock vLLM, adapted to this checkpoint."""
     from pathlib import Path
@@ -765,8 +773,12 @@ def vllm_command(args) -> list[str]:
         "--max-num-seqs",
         str(args.max_num_seqs),
     ]
-    if int(text.get("mtp_num_hidden_layers", 0) or 0) > 0:
-        cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
+    k = getattr(args, "num_speculative_tokens", "auto")
+    k = 2 if k == "auto" else int(k)  # the reference recipe's n = 2; 0 turns MTP off
+    if k and int(text.get("mtp_num_hidden_layers", 0) or 0) > 0:
+        cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k})]
+    if vllm_without_flashinfer():  # on Hopper vLLM's "auto" GDN prefill picks FlashInfer without checking for it
+        cmd += ["--gdn-prefill-backend", "triton"]
     if args.tensor_parallel_size > 1:
         cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size), "--enable-expert-parallel"]
     if args.api_key:
@@ -787,9 +799,10 @@ def cmd_serve(args) -> int:
     args.device = _device(args.device)
     if args.engine == "vllm":
         cmd = vllm_command(args)
+        env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"} if vllm_without_flashinfer() else {}
         if args.exec:
-            os.execvp(cmd[0], cmd)
-        print(shlex.join(cmd))
+            os.execvpe(cmd[0], cmd, {**os.environ, **env})
+        print(shlex.join([f"{k}={v}" for k, v in env.items()] + cmd))
         return 0
     from fp4moe.engine.core import AsyncEngine, EngineCore
     from fp4moe.engine.llm import LLM

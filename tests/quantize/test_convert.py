@@ -6,62 +6,14 @@ import torch
 from fixtures import load_all, rewrite_tensors
 from fp4moe.formats import nvfp4
 from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
-from fp4moe.quantize.convert import convert
+from fp4moe.quantize.convert import convert, fuse_experts
 from fp4moe.quantize.inspect import inspect_checkpoint
-
-PROJ = ("gate_proj", "up_proj", "down_proj")
-
-
-def fuse_nvfp4(tensors: dict[str, torch.Tensor], num_layers=4, num_experts=8) -> dict[str, torch.Tensor]:
-    """Our per-expert ModelOpt tensors rewritten in the reference build's fused layout."""
-    out = dict(tensors)
-    for i in range(num_layers):
-        p = f"model.language_model.layers.{i}.mlp.experts."
-        get = {
-            (e, proj, s): out.pop(f"{p}{e}.{proj}.{s}")
-            for e in range(num_experts)
-            for proj in PROJ
-            for s in ("weight", "weight_scale", "weight_scale_2", "input_scale")
-        }
-        gu = [
-            torch.cat([get[(e, "gate_proj", "weight")], get[(e, "up_proj", "weight")]])
-            for e in range(num_experts)
-        ]
-        gu_s = [
-            torch.cat([get[(e, "gate_proj", "weight_scale")], get[(e, "up_proj", "weight_scale")]])
-            for e in range(num_experts)
-        ]
-        out[f"{p}gate_up_proj"] = torch.stack(gu)
-        out[f"{p}gate_up_proj_weight_scale"] = torch.stack(gu_s)
-        out[f"{p}gate_up_proj_weight_scale_2"] = torch.stack(
-            [
-                torch.stack([get[(e, "gate_proj", "weight_scale_2")], get[(e, "up_proj", "weight_scale_2")]])
-                for e in range(num_experts)
-            ]
-        )
-        out[f"{p}gate_up_proj_input_scale"] = torch.stack(
-            [
-                torch.stack([get[(e, "gate_proj", "input_scale")], get[(e, "up_proj", "input_scale")]])
-                for e in range(num_experts)
-            ]
-        )
-        out[f"{p}down_proj"] = torch.stack([get[(e, "down_proj", "weight")] for e in range(num_experts)])
-        out[f"{p}down_proj_weight_scale"] = torch.stack(
-            [get[(e, "down_proj", "weight_scale")] for e in range(num_experts)]
-        )
-        out[f"{p}down_proj_weight_scale_2"] = torch.stack(
-            [get[(e, "down_proj", "weight_scale_2")] for e in range(num_experts)]
-        )
-        out[f"{p}down_proj_input_scale"] = torch.stack(
-            [get[(e, "down_proj", "input_scale")] for e in range(num_experts)]
-        )
-    return out
 
 
 @pytest.fixture
 def fused(checkpoints):
     path = checkpoints.copy(checkpoints.quantized(), "fused")
-    rewrite_tensors(path, fuse_nvfp4(load_all(path)))
+    rewrite_tensors(path, fuse_experts(load_all(path), num_layers=4, num_experts=8))
     return path
 
 

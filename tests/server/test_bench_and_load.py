@@ -108,6 +108,21 @@ def test_vllm_command(checkpoints, capsys):
         assert part in cmd, part
 
 
+def test_vllm_command_speculation_and_flashinfer_less_install(checkpoints, capsys, monkeypatch):
+    import fp4moe.cli as cli
+
+    path = str(checkpoints.quantized())
+    monkeypatch.setattr(cli, "vllm_without_flashinfer", lambda: True)
+    assert main(["serve", path, "--engine", "vllm", "--num-speculative-tokens", "0"]) == 0
+    cmd = capsys.readouterr().out
+    assert cmd.startswith("VLLM_USE_FLASHINFER_SAMPLER=0 vllm serve")
+    assert "--gdn-prefill-backend triton" in cmd and "speculative" not in cmd
+    monkeypatch.setattr(cli, "vllm_without_flashinfer", lambda: False)
+    assert main(["serve", path, "--engine", "vllm", "--num-speculative-tokens", "3"]) == 0
+    cmd = capsys.readouterr().out
+    assert cmd.startswith("vllm serve") and '"num_speculative_tokens": 3' in cmd and "gdn" not in cmd
+
+
 def test_serve_help_lists_every_option():
     from fp4moe.cli import build_parser
 

@@ -214,3 +214,28 @@ def convert(
             )
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def fuse_experts(
+    tensors: dict[str, torch.Tensor], num_layers: int, num_experts: int, prefix: str = "model.language_model."
+) -> dict[str, torch.Tensor]:
+    """The inverse of ``convert``: per-expert ModelOpt NVFP4 tensors rewritten in the reference build's fused
+    layout (gate rows first; ``weight_scale_2`` and ``input_scale`` per expert and projection). Builds the
+    fused checkpoints that tests and the vLLM side-by-side run ``convert`` on."""
+    out = dict(tensors)
+    for i in range(num_layers):
+        p = f"{prefix}layers.{i}.mlp.experts."
+
+        def take(proj: str, suffix: str, p: str = p) -> list[torch.Tensor]:
+            return [out.pop(f"{p}{e}.{proj}.{suffix}") for e in range(num_experts)]
+
+        for suffix, fused in zip(
+            layouts.SUFFIXES[OutputFormat.MODELOPT], layouts.FUSED_NVFP4_SUFFIXES, strict=True
+        ):
+            gate, up, down = take("gate_proj", suffix), take("up_proj", suffix), take("down_proj", suffix)
+            join = torch.cat if suffix in ("weight", "weight_scale") else torch.stack
+            out[f"{p}gate_up_proj{fused}"] = torch.stack(
+                [join([g, u]) for g, u in zip(gate, up, strict=True)]
+            )
+            out[f"{p}down_proj{fused}"] = torch.stack(down)
+    return out

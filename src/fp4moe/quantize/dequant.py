@@ -39,7 +39,7 @@ def dequantized_state_dict(path: str | Path, dtype=torch.float32) -> dict[str, t
     reader = CheckpointReader(path)
     prefix = arch.text_prefix(reader)
     state = {}
-    dense_nvfp4 = set()  # other NVFP4 linears (recipes that quantize more than the experts)
+    dense_nvfp4 = set()  # other NVFP4 or FP8 linears (recipes that quantize more than the experts)
     for name, info in reader.infos.items():
         if name.startswith("mtp.") or arch.classify(name) is arch.Role.ROUTED_EXPERT:
             continue
@@ -49,6 +49,11 @@ def dequantized_state_dict(path: str | Path, dtype=torch.float32) -> dict[str, t
             tensors = {s: reader.get(f"{module}.{s}") for s in SUFFIXES[fmt]}
             state[f"{module}.weight"] = layouts.read_quantized_linear(fmt, tensors, dtype)
             dense_nvfp4.update(f"{module}.{s}" for s in SUFFIXES[fmt])
+        elif name.endswith(".weight") and info.dtype == "F8_E4M3":  # a per-tensor FP8 linear (--quantize :fp8)
+            module = layouts.module_of(name)
+            scale = reader.get(f"{module}.weight_scale").float()
+            state[name] = (reader.get(name).float() * scale).to(dtype)
+            dense_nvfp4.update(f"{module}.{s}" for s in ("weight", "weight_scale", "input_scale"))
     for name in reader.names():
         if name.startswith("mtp.") or arch.classify(name) is arch.Role.ROUTED_EXPERT or name in dense_nvfp4:
             continue

@@ -1,0 +1,574 @@
+"""Our checkpoints in stock vLLM (issue 21): do they load, and do vLLM, fp4moe and transformers agree on them?
+
+Stages (each a subcommand; ``benchmarks/vllm_side_by_side.sh`` runs them on the H200 in the order below):
+
+``make DIR``      (fp4moe's environment) a synthetic qwen3_5_moe model whose dims vLLM's kernels accept
+                  (hidden 512, 4 layers in the 3:1 Gated DeltaNet / gated attention pattern, 16 experts
+                  top-4 of I = 128 plus a shared expert, head dims 128 as in the real model, a vision tower,
+                  an MTP head; random weights, lm_head scaled so the logits are peaked, not flat) and the
+                  checkpoints of the compatibility matrix written from it by ``fp4moe quantize`` (the default,
+                  ``--scale-method rtn``, ``--gptq``, ``--quantize attention:fp8,deltanet:fp8,shared:fp8``,
+                  ``--format compressed-tensors``) and by ``fp4moe convert`` from the default rewritten in the
+                  reference build's fused layout.
+``ours DIR``      (fp4moe's environment, the GPU) for each checkpoint: transformers in fp32 on the dequantized
+                  weights (the reference nobody here wrote) and fp4moe's GPU engine: teacher-forced log-probs
+                  of fixed windows of held-out text, greedy continuations with their logprobs, and the MTP
+                  head's predicted first-draft acceptance (``fp4moe eval``'s figure).
+``vllm DIR``      (vLLM's environment) each checkpoint in a fresh ``vllm.LLM`` (eager, bf16 activations,
+                  ``enable_weights_track`` so a parameter that received no tensor fails the load): prompt
+                  log-probs of the same windows and the same greedy continuations.
+``report DIR``    the matrix: loads, greedy agreement (first split accepted only at a near tie of the
+                  reference, ``engine.compare``), chosen-token |Δ logprob| of vLLM and of fp4moe against
+                  transformers (median and p99 over every teacher-forced position) and the top-1 agreement.
+
+Tolerances: vLLM and fp4moe compute in bf16, the reference in fp32 on the same dequantized weights, so each
+engine's distance from the reference on the bf16 source itself (the ``bf16`` row) is its noise floor. A
+quantized checkpoint passes in an engine when its median chosen-token |Δ logprob| stays within
+1.5 × that floor + 0.02 nats and its top-1 agreement within 3 points of it (a wrong scale or a mis-mapped
+tensor moves logprobs by whole nats and top-1 by tens of points). Greedy continuations are reported (tokens
+equal before the first split, splits at a reference near tie < 0.05 nats apart) but not judged: bf16 noise
+may split them anywhere the two best tokens are close.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = {  # name -> fp4moe quantize options (QuantizeOptions fields); "converted" is made from "default"
+    "bf16": None,  # the source itself: each engine's bf16 noise against the fp32 reference, the yardstick
+    "default": {},
+    "rtn": {"scale_method": "rtn"},
+    "gptq": {"gptq": True},
+    "fp8-mix": {"quantize_extra": ("attention:fp8", "deltanet:fp8", "shared:fp8")},
+    "compressed-tensors": {"format": "compressed-tensors"},
+    "converted": None,
+}
+WINDOWS, WINDOW_LEN, GEN_PROMPT_LEN, GEN_TOKENS = 4, 256, 64, 32
+NOISE_FACTOR, NOISE_SLACK, TOP1_SLACK, TIE = 1.5, 0.02, 0.03, 0.05
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def spec():
+    from fp4moe.models.tiny import TinySpec
+
+    return TinySpec(
+        hidden_size=512,
+        num_layers=4,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        vocab_size=8192,
+        tokenizer_vocab=8000,
+        init_std=0.03,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_head_dim=128,
+        mrope_section=(6, 5, 5),  # 128 * 0.25 / 2 rotary frequencies
+    )
+
+
+def cmd_make(args) -> None:
+    from fp4moe.formats.checkpoint import CheckpointReader, ShardedWriter
+    from fp4moe.models.tiny import (
+        CheckpointLayout,
+        build_state,
+        special_ids,
+        tiny_config,
+        train_tokenizer,
+        write_checkpoint,
+    )
+    from fp4moe.quantize.convert import convert, fuse_experts
+    from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+
+    root = Path(args.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    s = spec()
+    tok = train_tokenizer(s.tokenizer_vocab)
+    config = tiny_config(s, special_ids(tok))
+    v = config.vision_config  # head dim 64: vLLM's vision attention backends take it
+    v.hidden_size, v.intermediate_size, v.num_heads = 128, 256, 2
+    state = build_state(s, config)
+    state["lm_head.weight"] = state["lm_head.weight"] * 3  # peaked logits: fewer near ties to excuse
+    src = write_checkpoint(root / "bf16", config, state, tok, s, CheckpointLayout.QWEN3_5, 50 << 20)
+    log(f"bf16 source: {src}")
+    calib = dict(num_samples=32, seq_len=256, progress=False, overwrite=True)
+    for name, options in VARIANTS.items():
+        if options is None:  # bf16 is the source, converted is made below
+            continue
+        t0 = time.perf_counter()
+        quantize(src, root / name, QuantizeOptions(**{**calib, **options}))
+        log(f"{name}: quantized in {time.perf_counter() - t0:.1f} s")
+    fused = root / "fused"  # the reference build's layout, then back through fp4moe convert
+    shutil.rmtree(fused, ignore_errors=True)
+    shutil.copytree(root / "default", fused, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    reader = CheckpointReader(root / "default")
+    tensors = fuse_experts({n: reader.get(n) for n in reader.names()}, s.num_layers, s.num_experts)
+    writer = ShardedWriter(fused, max_shard_bytes=50 << 20)
+    for n in sorted(tensors):
+        writer.add(n, tensors[n])
+    writer.close()
+    report = convert(fused, root / "converted", overwrite=True, progress=False)
+    log(f"converted: {report.experts_converted} experts, re-quantized {report.experts_requantized}")
+
+
+def prompts(path: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """(teacher-forced windows, generation prompts) of the packaged held-out text, same for every engine."""
+    from transformers import AutoTokenizer
+
+    from fp4moe.data import corpus_text
+
+    ids = AutoTokenizer.from_pretrained(str(path))(corpus_text("heldout"))["input_ids"]
+    windows = [ids[i * WINDOW_LEN : (i + 1) * WINDOW_LEN] for i in range(WINDOWS)]
+    base = WINDOWS * WINDOW_LEN
+    gen = [ids[base + i * GEN_PROMPT_LEN : base + (i + 1) * GEN_PROMPT_LEN] for i in range(WINDOWS)]
+    return windows, gen
+
+
+def checkpoints(root: Path) -> list[str]:
+    return [n for n in VARIANTS if (root / n / "config.json").exists()]
+
+
+def cmd_ours(args) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.eval.quality import window_outputs
+    from fp4moe.quantize.dequant import dequantized_state_dict
+    from fp4moe.quantize.quality import load_reference_model
+
+    root = Path(args.dir)
+    windows, gen = prompts(root / "bf16")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for name in checkpoints(root):
+        path = root / name
+        out = {"name": name}
+        # transformers, fp32, dequantized weights
+        model = load_reference_model(root / "bf16")
+        if name != "bf16":
+            model.load_state_dict(dequantized_state_dict(path), strict=True)
+        model = model.to(dev)
+        with torch.no_grad():
+            lp = [
+                F.log_softmax(model(input_ids=torch.tensor([w], device=dev)).logits[0].float(), -1)
+                for w in windows
+            ]
+            out["hf_chosen"] = [
+                x[:-1].gather(-1, torch.tensor(w[1:], device=dev)[:, None])[:, 0].tolist()
+                for x, w in zip(lp, windows, strict=True)
+            ]
+            out["hf_top1"] = [x[:-1].argmax(-1).tolist() for x in lp]
+            top2 = [x[:-1].topk(2, -1).values for x in lp]
+            out["hf_margin"] = [(t[:, 0] - t[:, 1]).tolist() for t in top2]
+            out["hf_greedy"] = []
+            for p in gen:
+                ids, steps = list(p), []
+                for _ in range(GEN_TOKENS):  # plain argmax loop: transformers' own forward, no cache tricks
+                    logits = model(input_ids=torch.tensor([ids], device=dev)).logits[0, -1].float()
+                    lps = F.log_softmax(logits, -1)
+                    t2 = lps.topk(2)
+                    steps.append(
+                        [int(t2.indices[0]), float(t2.values[0]), float(t2.values[0] - t2.values[1])]
+                    )
+                    ids.append(int(t2.indices[0]))
+                out["hf_greedy"].append(steps)
+        del model
+        torch.cuda.empty_cache() if dev == "cuda" else None
+        # fp4moe's engine
+        llm = LLM(path, device=dev, max_model_len=2048, max_num_seqs=8, gpu_memory_utilization=0.3)
+        chosen, top1, drafts = [], [], []
+        for w in windows:
+            lps, d = window_outputs(llm, w)
+            chosen.append(lps[:-1].gather(-1, torch.tensor(w[1:])[:, None])[:, 0].tolist())
+            top1.append(lps[:-1].argmax(-1).tolist())
+            if d is not None:
+                drafts.append(
+                    sum(int(a == b) for a, b in zip(d.tolist(), w[2:], strict=False)) / max(1, len(w) - 2)
+                )
+        out["ours_chosen"], out["ours_top1"] = chosen, top1
+        out["ours_mtp_acceptance"] = statistics.mean(drafts) if drafts else None
+        res = llm.generate(
+            gen, SamplingParams(max_tokens=GEN_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+        )
+        out["ours_greedy"] = [
+            [
+                [t, lp]
+                for t, lp in zip(
+                    r.outputs[0].token_ids, (x.logprob for x in r.outputs[0].logprobs), strict=True
+                )
+            ]
+            for r in res
+        ]
+        del llm
+        (path / "ours.json").write_text(json.dumps(out))
+        log(f"{name}: transformers and fp4moe done")
+
+
+def cmd_vllm_one(args) -> None:
+    """One checkpoint in a fresh vLLM (a subprocess per checkpoint: vLLM's engine owns the GPU until exit)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    path = Path(args.ckpt)
+    windows, gen = prompts(path.parent / "bf16")
+    out = {"name": path.name}
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=str(path),
+        enforce_eager=True,
+        max_model_len=2048,
+        max_num_seqs=8,
+        gpu_memory_utilization=0.3,
+        enable_prefix_caching=False,
+        seed=0,
+        gdn_prefill_backend=args.gdn_prefill_backend,
+        model_loader_extra_config={"enable_weights_track": True},
+        limit_mm_per_prompt={"image": 0, "video": 0},
+    )
+    out["load_s"] = time.perf_counter() - t0
+    tf = llm.generate(
+        [TokensPrompt(prompt_token_ids=w) for w in windows],
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+    )
+    out["vllm_chosen"] = [
+        [d[t].logprob for d, t in zip(r.prompt_logprobs[1:], w[1:], strict=True)]
+        for r, w in zip(tf, windows, strict=True)
+    ]
+    out["vllm_top1"] = [
+        [next(t for t, x in d.items() if x.rank == 1) for d in r.prompt_logprobs[1:]] for r in tf
+    ]
+    g = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in gen],
+        SamplingParams(temperature=0, max_tokens=GEN_TOKENS, ignore_eos=True, logprobs=1),
+    )
+    out["vllm_greedy"] = [
+        [[t, d[t].logprob] for t, d in zip(r.outputs[0].token_ids, r.outputs[0].logprobs, strict=True)]
+        for r in g
+    ]
+    (path / "vllm.json").write_text(json.dumps(out))
+    log(f"{path.name}: vLLM loaded in {out['load_s']:.1f} s and answered")
+
+
+def cmd_vllm(args) -> None:
+    root = Path(args.dir)
+    for name in checkpoints(root):
+        t0 = time.perf_counter()
+        cmd = [
+            sys.executable,
+            __file__,
+            "vllm-one",
+            str(root / name),
+            "--gdn-prefill-backend",
+            args.gdn_prefill_backend,
+        ]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        (root / name / "vllm.log").write_text(r.stdout + r.stderr)
+        if r.returncode:
+            errors = [
+                line for line in (r.stdout + r.stderr).splitlines() if "Error" in line or "error" in line
+            ]
+            (root / name / "vllm.json").write_text(
+                json.dumps({"name": name, "error": errors[-5:] or r.stderr[-2000:]})
+            )
+        log(f"{name}: vLLM rc={r.returncode} in {time.perf_counter() - t0:.0f} s")
+
+
+def cmd_recipe(args) -> None:
+    """``fp4moe serve --engine vllm --exec`` (the reference recipe: fp8 KV, YaRN, MTP n = 2, reasoning and tool
+    parsers, prefix caching) on one checkpoint, asked through the ``openai`` client: a chat request, a streamed
+    tool call (named ``tool_choice``: the random model never chooses one itself), an image request, then a long
+    greedy completion for MTP's acceptance counters. Runs in vLLM's environment (fp4moe's ``src`` on the path)."""
+    import base64
+    import io
+    import os
+    import socket
+
+    import httpx
+    import openai
+    from PIL import Image
+
+    ckpt = Path(args.ckpt)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fp4moe.cli",
+        "serve",
+        str(ckpt),
+        "--engine",
+        "vllm",
+        "--exec",
+        "--port",
+        str(port),
+    ]
+    out = {"checkpoint": ckpt.name}
+    out["command"] = subprocess.run(
+        [c for c in cmd if c != "--exec"], capture_output=True, text=True
+    ).stdout.strip()
+    log("$", out["command"])
+    t0 = time.monotonic()
+    logf = open(ckpt / "recipe-server.log", "w")  # noqa: SIM115 (the server writes to it until it stops)
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() - t0 > args.timeout:
+                raise RuntimeError(f"vLLM did not start; see {ckpt / 'recipe-server.log'}")
+            time.sleep(1)
+        out["startup_s"] = time.monotonic() - t0
+        log(f"vLLM serving after {out['startup_s']:.0f} s")
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        chat = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Write a haiku about GPUs."}],
+            max_tokens=48,
+            temperature=0,
+        )
+        msg = chat.choices[0].message
+        out["chat"] = {
+            "finish_reason": chat.choices[0].finish_reason,
+            "content": msg.content,
+            "reasoning": getattr(msg, "reasoning", None) or getattr(msg, "reasoning_content", None),
+            "usage": chat.usage.model_dump(),
+        }
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "description": "Weather in a city",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string"}},
+                        "required": ["city"],
+                    },
+                },
+            }
+        ]
+        calls, chunks = {}, 0
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=tools,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            stream=True,
+            max_tokens=64,
+            temperature=0,
+        )
+        for chunk in stream:
+            chunks += 1
+            for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                c["name"] += (tc.function.name or "") if tc.function else ""
+                c["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        out["tool_call_stream"] = {"chunks": chunks, "calls": list(calls.values())}
+        for c in calls.values():
+            try:
+                c["arguments_parse"] = json.loads(c["arguments"])
+            except ValueError as e:
+                c["arguments_parse"] = f"not JSON: {e}"
+        buf = io.BytesIO()
+        Image.new("RGB", (64, 64), (200, 40, 40)).save(buf, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        img = client.chat.completions.create(
+            model=model,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What colour is this?"},
+                        {"type": "image_url", "image_url": {"url": url}},
+                    ],
+                }
+            ],
+            max_tokens=16,
+            temperature=0,
+        )
+        out["image"] = {"finish_reason": img.choices[0].finish_reason, "usage": img.usage.model_dump()}
+        client.completions.create(
+            model=model, prompt="The Python language reference", max_tokens=512, temperature=0
+        )
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        out["spec_metrics"] = {
+            line.split(" ")[0]: float(line.split(" ")[-1])
+            for line in metrics.splitlines()
+            if line.startswith("vllm:spec_decode") and not line.startswith("#")
+        }
+        log(json.dumps(out, indent=2, default=str))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        logf.close()
+        (ckpt / "recipe.json").write_text(json.dumps(out, indent=2, default=str))
+
+
+def _diffs(a: list[list[float]], b: list[list[float]]) -> list[float]:
+    return [abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+
+
+def _top1(a, b, margin) -> tuple[int, int]:
+    """(agreeing positions, positions compared): a near tie of the reference (margin < TIE) is not compared."""
+    pairs = [
+        (x, y)
+        for ra, rb, rm in zip(a, b, margin, strict=True)
+        for x, y, m in zip(ra, rb, rm, strict=True)
+        if m >= TIE
+    ]
+    return sum(x == y for x, y in pairs), len(pairs)
+
+
+def _greedy(ref: list[list], got: list[list]) -> dict:
+    """Token agreement of greedy continuations: walk to the first split, excused only at a reference near tie."""
+    same = excused = bad = 0
+    lp = []
+    for r, g in zip(ref, got, strict=True):
+        if len(r) != len(g):
+            bad += 1
+            continue
+        for (rt, rlp, rmargin), (gt, glp) in zip(r, g, strict=True):
+            if rt != gt:
+                excused += rmargin < TIE
+                bad += rmargin >= TIE
+                break
+            same += 1
+            lp.append(abs(rlp - glp))
+    return {
+        "tokens_equal": same,
+        "near_tie_splits": excused,
+        "real_splits": bad,
+        "max_dlogprob": max(lp, default=0),
+    }
+
+
+def _q(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(math.ceil(q * len(xs))) - 1)] if xs else float("nan")
+
+
+def cmd_report(args) -> dict:
+    root = Path(args.dir)
+    rows = []
+    for name in checkpoints(root):
+        ours = (
+            json.loads((root / name / "ours.json").read_text())
+            if (root / name / "ours.json").exists()
+            else {}
+        )
+        vl = (
+            json.loads((root / name / "vllm.json").read_text())
+            if (root / name / "vllm.json").exists()
+            else {}
+        )
+        row = {
+            "checkpoint": name,
+            "vllm_loads": bool(vl) and "error" not in vl,
+            "vllm_error": vl.get("error"),
+        }
+        if ours:
+            for who, key in (("ours", "ours"), ("vllm", "vllm")):
+                src = ours if who == "ours" else vl
+                if f"{key}_chosen" not in src:
+                    continue
+                d = _diffs(ours["hf_chosen"], src[f"{key}_chosen"])
+                agree, n = _top1(ours["hf_top1"], src[f"{key}_top1"], ours["hf_margin"])
+                row[who] = {
+                    "median_dlogprob": statistics.median(d),
+                    "p99_dlogprob": _q(d, 0.99),
+                    "max_dlogprob": max(d),
+                    "top1_agreement": agree / max(1, n),
+                    "greedy": _greedy(ours["hf_greedy"], src[f"{key}_greedy"]),
+                }
+                floor = rows[0].get(who) if rows and rows[0]["checkpoint"] == "bf16" else None
+                row[who]["ok"] = floor is None or (
+                    row[who]["median_dlogprob"] <= NOISE_FACTOR * floor["median_dlogprob"] + NOISE_SLACK
+                    and row[who]["top1_agreement"] >= floor["top1_agreement"] - TOP1_SLACK
+                )
+            row["mtp_predicted_acceptance"] = ours.get("ours_mtp_acceptance")
+        rows.append(row)
+    result = {
+        "rows": rows,
+        "tolerances": {
+            "noise_factor": NOISE_FACTOR,
+            "noise_slack": NOISE_SLACK,
+            "top1_slack": TOP1_SLACK,
+            "near_tie": TIE,
+        },
+    }
+    (root / "matrix.json").write_text(json.dumps(result, indent=2))
+    log(
+        "| checkpoint | vLLM loads | vLLM vs transformers: median / p99 abs dlogprob, top-1, greedy tokens equal | fp4moe vs transformers: same |"
+    )
+    log("|---|---|---|---|")
+    for r in rows:
+        cells = []
+        for who in ("vllm", "ours"):
+            x = r.get(who)
+            cells.append(
+                f"{x['median_dlogprob']:.4f} / {x['p99_dlogprob']:.3f}, {100 * x['top1_agreement']:.1f}%, "
+                f"{x['greedy']['tokens_equal']}/{GEN_TOKENS * WINDOWS} (splits at ties {x['greedy']['near_tie_splits']}, "
+                f"elsewhere {x['greedy']['real_splits']}) {'ok' if x['ok'] else 'FAIL'}"
+                if x
+                else "-"
+            )
+        loads = "yes" if r["vllm_loads"] else f"no: {str(r['vllm_error'])[:200]}"
+        log(f"| {r['checkpoint']} | {loads} | {cells[0]} | {cells[1]} |")
+    return result
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("make", "ours", "vllm", "report"):
+        p = sub.add_parser(name)
+        p.add_argument("dir", help="folder of the checkpoints (made by `make`)")
+        if name == "vllm":
+            p.add_argument("--timeout", type=int, default=300, help="seconds per checkpoint")
+            p.add_argument(
+                "--gdn-prefill-backend", default="triton", help="vLLM's GDN prefill (flashinfer not carried)"
+            )
+    p = sub.add_parser("recipe")
+    p.add_argument("ckpt")
+    p.add_argument("--timeout", type=int, default=420, help="seconds for vLLM to start")
+    p = sub.add_parser("vllm-one")
+    p.add_argument("ckpt")
+    p.add_argument("--gdn-prefill-backend", default="triton")
+    args = ap.parse_args(argv)
+    {
+        "make": cmd_make,
+        "ours": cmd_ours,
+        "vllm": cmd_vllm,
+        "vllm-one": cmd_vllm_one,
+        "report": cmd_report,
+        "recipe": cmd_recipe,
+    }[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
