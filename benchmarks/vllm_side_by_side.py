@@ -28,6 +28,9 @@ quantized checkpoint passes in an engine when its median chosen-token |Δ logpro
 tensor moves logprobs by whole nats and top-1 by tens of points). Greedy continuations are reported (tokens
 equal before the first split, splits at a reference near tie < 0.05 nats apart) but not judged: bf16 noise
 may split them anywhere the two best tokens are close.
+
+FP8 linears (``--quantize GROUP:fp8``, ModelOpt FP8 with static input scales) run W8A8 in vLLM, weight-only in
+fp4moe; vLLM is judged against transformers with each FP8 linear's input quantized to E4M3 by its scale.
 """
 
 from __future__ import annotations
@@ -139,13 +142,76 @@ def prompts(path: Path) -> tuple[list[list[int]], list[list[int]]]:
     return windows, gen
 
 
+ONLY: list[str] = []  # --only: a subset of the checkpoints
+
+
 def checkpoints(root: Path) -> list[str]:
-    return [n for n in VARIANTS if (root / n / "config.json").exists()]
+    return [n for n in VARIANTS if (root / n / "config.json").exists() and (not ONLY or n in ONLY)]
+
+
+def fp8_input_scales(path: Path) -> dict:
+    """Module name -> static input scale of each per-tensor FP8 linear (``--quantize GROUP:fp8``)."""
+    from fp4moe.formats.checkpoint import CheckpointReader
+
+    r = CheckpointReader(path)
+    return {
+        n.removesuffix(".input_scale"): r.get(n).float()
+        for n in r.names()
+        if n.endswith(".input_scale") and r.infos[n.removesuffix("input_scale") + "weight"].dtype == "F8_E4M3"
+    }
+
+
+def w8a8_hooks(model, scales: dict) -> list:
+    """Quantize each FP8 linear's input to E4M3 with its static scale (saturating), as vLLM's W8A8 ModelOpt FP8
+    path does: vLLM runs these checkpoints W8A8, fp4moe weight-only, so vLLM is judged against this."""
+    import torch
+
+    def hook(scale):
+        def pre(module, args):
+            x = args[0]
+            s = scale.to(x.device)
+            q = (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+            return (q.to(x.dtype), *args[1:])
+
+        return pre
+
+    return [m.register_forward_pre_hook(hook(scales[n])) for n, m in model.named_modules() if n in scales]
+
+
+def reference(model, windows, gen, dev, prefix: str) -> dict:
+    """transformers' teacher-forced chosen-token logprobs, top-1 and top-2 margins, and greedy continuations."""
+    import torch
+    import torch.nn.functional as F
+
+    out = {}
+    with torch.no_grad():
+        lp = [
+            F.log_softmax(model(input_ids=torch.tensor([w], device=dev)).logits[0].float(), -1)
+            for w in windows
+        ]
+        out[f"{prefix}chosen"] = [
+            x[:-1].gather(-1, torch.tensor(w[1:], device=dev)[:, None])[:, 0].tolist()
+            for x, w in zip(lp, windows, strict=True)
+        ]
+        out[f"{prefix}top1"] = [x[:-1].argmax(-1).tolist() for x in lp]
+        top2 = [x[:-1].topk(2, -1).values for x in lp]
+        out[f"{prefix}margin"] = [(t[:, 0] - t[:, 1]).tolist() for t in top2]
+        out[f"{prefix}greedy"] = []
+        for p in gen:
+            ids, steps = list(p), []
+            for _ in range(GEN_TOKENS):  # plain argmax loop: transformers' own forward, no cache tricks
+                lps = F.log_softmax(
+                    model(input_ids=torch.tensor([ids], device=dev)).logits[0, -1].float(), -1
+                )
+                t2 = lps.topk(2)
+                steps.append([int(t2.indices[0]), float(t2.values[0]), float(t2.values[0] - t2.values[1])])
+                ids.append(int(t2.indices[0]))
+            out[f"{prefix}greedy"].append(steps)
+    return out
 
 
 def cmd_ours(args) -> None:
     import torch
-    import torch.nn.functional as F
 
     from fp4moe.engine.llm import LLM
     from fp4moe.engine.sampler import SamplingParams
@@ -164,30 +230,13 @@ def cmd_ours(args) -> None:
         if name != "bf16":
             model.load_state_dict(dequantized_state_dict(path), strict=True)
         model = model.to(dev)
-        with torch.no_grad():
-            lp = [
-                F.log_softmax(model(input_ids=torch.tensor([w], device=dev)).logits[0].float(), -1)
-                for w in windows
-            ]
-            out["hf_chosen"] = [
-                x[:-1].gather(-1, torch.tensor(w[1:], device=dev)[:, None])[:, 0].tolist()
-                for x, w in zip(lp, windows, strict=True)
-            ]
-            out["hf_top1"] = [x[:-1].argmax(-1).tolist() for x in lp]
-            top2 = [x[:-1].topk(2, -1).values for x in lp]
-            out["hf_margin"] = [(t[:, 0] - t[:, 1]).tolist() for t in top2]
-            out["hf_greedy"] = []
-            for p in gen:
-                ids, steps = list(p), []
-                for _ in range(GEN_TOKENS):  # plain argmax loop: transformers' own forward, no cache tricks
-                    logits = model(input_ids=torch.tensor([ids], device=dev)).logits[0, -1].float()
-                    lps = F.log_softmax(logits, -1)
-                    t2 = lps.topk(2)
-                    steps.append(
-                        [int(t2.indices[0]), float(t2.values[0]), float(t2.values[0] - t2.values[1])]
-                    )
-                    ids.append(int(t2.indices[0]))
-                out["hf_greedy"].append(steps)
+        out.update(reference(model, windows, gen, dev, "hf_"))
+        scales = fp8_input_scales(path) if name != "bf16" else {}
+        if scales:  # vLLM's semantics for FP8 linears: activations quantized too
+            hooks = w8a8_hooks(model, scales)
+            out.update(reference(model, windows, gen, dev, "hf_w8a8_"))
+            for h in hooks:
+                h.remove()
         del model
         torch.cuda.empty_cache() if dev == "cuda" else None
         # fp4moe's engine
@@ -496,14 +545,16 @@ def cmd_report(args) -> dict:
                 src = ours if who == "ours" else vl
                 if f"{key}_chosen" not in src:
                     continue
-                d = _diffs(ours["hf_chosen"], src[f"{key}_chosen"])
-                agree, n = _top1(ours["hf_top1"], src[f"{key}_top1"], ours["hf_margin"])
+                ref = "hf_w8a8_" if who == "vllm" and "hf_w8a8_chosen" in ours else "hf_"
+                d = _diffs(ours[f"{ref}chosen"], src[f"{key}_chosen"])
+                agree, n = _top1(ours[f"{ref}top1"], src[f"{key}_top1"], ours[f"{ref}margin"])
                 row[who] = {
                     "median_dlogprob": statistics.median(d),
                     "p99_dlogprob": _q(d, 0.99),
                     "max_dlogprob": max(d),
                     "top1_agreement": agree / max(1, n),
-                    "greedy": _greedy(ours["hf_greedy"], src[f"{key}_greedy"]),
+                    "greedy": _greedy(ours[f"{ref}greedy"], src[f"{key}_greedy"]),
+                    "reference": "transformers, W8A8 FP8 linears" if ref == "hf_w8a8_" else "transformers",
                 }
                 floor = rows[0].get(who) if rows and rows[0]["checkpoint"] == "bf16" else None
                 row[who]["ok"] = floor is None or (
@@ -548,6 +599,7 @@ def main(argv=None) -> None:
     for name in ("make", "ours", "vllm", "report"):
         p = sub.add_parser(name)
         p.add_argument("dir", help="folder of the checkpoints (made by `make`)")
+        p.add_argument("--only", nargs="*", default=[], choices=list(VARIANTS), help="these checkpoints only")
         if name == "vllm":
             p.add_argument("--timeout", type=int, default=300, help="seconds per checkpoint")
             p.add_argument(
@@ -560,6 +612,7 @@ def main(argv=None) -> None:
     p.add_argument("ckpt")
     p.add_argument("--gdn-prefill-backend", default="triton")
     args = ap.parse_args(argv)
+    ONLY[:] = getattr(args, "only", [])
     {
         "make": cmd_make,
         "ours": cmd_ours,
