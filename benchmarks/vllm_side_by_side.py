@@ -338,19 +338,100 @@ def cmd_vllm(args) -> None:
         log(f"{name}: vLLM rc={r.returncode} in {time.perf_counter() - t0:.0f} s")
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+def _chat(client, model) -> dict:
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Write a haiku about GPUs."}],
+        max_tokens=48,
+        temperature=0,
+    )
+    m = r.choices[0].message
+    reasoning = getattr(m, "reasoning", None) or getattr(m, "reasoning_content", None)
+    return {"finish_reason": r.choices[0].finish_reason, "content": m.content, "reasoning": reasoning,
+            "usage": r.usage.model_dump()}  # fmt: skip
+
+
+def _tool_stream(client, model) -> dict:
+    """A streamed call of a named tool (the random model never chooses one itself): deltas joined per index."""
+    calls, chunks = {}, 0
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True, max_tokens=64, temperature=0,
+    )  # fmt: skip
+    for chunk in stream:
+        chunks += 1
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            c["name"] += (tc.function.name or "") if tc.function else ""
+            c["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    for c in calls.values():
+        try:
+            c["arguments_parse"] = json.loads(c["arguments"])
+        except ValueError as e:
+            c["arguments_parse"] = f"not JSON: {e}"
+    return {"chunks": chunks, "calls": list(calls.values())}
+
+
+def _image(client, model) -> dict:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 40, 40)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    content = [
+        {"type": "text", "text": "What colour is this?"},
+        {"type": "image_url", "image_url": {"url": url}},
+    ]
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=16, temperature=0
+    )
+    return {"finish_reason": r.choices[0].finish_reason, "usage": r.usage.model_dump()}
+
+
+def _spec_metrics(client, model, base: str) -> dict:
+    """A long greedy completion, then vLLM's speculative-decoding counters from /metrics."""
+    import httpx
+
+    client.completions.create(
+        model=model, prompt="The Python language reference", max_tokens=512, temperature=0
+    )
+    metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    return {
+        line.split(" ")[0]: float(line.split(" ")[-1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:spec_decode") and not line.startswith("#")
+    }
+
+
 def cmd_recipe(args) -> None:
     """``fp4moe serve --engine vllm --exec`` (the reference recipe: fp8 KV, YaRN, MTP n = 2, reasoning and tool
     parsers, prefix caching) on one checkpoint, asked through the ``openai`` client: a chat request, a streamed
-    tool call (named ``tool_choice``: the random model never chooses one itself), an image request, then a long
-    greedy completion for MTP's acceptance counters. Runs in vLLM's environment (fp4moe's ``src`` on the path)."""
-    import base64
-    import io
+    tool call, an image request, then a long greedy completion for MTP's acceptance counters; each step's
+    failure is recorded and the next still runs. Runs in vLLM's environment (fp4moe's ``src`` on the path)."""
     import os
     import socket
 
     import httpx
     import openai
-    from PIL import Image
 
     ckpt = Path(args.ckpt)
     with socket.socket() as sock:
@@ -391,83 +472,14 @@ def cmd_recipe(args) -> None:
         log(f"vLLM serving after {out['startup_s']:.0f} s")
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
         model = client.models.list().data[0].id
-        chat = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "Write a haiku about GPUs."}],
-            max_tokens=48,
-            temperature=0,
-        )
-        msg = chat.choices[0].message
-        out["chat"] = {
-            "finish_reason": chat.choices[0].finish_reason,
-            "content": msg.content,
-            "reasoning": getattr(msg, "reasoning", None) or getattr(msg, "reasoning_content", None),
-            "usage": chat.usage.model_dump(),
-        }
-        tools = [
-            {
-                "type": "function",
-                "function": {
-                    "name": "get_weather",
-                    "description": "Weather in a city",
-                    "parameters": {
-                        "type": "object",
-                        "properties": {"city": {"type": "string"}},
-                        "required": ["city"],
-                    },
-                },
-            }
-        ]
-        calls, chunks = {}, 0
-        stream = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-            tools=tools,
-            tool_choice={"type": "function", "function": {"name": "get_weather"}},
-            stream=True,
-            max_tokens=64,
-            temperature=0,
-        )
-        for chunk in stream:
-            chunks += 1
-            for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-                c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
-                c["name"] += (tc.function.name or "") if tc.function else ""
-                c["arguments"] += (tc.function.arguments or "") if tc.function else ""
-        out["tool_call_stream"] = {"chunks": chunks, "calls": list(calls.values())}
-        for c in calls.values():
+        steps = {"chat": _chat, "tool_call_stream": _tool_stream, "image": _image}
+        steps["spec_metrics"] = lambda c, m: _spec_metrics(c, m, base)
+        for name, step in steps.items():
             try:
-                c["arguments_parse"] = json.loads(c["arguments"])
-            except ValueError as e:
-                c["arguments_parse"] = f"not JSON: {e}"
-        buf = io.BytesIO()
-        Image.new("RGB", (64, 64), (200, 40, 40)).save(buf, format="PNG")
-        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-        img = client.chat.completions.create(
-            model=model,
-            messages=[
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": "What colour is this?"},
-                        {"type": "image_url", "image_url": {"url": url}},
-                    ],
-                }
-            ],
-            max_tokens=16,
-            temperature=0,
-        )
-        out["image"] = {"finish_reason": img.choices[0].finish_reason, "usage": img.usage.model_dump()}
-        client.completions.create(
-            model=model, prompt="The Python language reference", max_tokens=512, temperature=0
-        )
-        metrics = httpx.get(f"{base}/metrics", timeout=10).text
-        out["spec_metrics"] = {
-            line.split(" ")[0]: float(line.split(" ")[-1])
-            for line in metrics.splitlines()
-            if line.startswith("vllm:spec_decode") and not line.startswith("#")
-        }
-        log(json.dumps(out, indent=2, default=str))
+                out[name] = step(client, model)
+            except Exception as e:  # noqa: BLE001 (recorded; the next step still runs)
+                out[name] = {"error": f"{type(e).__name__}: {e}"}
+            log(name, json.dumps(out[name], default=str)[:2000])
     finally:
         proc.terminate()
         try:

@@ -4,7 +4,8 @@
 #            part 1 also builds the checkpoints, part 6 installs vLLM and runs fp4moe + transformers on them
 #   matrix   each checkpoint in stock vLLM, then the compatibility table (vllm_side_by_side.py report)
 #   recipe   fp4moe serve --engine vllm --exec on the default checkpoint, asked through the openai client
-#   speed    benchmarks/serve.py --engine vllm (full-size dummy), then the same sweep on fp4moe serve
+#   speed    benchmarks/serve.py --engine vllm (full-size dummy, pp 512 / tg 128 at 1-64 and pp 8192 at 1), then
+#            the same on fp4moe serve with its engine rate; 'speed vllm' / 'speed fp4moe' split it over two calls
 # Results go to $OUT. Make the parts here first: bash scripts/vllm_wheels.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,9 +37,9 @@ recipe)
   cp "$dir/default/recipe.json" "$dir/default/recipe-server.log" "$out/" 2>/dev/null
   ;;
 speed)
-  ours benchmarks/serve.py --engine vllm --spec off --concurrency 1 4 8 16 32 48 64 --runs 1 --out "$out/vllm" \
-    || status=1
-  cp "$out"/vllm/server-*.log "$out/" 2>/dev/null
+  which=${2:-both} sweep=(--spec off --concurrency 1 4 8 16 32 48 64 --runs 1)
+  if [ "$which" != fp4moe ]; then ours benchmarks/serve.py --engine vllm "${sweep[@]}" --out "$out/vllm" || status=1; fi
+  if [ "$which" != vllm ]; then ours benchmarks/serve.py "${sweep[@]}" --engine-rate --out "$out/fp4moe" || status=1; fi
   ;;
 esac
 exit $status
