@@ -777,7 +777,9 @@ def vllm_command(args) -> list[str]:
     k = 2 if k == "auto" else int(k)  # the reference recipe's n = 2; 0 turns MTP off
     if k and int(text.get("mtp_num_hidden_layers", 0) or 0) > 0:
         cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k})]
-    if vllm_without_flashinfer():  # on Hopper vLLM's "auto" GDN prefill picks FlashInfer without checking for it
+    if (
+        vllm_without_flashinfer()
+    ):  # on Hopper vLLM's "auto" GDN prefill picks FlashInfer without checking for it
         cmd += ["--gdn-prefill-backend", "triton"]
     if args.tensor_parallel_size > 1:
         cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size), "--enable-expert-parallel"]

@@ -53,6 +53,23 @@ def test_other_nvfp4_linears_and_unequal_gate_up_scales(checkpoints):
     torch.testing.assert_close(ours, _ref_logits(ref, prompt), atol=ATOL, rtol=0)
 
 
+def test_fp8_groups_dequantize_for_transformers_and_match_the_engine(checkpoints):
+    """An FP8 mix read back as transformers' dense state dict (weight x per-tensor scale; scales dropped) loads
+    strictly and matches our engine's weight-only FP8 forward (the vLLM side-by-side's reference)."""
+    path = checkpoints.quantized(quantize_extra=("attention:fp8", "deltanet:fp8", "shared:fp8"))
+    model, _ = load_model(path, dtype="float32")
+    assert (
+        model.layers[3].self_attn.q_proj.fp8 is not None
+        and model.layers[0].mlp.shared_gate_proj.fp8 is not None
+    )
+    state = dequantized_state_dict(path)
+    assert not any(k.endswith(("weight_scale", "input_scale")) for k in state)
+    ref = _reference(checkpoints.bf16(), state)  # strict load inside
+    prompt = _prompts(seed=22, lengths=(30,))[0]
+    ours, _ = _flat_prefill(model, [prompt])
+    torch.testing.assert_close(ours, _ref_logits(ref, prompt), atol=ATOL, rtol=0)
+
+
 def test_tied_embeddings_declared_at_the_top_level(checkpoints):
     path = checkpoints.copy(checkpoints.bf16(), "tied")
     tensors = load_all(path)

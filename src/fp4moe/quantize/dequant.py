@@ -49,7 +49,9 @@ def dequantized_state_dict(path: str | Path, dtype=torch.float32) -> dict[str, t
             tensors = {s: reader.get(f"{module}.{s}") for s in SUFFIXES[fmt]}
             state[f"{module}.weight"] = layouts.read_quantized_linear(fmt, tensors, dtype)
             dense_nvfp4.update(f"{module}.{s}" for s in SUFFIXES[fmt])
-        elif name.endswith(".weight") and info.dtype == "F8_E4M3":  # a per-tensor FP8 linear (--quantize :fp8)
+        elif (
+            name.endswith(".weight") and info.dtype == "F8_E4M3"
+        ):  # a per-tensor FP8 linear (--quantize :fp8)
             module = layouts.module_of(name)
             scale = reader.get(f"{module}.weight_scale").float()
             state[name] = (reader.get(name).float() * scale).to(dtype)
