@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -78,3 +79,12 @@ class FuzzReport(UserWarning):
     """What a fuzz run sent and got back (tests/server/test_fuzz.py), shown in pytest's warnings summary. It
     lives here because pytest-xdist's controller re-imports a warning's class by module name, and only the
     tests folder is on the import path (``tests/server/test_fuzz`` is not a module it can import)."""
+
+
+def load_script(relative: str):
+    """A script of the repository (``scripts/...``, ``benchmarks/...``) imported as a module, for its tests."""
+    path = Path(__file__).resolve().parents[1] / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

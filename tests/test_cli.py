@@ -56,3 +56,34 @@ def test_auto_speculation_is_off_on_the_cpu(checkpoints):
     from fp4moe.engine.llm import LLM
 
     assert LLM(checkpoints.bf16(), num_speculative_tokens="auto").speculator is None
+
+
+def test_generate_and_serve_declare_the_engine_options_once():
+    """One EngineConfig from the same options for both commands (declared by one function)."""
+    from fp4moe.cli import engine_config
+    from fp4moe.engine.config import EngineConfig
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    fields = {f"--{name.replace('_', '-')}" for name in EngineConfig.__dataclass_fields__} - {"--cuda-graphs"}
+    for command in ("generate", "serve"):
+        options = {o for a in sub[command]._actions for o in a.option_strings}
+        assert fields <= options, (command, fields - options)
+    argv = ["--device", "cpu", "--limit-mm-per-prompt", "2", "--kv-cache-dtype", "fp8", "--max-num-seqs", "3"]
+    gen = engine_config(build_parser().parse_args(["generate", "m", "hi", *argv]))
+    srv = engine_config(build_parser().parse_args(["serve", "m", *argv]))
+    assert gen == srv
+    assert gen.limit_mm_per_prompt == {"image": 2} and gen.kv_cache_dtype == "fp8" and gen.max_num_seqs == 3
+    with pytest.raises(ValueError, match="limit-mm-per-prompt"):
+        engine_config(build_parser().parse_args(["serve", "m", "--limit-mm-per-prompt", "{image"]))
+
+
+def test_llm_takes_an_engine_config_and_keyword_overrides(checkpoints):
+    from fp4moe.engine.config import EngineConfig
+    from fp4moe.engine.llm import LLM
+
+    llm = LLM(checkpoints.bf16(), EngineConfig(dtype="float32", max_model_len=128), max_model_len=64)
+    assert llm.engine_config.max_model_len == llm.max_model_len == 64
+    assert (
+        llm.model.embed_tokens.dtype.is_floating_point
+        and str(llm.model.embed_tokens.dtype) == "torch.float32"
+    )

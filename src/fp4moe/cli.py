@@ -221,9 +221,6 @@ def _add_generate(sub) -> None:
         default=[],
         help="image file to show the model (repeatable); implies --chat unless the prompt has placeholders",
     )
-    p.add_argument(
-        "--limit-mm-per-prompt", type=int, default=4, help="most images one prompt may carry (default 4)"
-    )
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (default); higher = more random"
@@ -261,32 +258,7 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--logprobs", type=int, default=None, help="also print each token's log-probability and the top K"
     )
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=_spec_tokens,
-        default="auto",
-        help="draft this many tokens per step with the checkpoint's MTP head and verify them (0 = off; default "
-        "auto: 2 on a GPU when the checkpoint has an MTP head, else 0). On a "
-        "GPU greedy requests run a fused, graph-captured round (1.4-2.2x faster decoding at 70-90%% acceptance, by batch and k; "
-        "BENCHMARKS.md), sampled ones (temperature, top-k/top-p/min-p) the same round with rejection sampling on the "
-        "GPU (except top-k/top-p, which decode without drafts: their round sorts each vocabulary row, 1.1x at 80%% "
-        "acceptance, batch 1); requests with penalties or logprobs run an unfused round that is slower than plain decoding there; on "
-        "the CPU speculation does not pay (compute-bound)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float16", "float32"],
-        help="compute dtype (auto: the checkpoint's)",
-    )
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
-    _add_load_format(p)
-    p.add_argument(
-        "--hf-overrides",
-        default=None,
-        help='JSON merged into config.json, e.g. YaRN: \'{"text_config": {"rope_parameters": {...}}}\'',
-    )
+    _add_engine_options(p)
 
 
 def _positive(value: str) -> int:
@@ -316,6 +288,102 @@ def _add_load_format(p) -> None:
         help="auto/safetensors: read the checkpoint's weights; dummy (vLLM's name): build the model from "
         "config.json alone with random weights in the checkpoint's precision (no shards needed: for speed "
         "measurements at full size; the output is noise, images are refused)",
+    )
+
+
+SPEC_HELP = (
+    "MTP speculative decoding: draft this many tokens per step with the checkpoint's MTP head and verify them "
+    "(0 = off; default auto: 2 on a GPU when the checkpoint has an MTP head, else 0). On a GPU greedy requests run "
+    "a fused, graph-captured round (1.4-2.2x faster decoding at 70-90%% acceptance, by batch and k; BENCHMARKS.md), "
+    "sampled ones (temperature, top-k/top-p/min-p) the same round with rejection sampling on the GPU (except "
+    "top-k/top-p, which decode without drafts: their round sorts each vocabulary row, 1.1x at 80%% acceptance, "
+    "batch 1); requests with penalties or logprobs run an unfused round that is slower than plain decoding there; "
+    "a sequence whose drafts are rarely accepted decodes plainly and re-probes now and then; on the CPU "
+    "speculation does not pay (compute-bound)"
+)
+
+
+def _add_engine_options(p) -> None:
+    """The options of every command that runs fp4moe's engine (generate, serve): one EngineConfig."""
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="compute dtype (auto: the checkpoint's)",
+    )
+    _add_load_format(p)
+    p.add_argument(
+        "--hf-overrides",
+        default=None,
+        help='JSON merged into config.json, e.g. YaRN: \'{"text_config": {"rope_parameters": {...}}}\'',
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        default='{"image": 4}',
+        help="most images one prompt may carry: JSON as vLLM takes it (default '{\"image\": 4}') or a count",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="fp8: keys/values stored as float8-e4m3 with per-layer scales (half the cache memory of bf16)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=_positive,
+        default=16,
+        help="sequences in the running batch at most (default 16)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="with --device cuda: share of GPU memory for weights + caches; sizes the KV budget (default 0.9)",
+    )
+    p.add_argument("--num-speculative-tokens", type=_spec_tokens, default="auto", help=SPEC_HELP)
+    p.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=0,
+        help="with speculation: no drafts while more than this many sequences are decoding (one batched "
+        "plain step is cheaper under load; the MTP head catches up afterwards). 0 = never (default)",
+    )
+
+
+def _limit_mm(value: str) -> dict[str, int]:
+    """--limit-mm-per-prompt: vLLM's JSON ({"image": 4}) or a plain count of images."""
+    try:
+        limits = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--limit-mm-per-prompt is not valid JSON or a count: {e}") from None
+    limits = {"image": limits} if isinstance(limits, int) else limits
+    if not isinstance(limits, dict) or not all(isinstance(v, int) and v >= 0 for v in limits.values()):
+        raise ValueError(f"--limit-mm-per-prompt must map modalities to counts >= 0, got {value}")
+    return limits
+
+
+def engine_config(args):
+    """The EngineConfig of the parsed engine options (``--device auto`` resolved)."""
+    from fp4moe.engine.config import EngineConfig
+
+    try:
+        overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--hf-overrides is not valid JSON: {e}") from None
+    return EngineConfig(
+        dtype=args.dtype,
+        device=_device(args.device),
+        hf_overrides=overrides,
+        max_model_len=args.max_model_len,
+        limit_mm_per_prompt=_limit_mm(args.limit_mm_per_prompt),
+        kv_cache_dtype=args.kv_cache_dtype,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        load_format=args.load_format,
     )
 
 
@@ -352,10 +420,6 @@ def _add_serve(sub) -> None:
         "--served-model-name", default=None, help="model name clients use (default: the directory name)"
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    p.add_argument(
-        "--max-num-seqs", type=int, default=16, help="sequences in the running batch at most (default 16)"
-    )
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most (default 2048)"
     )
@@ -377,40 +441,10 @@ def _add_serve(sub) -> None:
         "--prefix-block-size", type=int, default=64, help="prefix-cache block size in tokens (default 64)"
     )
     p.add_argument(
-        "--kv-cache-dtype",
-        choices=["auto", "fp8"],
-        default="auto",
-        help="fp8: keys/values stored as float8-e4m3 with per-layer scales (half the cache memory of bf16)",
-    )
-    p.add_argument(
         "--allowed-media-domains",
         nargs="+",
         default=[],
         help="hosts remote image URLs may be fetched from (default: none; only data: URLs)",
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="with --device cuda: share of GPU memory for weights + caches; sizes the KV budget (default 0.9)",
-    )
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=_spec_tokens,
-        default="auto",
-        help="MTP speculative decoding: draft this many tokens per step and verify them (0 = off; default auto: "
-        "2 on a GPU when the checkpoint has an MTP head, else 0). On a GPU "
-        "greedy requests run a fused, graph-captured round (1.4-2.2x faster decoding at 70-90%% acceptance, by batch and k; "
-        "BENCHMARKS.md), sampled ones (temperature, top-k/top-p/min-p) the same round with rejection sampling on the "
-        "GPU (except top-k/top-p, which decode without drafts: their round sorts each vocabulary row, 1.1x at 80%% "
-        "acceptance, batch 1); requests with penalties or logprobs run an unfused round that is slower than plain decoding there",
-    )
-    p.add_argument(
-        "--speculative-disable-by-batch-size",
-        type=int,
-        default=0,
-        help="with speculation: no drafts while more than this many sequences are decoding (one batched "
-        "plain step is cheaper under load; the MTP head catches up afterwards). 0 = never (default)",
     )
     p.add_argument(
         "--prefix-cache-entries", type=int, default=64, help="prefix snapshots kept, LRU (default 64)"
@@ -421,7 +455,6 @@ def _add_serve(sub) -> None:
         default=1 << 20,
         help="cache budget in tokens; beyond it sequences are preempted and recomputed",
     )
-    p.add_argument("--limit-mm-per-prompt", default='{"image": 4}', help="JSON, e.g. '{\"image\": 4}'")
     p.add_argument(
         "--max-n-sequences",
         type=_positive,
@@ -461,14 +494,7 @@ def _add_serve(sub) -> None:
     )
     p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None, help="parse tool calls")
     p.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"')
-    p.add_argument(
-        "--hf-overrides", default=None, help="JSON merged into config.json (e.g. YaRN rope_parameters)"
-    )
-    p.add_argument(
-        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="compute dtype"
-    )
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
-    _add_load_format(p)
+    _add_engine_options(p)
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="with --engine vllm: GPUs to shard over"
     )
@@ -644,19 +670,13 @@ def cmd_demo(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    import json
 
     from fp4moe.engine.llm import LLM
     from fp4moe.engine.sampler import SamplingParams
     from fp4moe.models.full_size import resolve
 
     args.model = resolve(args.model, args.load_format)
-    args.device = _device(args.device)
-
-    try:
-        overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--hf-overrides is not valid JSON: {e}") from None
+    config = engine_config(args)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -674,16 +694,7 @@ def cmd_generate(args) -> int:
         n=args.n,
         logprobs=args.logprobs,
     )
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        hf_overrides=overrides,
-        limit_mm_per_prompt={"image": args.limit_mm_per_prompt},
-        max_model_len=args.max_model_len,
-        num_speculative_tokens=args.num_speculative_tokens,
-        load_format=args.load_format,
-    )
+    llm = LLM(args.model, config)
     if args.image and "<|image_pad|>" not in args.prompt:
         content = [
             *({"type": "image", "image": f} for f in args.image),
@@ -769,7 +780,7 @@ def vllm_command(args) -> list[str]:
         "--enable-prefix-caching",
         "--enable-chunked-prefill",
         "--limit-mm-per-prompt",
-        args.limit_mm_per_prompt,
+        json.dumps(_limit_mm(args.limit_mm_per_prompt)),
         "--max-num-seqs",
         str(args.max_num_seqs),
     ]
@@ -812,31 +823,14 @@ def cmd_serve(args) -> int:
     from fp4moe.server.app import ServerConfig, build_app
     from fp4moe.server.uvicorn_server import serve
 
-    try:
-        overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
-        limits = json.loads(args.limit_mm_per_prompt)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"invalid JSON option: {e}") from None
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        hf_overrides=overrides,
-        max_model_len=args.max_model_len,
-        limit_mm_per_prompt=limits,
-        kv_cache_dtype=args.kv_cache_dtype,
-        num_speculative_tokens=args.num_speculative_tokens,
-        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-        max_num_seqs=args.max_num_seqs,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        load_format=args.load_format,
-    )
+    config = engine_config(args)
+    llm = LLM(args.model, config)
     from fp4moe.engine.prefix_cache import PrefixCache
 
     max_cached = args.max_cached_tokens
-    capacity = getattr(llm.runner, "capacity_tokens", None)
+    capacity = llm.runner.capacity_tokens()
     if capacity is not None:  # the GPU runner sized its paged cache from free memory already
-        max_cached = min(max_cached, capacity())
+        max_cached = min(max_cached, capacity)
     elif llm.device.type == "cuda":  # size the KV budget from what the loaded model leaves
         import torch
 

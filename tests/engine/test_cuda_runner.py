@@ -402,14 +402,15 @@ def test_top_p_sequences_decode_plainly_next_to_speculating_ones(checkpoints):
     sampled_logits = {}  # run -> the top-p sequence's logits per step, as its sampler saw them
 
     def record(llm, run):
-        sample_into = llm.sample_into
+        sample_all = llm.sample_all  # every sampling goes through it (sample_into too)
 
-        def wrapped(seq, logits):
-            if seq.params.top_p < 1:
-                sampled_logits.setdefault(run, []).append(logits.float().clone())
-            return sample_into(seq, logits)
+        def wrapped(results):
+            for seq, logits in results:
+                if seq.params.top_p < 1:
+                    sampled_logits.setdefault(run, []).append(logits.float().cpu().clone())
+            return sample_all(results)
 
-        llm.sample_into = wrapped
+        llm.sample_all = wrapped
 
     record(plain, "plain")
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]

@@ -4,7 +4,16 @@ import pytest
 import torch
 
 from fp4moe.engine.llm import LLM, PromptError
-from fp4moe.engine.sampler import SamplingParams, apply_penalties, filter_logits, sample
+from fp4moe.engine.sampler import (
+    SampleRow,
+    SamplingParams,
+    _finite,
+    _penalize,
+    apply_penalties,
+    filter_logits,
+    sample,
+    sample_batch,
+)
 
 
 def _draws(logits, params, n=400, seed=0):
@@ -268,12 +277,125 @@ def test_stop_params_are_validated_and_normalised():
     ],
     ids=["tiny-temperature", "tiny-repetition-penalty", "huge-temperature", "top-p-overflow"],
 )
-def test_extreme_values_never_fail_a_draw(params):
+@pytest.mark.parametrize("batched", [False, True])
+def test_extreme_values_never_fail_a_draw(params, batched):
     """They raised 'probability tensor contains inf/nan' inside the engine step, failing every request of
-    the batch; now each gives a token of the vocabulary."""
+    the batch (and, batched, 'value cannot be converted to type float without overflow'); now each gives a
+    token of the vocabulary."""
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 5
-    result = sample(logits, [1, 2, 3], [4], params, torch.Generator().manual_seed(1))
+    if batched:  # beside a plain row, which must not be touched
+        rows = [
+            SampleRow(params, [1, 2, 3], [4], torch.Generator().manual_seed(1)),
+            SampleRow(SamplingParams(temperature=0), [], []),
+        ]
+        result, plain = sample_batch(torch.stack([logits, logits]), rows)
+        assert plain.token_id == int(logits.argmax())
+    else:
+        result = sample(logits, [1, 2, 3], [4], params, torch.Generator().manual_seed(1))
     assert 0 <= result.token_id < 50
     if params.repetition_penalty < 1e-300 and params.top_p == 1.0:
         assert result.token_id in {1, 2, 3, 4} or logits[[1, 2, 3, 4]].max() <= 0  # the seen ones dominate
     assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-5).greedy
+
+
+# the batched sampler (sample_batch) against the per-sequence reference (sample)
+
+BATCH_PARAMS = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0, repetition_penalty=1.3, logprobs=3),
+    SamplingParams(temperature=0, presence_penalty=0.7, frequency_penalty=0.4),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=4),
+    SamplingParams(temperature=1.3, top_p=0.7),
+    SamplingParams(temperature=0.9, min_p=0.08),
+    SamplingParams(temperature=0.8, top_k=6, top_p=0.9, min_p=0.02, repetition_penalty=1.2, logprobs=2),
+    SamplingParams(temperature=1.0, frequency_penalty=0.5, presence_penalty=-0.3),
+]
+
+
+def _history(i: int) -> tuple[list[int], list[int]]:
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randint(0, 24, (5,), generator=g).tolist(), torch.randint(0, 24, (7,), generator=g).tolist()
+
+
+def _reference_probs(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """What ``sample`` draws from (its own steps, spelled out)."""
+    x = _finite(apply_penalties(logits.float().clone(), row.prompt_ids, row.output_ids, row.params))
+    return _finite(filter_logits(x, row.params)).softmax(-1)
+
+
+def test_batched_greedy_rows_and_logprobs_are_exact_against_the_reference():
+    logits = torch.randn(len(BATCH_PARAMS), 24, generator=torch.Generator().manual_seed(3)) * 3
+    rows = [SampleRow(p, *_history(i)) for i, p in enumerate(BATCH_PARAMS)]
+    penalized = [i for i, r in enumerate(rows) if r.params.penalized]
+    batched = _penalize(logits.clone(), rows, penalized)
+    for i in penalized:  # the same fp32 operations: bitwise equal
+        ref = apply_penalties(logits[i].clone(), rows[i].prompt_ids, rows[i].output_ids, rows[i].params)
+        assert torch.equal(batched[i], ref), i
+    torch.manual_seed(0)
+    got = sample_batch(logits, rows)
+    for i, (row, result) in enumerate(zip(rows, got, strict=True)):
+        if row.params.greedy:
+            want = sample(logits[i], row.prompt_ids, row.output_ids, row.params, None)
+            assert result == want, i
+        if row.params.logprobs is not None:
+            raw = logits[i].log_softmax(-1)
+            assert result.logprob == pytest.approx(float(raw[result.token_id]), abs=1e-6)
+            top = torch.topk(raw, row.params.logprobs)
+            assert list(result.top_logprobs) == top.indices.tolist()
+        else:
+            assert result.logprob is None and result.top_logprobs is None
+
+
+def test_batched_draws_follow_the_reference_distribution():
+    """Every sampled parameter set, 6,000 rows each in one batch (so rows with and without each filter sit
+    side by side): each token's frequency within 5 standard errors of the probability ``sample`` draws it
+    with, and tokens the filters drop never drawn."""
+    n, vocab = 6000, 24
+    base = torch.randn(vocab, generator=torch.Generator().manual_seed(5)) * 2
+    sampled = [p for p in BATCH_PARAMS if not p.greedy]
+    rows = [SampleRow(p, *_history(j)) for j, p in enumerate(sampled) for _ in range(n)]
+    torch.manual_seed(1)
+    tokens = torch.tensor([r.token_id for r in sample_batch(base.expand(len(rows), vocab), rows)])
+    for j in range(len(sampled)):
+        probs = _reference_probs(base, rows[j * n])
+        freq = torch.bincount(tokens[j * n : (j + 1) * n], minlength=vocab).double() / n
+        bound = 5 * (probs.double() * (1 - probs.double()) / n).sqrt() + 1e-9
+        assert ((freq - probs.double()).abs() <= bound).all(), (sampled[j], freq, probs)
+        assert (freq[probs == 0] == 0).all()
+
+
+def test_batched_draws_match_the_per_sequence_sampler():
+    """The two samplers' empirical distributions of one parameter set agree (two-sample, 5 standard errors)."""
+    n, vocab = 4000, 24
+    base = torch.randn(vocab, generator=torch.Generator().manual_seed(6)) * 2
+    p = SamplingParams(temperature=0.8, top_k=8, top_p=0.95, repetition_penalty=1.1)
+    prompt, output = _history(0)
+    torch.manual_seed(2)
+    batched = [r.token_id for r in sample_batch(base.expand(n, vocab), [SampleRow(p, prompt, output)] * n)]
+    gen = torch.Generator().manual_seed(2)
+    single = [sample(base, prompt, output, p, gen).token_id for _ in range(n)]
+    a = torch.bincount(torch.tensor(batched), minlength=vocab).double() / n
+    b = torch.bincount(torch.tensor(single), minlength=vocab).double() / n
+    pooled = (a + b) / 2
+    assert ((a - b).abs() <= 5 * (2 * pooled * (1 - pooled) / n).sqrt() + 1e-9).all(), (a, b)
+
+
+def test_seeded_rows_depend_on_their_seed_alone():
+    """A seeded row draws the same tokens alone or in any batch (its noise comes from its own generator)."""
+    vocab, steps = 50, 6
+    logits = torch.randn(steps, 4, vocab, generator=torch.Generator().manual_seed(9))
+    p = SamplingParams(temperature=1.0, top_p=0.95, seed=17)
+
+    def run(batch_of: int, seed: int, position: int) -> list[int]:
+        gen, out = torch.Generator().manual_seed(seed), []
+        for t in range(steps):
+            rows = [SampleRow(SamplingParams(temperature=1.0), [], []) for _ in range(batch_of)]
+            rows[position] = SampleRow(p, [], [], gen)
+            out.append(sample_batch(logits[t, :batch_of], rows)[position].token_id)
+        return out
+
+    alone = run(1, 17, 0)
+    logits[:, 3] = logits[:, 0]  # the seeded row's logits, wherever it sits
+    assert run(4, 17, 3) == alone
+    assert run(4, 18, 3) != alone

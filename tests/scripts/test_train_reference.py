@@ -2,20 +2,14 @@
 complete checkpoint (checksummed, with its log and curves) that our engine loads and fp4moe eval reads."""
 
 import hashlib
-import importlib.util
 import json
-from pathlib import Path
 
+from fixtures import load_script
 from fp4moe.eval.quality import evaluate
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_reference.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_reference", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/train_reference.py")
 
 
 def test_smoke_run_writes_a_checkpoint_our_engine_evaluates(tmp_path):

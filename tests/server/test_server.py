@@ -45,10 +45,10 @@ def scripted(server, monkeypatch):
     def script(text: str):
         ids = tok(text, add_special_tokens=False)["input_ids"] + [eos]
 
-        def fake_sample(logits, prompt_ids, output_ids, params, generator):
-            return SampleResult(ids[min(len(output_ids), len(ids) - 1)])
+        def fake_sample_batch(logits, rows):
+            return [SampleResult(ids[min(len(r.output_ids), len(ids) - 1)]) for r in rows]
 
-        monkeypatch.setattr(llm_module, "sample", fake_sample)
+        monkeypatch.setattr(llm_module, "sample_batch", fake_sample_batch)
 
     return script
 

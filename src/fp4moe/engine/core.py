@@ -119,7 +119,7 @@ class EngineCore:
             results, progressed = [], self._spec_batch(batch)
         if self.prefix_cache is not None:
             for seq, _ in batch:
-                if getattr(seq, "stop_at", 0) and seq.num_cached == seq.stop_at:
+                if seq.stop_at and seq.num_cached == seq.stop_at:
                     self.prefix_cache.store(
                         seq.prompt_ids,
                         seq.stop_at,
@@ -136,7 +136,7 @@ class EngineCore:
             else:
                 self.stats.itl.append(now - seq.last_token_time)
             seq.last_token_time = now
-            self.stats.generation_tokens += getattr(seq, "new_tokens", 1)
+            self.stats.generation_tokens += seq.new_tokens
             lp = seq.logprobs[-1] if seq.params.logprobs is not None and seq.logprobs else None
             outputs.append(StepOutput(seq, seq.output_ids[-1], seq.delta, seq.finished, lp))
             if seq.finished:
@@ -151,16 +151,14 @@ def run_spec_batch(core: EngineCore, batch) -> list[Sequence]:
     states kept for the MTP head), then a draft-and-verify round for every decoding sequence."""
     spec, llm = core.llm.speculator, core.llm
     decoding = [
-        s
-        for s, n in batch
-        if n == 1 and s.num_cached == len(s.all_ids) - 1 and getattr(s, "hidden_tail", None) is not None
+        s for s, n in batch if n == 1 and s.num_cached == len(s.all_ids) - 1 and s.hidden_tail is not None
     ]
     prefill = [(s, n) for s, n in batch if s not in decoding]
     progressed = []
     if prefill:
         hidden, spans = llm.runner.forward(prefill, core.kv, core.states)
         for (seq, n), (start, end) in zip(prefill, spans, strict=True):
-            if seq.num_cached == 0 or getattr(seq, "hidden_tail", None) is None:
+            if seq.num_cached == 0 or seq.hidden_tail is None:
                 # fresh (or restored from a prefix snapshot: the MTP head starts after the restored part)
                 seq.hidden_tail, seq.mtp_cached = hidden[start:end][:0], seq.num_cached
                 seq.drafts = None

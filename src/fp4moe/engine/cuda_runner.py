@@ -254,6 +254,10 @@ class CudaModelRunner(ModelRunner):
     def new_caches(self):
         return self.kv, self.states
 
+    def reset_kv_scales(self) -> None:
+        if self.kv.fp8:
+            self.kv.scales.clear()  # graphs read the scale tensor, which the first real prefill fills in place
+
     def capacity_tokens(self) -> int:
         """Tokens the scheduler may reserve: every page but the scratch one, less a partly filled last
         page per sequence."""

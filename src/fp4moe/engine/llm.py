@@ -10,15 +10,16 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from fp4moe.engine.cache import DeltaNetStates, KVCache
+from fp4moe.engine.config import EngineConfig
 from fp4moe.engine.loader import load_model
 from fp4moe.engine.model_runner import ModelRunner
-from fp4moe.engine.sampler import SampleResult, SamplingParams, sample
+from fp4moe.engine.sampler import SampleResult, SampleRow, SamplingParams, sample_batch
 from fp4moe.engine.sequence import FinishReason, Sequence
 
 
@@ -42,9 +43,8 @@ class PromptError(ValueError):
     pass
 
 
-def _plain_greedy(p: SamplingParams) -> bool:
-    """Greedy with nothing that needs the host's per-sequence sampler (penalties, logprobs)."""
-    return p.greedy and p.logprobs is None and not p.penalized
+def _row(seq: Sequence) -> SampleRow:
+    return SampleRow(seq.params, seq.prompt_ids, seq.output_ids, seq.generator)
 
 
 # num_speculative_tokens="auto" on the GPU engine with an MTP head (H200, full-size shapes: 1.32x at batch 1
@@ -54,46 +54,40 @@ AUTO_SPECULATIVE_TOKENS = 2
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | Path,
-        dtype: str | torch.dtype = "auto",
-        device: str = "cpu",
-        hf_overrides: dict | None = None,
-        max_model_len: int | None = None,
-        limit_mm_per_prompt: dict[str, int] | None = None,
-        kv_cache_dtype: str = "auto",
-        num_speculative_tokens: int | str = 0,
-        speculative_disable_by_batch_size: int = 0,
-        max_num_seqs: int = 64,
-        gpu_memory_utilization: float = 0.9,
-        cuda_graphs: bool = True,
-        load_format: str = "auto",
-    ):
+    def __init__(self, model: str | Path, config: EngineConfig | None = None, **options):
+        """``model``: a checkpoint directory; ``config`` (or its fields as keywords, which override it):
+        how to run it (``EngineConfig``)."""
+        config = replace(config or EngineConfig(), **options)
+        self.engine_config = config
         self.path = Path(model)
-        self.device = torch.device(device)
-        self.limit_images = int((limit_mm_per_prompt or {}).get("image", 4))
+        self.device = torch.device(config.device)
+        self.limit_images = int((config.limit_mm_per_prompt or {}).get("image", 4))
         self._vision = None
         self._image_processor = None
-        self.load_format = load_format
+        self.load_format = config.load_format
         self.model, self.config = load_model(
-            model, dtype=dtype, device=self.device, hf_overrides=hf_overrides, load_format=load_format
+            model,
+            dtype=config.dtype,
+            device=self.device,
+            hf_overrides=config.hf_overrides,
+            load_format=config.load_format,
         )
         args = self.model.args
         rope = args.rope
         limit = args.max_position_embeddings
         if rope.rope_type == "yarn":
             limit = max(limit, int(rope.factor * (rope.original_max_position_embeddings or limit)))
-        if max_model_len is not None and max_model_len > limit:
+        if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's {limit} positions "
+                f"max_model_len {config.max_model_len} exceeds the model's {limit} positions "
                 "(extend it with YaRN through hf_overrides)"
             )
-        self.max_model_len = max_model_len or limit
+        self.max_model_len = config.max_model_len or limit
         self.tokenizer = self._load_tokenizer()
-        if num_speculative_tokens == "auto":  # where the fused round pays: the GPU engine, with an MTP head
+        k = config.num_speculative_tokens
+        if k == "auto":  # where the fused round pays: the GPU engine, with an MTP head
             fused = self.device.type == "cuda" and self.model.embed_tokens.dtype == torch.bfloat16
-            num_speculative_tokens = AUTO_SPECULATIVE_TOKENS if fused and self.model.mtp is not None else 0
+            k = AUTO_SPECULATIVE_TOKENS if fused and self.model.mtp is not None else 0
         image_token = self.config.get("image_token_id")
         image_token = int(image_token) if image_token is not None else None
         # paged caches, fused decode kernels, CUDA graphs; the kernels are bf16 (an fp32 model on the GPU,
@@ -102,18 +96,18 @@ class LLM:
             from fp4moe.engine.cuda_runner import CudaModelRunner
 
             self.runner = CudaModelRunner(
-                self.model, image_token, self.device, kv_cache_dtype, max_num_seqs=max_num_seqs,
-                max_model_len=self.max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                cuda_graphs=cuda_graphs, spec_tokens=num_speculative_tokens if self.model.mtp is not None else 0,
+                self.model, image_token, self.device, config.kv_cache_dtype, max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len, gpu_memory_utilization=config.gpu_memory_utilization,
+                cuda_graphs=config.cuda_graphs, spec_tokens=k if self.model.mtp is not None else 0,
             )  # fmt: skip
         else:
-            self.runner = ModelRunner(self.model, image_token, self.device, kv_cache_dtype)
+            self.runner = ModelRunner(self.model, image_token, self.device, config.kv_cache_dtype)
         self.speculator = None
-        if num_speculative_tokens:
+        if k:
             from fp4moe.engine.spec_decode import MTPSpeculator
 
-            self.speculator = MTPSpeculator(self, num_speculative_tokens)
-            self.speculator.disable_by_batch_size = max(0, int(speculative_disable_by_batch_size))
+            self.speculator = MTPSpeculator(self, k)
+            self.speculator.disable_by_batch_size = max(0, int(config.speculative_disable_by_batch_size))
         self.eos_ids = self._eos_ids()
         self._seq_ids = itertools.count()
 
@@ -216,23 +210,17 @@ class LLM:
         self.sample_all(self.runner.run([(s, len(s.all_ids) - s.num_cached) for s in seqs], kv, states))
 
     def sample_all(self, results: list[tuple[Sequence, torch.Tensor]]) -> None:
-        """Sample a token for each (sequence, logits [V], on the host or the device). Plain greedy rows (no
-        penalties, no logprobs) take one batched argmax where their logits are and one small read-back;
-        the others go through ``sample`` on the host, one by one (penalties, seeded draws, logprobs)."""
-        plain = [(s, x) for s, x in results if _plain_greedy(s.params)]
-        for device in {
-            x.device for _, x in plain
-        }:  # a mixed step: decodes' logits on the GPU, prefills' on the host
-            rows = [(s, x) for s, x in plain if x.device == device]
-            tokens = torch.stack([x for _, x in rows]).argmax(-1).tolist()
-            for (seq, _), token in zip(rows, tokens, strict=True):
-                self._accept(seq, SampleResult(token))
-        for seq, logits in results:
-            if not _plain_greedy(seq.params):
-                self.sample_into(seq, logits.cpu())
+        """Sample a token for each (sequence, logits [V], on the host or the device): one ``sample_batch``
+        per device where the logits are (a mixed step has decodes' logits on the GPU, prefills' on the
+        host), one read-back each."""
+        for device in {x.device for _, x in results}:
+            rows = [(s, x) for s, x in results if x.device == device]
+            logits = torch.stack([x for _, x in rows])
+            for (seq, _), result in zip(rows, sample_batch(logits, [_row(s) for s, _ in rows]), strict=True):
+                self._accept(seq, result)
 
     def sample_into(self, seq: Sequence, logits: torch.Tensor) -> None:
-        self._accept(seq, sample(logits, seq.prompt_ids, seq.output_ids, seq.params, seq.generator))
+        self.sample_all([(seq, logits)])
 
     def _accept(self, seq: Sequence, result: SampleResult) -> None:
         seq.delta = seq.append(result, self.tokenizer)
@@ -252,7 +240,7 @@ class LLM:
 
     def _run(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
         """Advance all sequences to completion, yielding the ones that got a token after each step."""
-        limit = getattr(self.runner, "max_num_seqs", None)  # the GPU runner has that many state slots
+        limit = self.runner.max_num_seqs  # the GPU runner has that many state slots
         if limit and len(seqs) > limit:
             for start in range(0, len(seqs), limit):
                 wave = seqs[start : start + limit]
@@ -322,15 +310,12 @@ class LLM:
         sampled = SamplingParams(max_tokens=3, temperature=0.8, ignore_eos=True, seed=0)
         for n in lengths:
             self.generate([[1] * n], greedy)
-        width = getattr(self.runner, "max_num_seqs", 1)
+        width = self.runner.max_num_seqs or 1
         for b in [b for b in GRAPH_BATCH_SIZES if b <= width]:
             self.generate([[1] * 4] * b, greedy)
             self.generate([[1] * 4] * b, sampled)
-        if hasattr(self.runner, "capture"):  # the plain step's graphs (speculating warm-ups ran rounds)
-            self.runner.capture()
-        kv = getattr(self.runner, "kv", None)
-        if kv is not None and getattr(kv, "fp8", False):
-            kv.scales.clear()  # graphs read the scale tensor, which the first real prefill fills in place
+        self.runner.capture()  # the plain step's graphs (speculating warm-ups ran rounds)
+        self.runner.reset_kv_scales()
         if self.speculator is not None:  # the warm-up's drafts are not the server's
             from fp4moe.engine.spec_decode import SpecStats
 

@@ -12,6 +12,27 @@ from fp4moe.engine.sequence import Sequence
 
 
 class ModelRunner:
+    """The CPU path (the torch modules), and the runner protocol the engine relies on; ``CudaModelRunner``
+    overrides what differs: ``max_num_seqs`` (state slots, None = unbounded), ``capacity_tokens()`` (KV
+    tokens its caches hold, None = unbounded), ``spec_tokens`` (drafts its fused round verifies, 0 = no
+    fused round), ``fusable_decode`` (whether a batch can take its fused decode step), ``capture`` (its
+    CUDA graphs) and ``reset_kv_scales`` (an fp8 cache's scales, which the first real prefill sets)."""
+
+    max_num_seqs: int | None = None
+    spec_tokens: int = 0
+
+    def capacity_tokens(self) -> int | None:
+        return None
+
+    def fusable_decode(self, batch: list[tuple[Sequence, int]], kv) -> bool:
+        return False
+
+    def capture(self, batch_sizes=None) -> None:
+        """No graphs on this path."""
+
+    def reset_kv_scales(self) -> None:
+        """The CPU's caches keep no scales between requests."""
+
     def __init__(self, model, image_token_id: int | None, device: torch.device, kv_cache_dtype: str = "auto"):
         self.model, self.image_token_id, self.device = model, image_token_id, device
         if kv_cache_dtype not in ("auto", "fp8"):

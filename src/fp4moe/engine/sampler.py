@@ -4,10 +4,19 @@ Semantics follow vLLM: the repetition penalty applies to prompt and output token
 multiply negative ones); presence and frequency penalties to output tokens only; a temperature below 1e-5
 (vLLM's ``_SAMPLING_EPS``) is greedy. Extreme values cannot make a draw fail: logits that overflow (a
 repetition penalty of 1e-308) are clamped to the largest finite value, NaN ones dropped.
+
+Two samplers with one meaning: ``sample`` takes one sequence's logits row (the reference, plain torch,
+``torch.multinomial``), ``sample_batch`` a whole step's rows where they are (the GPU's logits stay on the
+GPU): penalties, temperature, min-p, top-k and top-p per row in a few batched tensor operations, one
+draw for every row by the exponential race (vLLM's: ``argmax(p / q)`` with ``q ~ Exp(1)``, which picks
+token i with probability p_i), and one read-back of the chosen ids. A seeded row draws its ``q`` from its
+own generator on the host, so its tokens depend on its seed alone, not on the batch or the device. Greedy
+rows are exact against ``sample``; sampled rows are equal in distribution (tests/engine/test_sampler.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -151,3 +160,117 @@ def sample_result(token: int, raw_logits: torch.Tensor, p: SamplingParams) -> Sa
         {int(i): float(v) for v, i in zip(top.values, top.indices, strict=True)} if top is not None else {}
     )
     return SampleResult(token, float(logprobs[token]), top_dict)
+
+
+@dataclass
+class SampleRow:
+    """What the batched sampler needs of one sequence."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None = None
+
+
+def sample_batch(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[SampleResult]:
+    """One token for each row of ``logits`` [B, V] (on any device), ``sample``'s semantics, batched."""
+    raw = logits.float()
+    device, vocab = raw.device, raw.shape[-1]
+    params = [r.params for r in rows]
+    penalized = [i for i, p in enumerate(params) if p.penalized]
+    x = _finite(_penalize(raw.clone(), rows, penalized) if penalized else raw)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=device)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if len(greedy) == len(rows):
+        tokens = x.argmax(-1)
+    elif greedy:
+        g = torch.tensor(greedy, device=device)
+        tokens[g] = x[g].argmax(-1)
+    if drawn:
+        d = torch.tensor(drawn, device=device)
+        temperature = (
+            torch.tensor([params[i].temperature for i in drawn], dtype=torch.float64).float().to(device)
+        )
+        probs = _finite(_filter_rows(x[d] / temperature[:, None], [params[i] for i in drawn])).softmax(-1)
+        q = torch.empty_like(probs).exponential_()
+        for j, i in enumerate(drawn):
+            if rows[i].generator is not None:  # seeded: its own noise, drawn on the host
+                q[j] = torch.empty(vocab).exponential_(generator=rows[i].generator).to(device)
+        tokens[d] = (probs / q).argmax(-1)
+    ids = tokens.tolist()
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not want:
+        return [SampleResult(t) for t in ids]
+    out = [SampleResult(t) for t in ids]
+    w = torch.tensor(want, device=device)
+    logprobs = raw[w].log_softmax(-1)
+    chosen = logprobs.gather(1, tokens[w][:, None])[:, 0].tolist()
+    k = max(params[i].logprobs for i in want)
+    top = torch.topk(logprobs, k) if k else None
+    values, indices = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+    for j, i in enumerate(want):
+        n = params[i].logprobs
+        top_dict = dict(zip(indices[j][:n], values[j][:n], strict=True)) if n else {}
+        out[i] = SampleResult(ids[i], chosen[j], top_dict)
+    return out
+
+
+def _penalize(x: torch.Tensor, rows: Sequence[SampleRow], which: list[int]) -> torch.Tensor:
+    """``apply_penalties`` on the rows ``which`` of x [B, V] (in place): the seen and counted ids of every
+    such row go to the device as two index tensors."""
+    device = x.device
+    seen_rows, seen_ids, out_rows, out_ids = [], [], [], []
+    rep, freq, pres = [1.0] * len(rows), [0.0] * len(rows), [0.0] * len(rows)
+    for i in which:
+        r, p = rows[i], rows[i].params
+        if p.repetition_penalty != 1.0:
+            seen = set(r.prompt_ids) | set(r.output_ids)
+            seen_rows += [i] * len(seen)
+            seen_ids += seen
+            rep[i] = p.repetition_penalty
+        if r.output_ids and (p.presence_penalty or p.frequency_penalty):
+            out_rows += [i] * len(r.output_ids)
+            out_ids += r.output_ids
+            freq[i], pres[i] = p.frequency_penalty, p.presence_penalty
+    # fp32 as the reference's scalars become (1e300 -> inf, 1e-308 -> 0), without the overflow check of
+    # an element assignment
+    rep, freq, pres = (torch.tensor(v, dtype=torch.float64).float() for v in (rep, freq, pres))
+    if seen_ids:
+        mask = torch.zeros_like(x, dtype=torch.bool)
+        mask[torch.tensor(seen_rows, device=device), torch.tensor(seen_ids, device=device)] = True
+        r = rep.to(device)[:, None]
+        x = torch.where(mask, torch.where(x > 0, x / r, x * r), x)
+    if out_ids:
+        counts = torch.zeros_like(x)
+        index = (torch.tensor(out_rows, device=device), torch.tensor(out_ids, device=device))
+        counts.index_put_(index, torch.ones(len(out_ids), device=device), accumulate=True)
+        x = x - freq.to(device)[:, None] * counts - pres.to(device)[:, None] * (counts > 0).float()
+    return x
+
+
+def _filter_rows(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``filter_logits`` per row of temperature-scaled x [S, V]: min-p, then top-k, then top-p; each only on
+    the rows that ask for it."""
+    device, vocab, inf = x.device, x.shape[-1], float("-inf")
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        probs = x.softmax(-1)
+        floor = torch.tensor(min_p, device=device)[:, None] * probs.amax(-1, keepdim=True)
+        x = x.masked_fill(probs < floor, inf)  # a row with min_p 0 drops nothing: no prob is below 0
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        k = torch.tensor(top_k, device=device)
+        values = torch.topk(x, max(top_k)).values
+        kth = values.gather(1, (k - 1).clamp(min=0)[:, None])
+        x = x.masked_fill((x < kth) & (k > 0)[:, None], inf)
+    top_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if top_p:
+        rows = torch.tensor(top_p, device=device)
+        sorted_x, order = torch.sort(x[rows], descending=True)
+        probs = sorted_x.softmax(-1)
+        p = torch.tensor([params[i].top_p for i in top_p], device=device)[:, None]
+        drop = (probs.cumsum(-1) - probs) >= p
+        drop[:, 0] = False
+        x[rows] = x[rows].masked_fill(torch.zeros_like(drop).scatter(1, order, drop), inf)
+    return x

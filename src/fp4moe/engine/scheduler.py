@@ -149,5 +149,5 @@ class Scheduler:
 
 
 def _clip_to_snapshot(seq: Sequence, n: int) -> int:
-    stop = getattr(seq, "stop_at", 0)
+    stop = seq.stop_at
     return min(n, stop - seq.num_cached) if seq.num_cached < stop else n

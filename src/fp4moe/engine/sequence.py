@@ -41,6 +41,12 @@ class Sequence:
     spec_rounds: int = 0
     spec_accepted: int = 0
     spec_backoff: int = 0
+    # speculation's inputs for the MTP head (MTPSpeculator, run_spec_batch): the target's hidden states the
+    # head has not consumed yet, how many positions it has, the drafts kept for the next fused round
+    hidden_tail: torch.Tensor | None = None
+    mtp_cached: int = 0
+    drafts: list[int] | None = None
+    new_tokens: int = 1  # tokens the last step appended (a speculative round may add several)
 
     def __post_init__(self):
         if self.params.seed is not None:

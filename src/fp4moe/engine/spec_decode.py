@@ -86,7 +86,7 @@ class MTPSpeculator:
         # slower than plain decoding below ~70% (H200, BENCHMARKS.md)
         self.speculate_sorted_sampling = False
         self.fused = None
-        if getattr(llm.runner, "spec_tokens", 0) == num_speculative_tokens:
+        if llm.runner.spec_tokens == num_speculative_tokens:
             from fp4moe.engine.cuda_spec import FusedSpecRound
 
             self.fused = FusedSpecRound(llm.runner, num_speculative_tokens)
@@ -187,7 +187,7 @@ class MTPSpeculator:
             room.remove(s)
         # the module path's round needs positions the MTP head has not seen: a sequence fresh from a fused
         # round (drafts held, nothing to catch up; possible near the context end for k >= 4) steps plainly
-        rest = [s for s in room if s not in fused and getattr(s, "drafts", None) is None]
+        rest = [s for s in room if s not in fused and s.drafts is None]
         counts = dict(zip(map(id, fused), self.fused_round(fused, kv, states) if fused else [], strict=True))
         for s in fused:
             self._judge(s, counts[id(s)] - 1)
@@ -241,7 +241,7 @@ class MTPSpeculator:
         no drafts yet: after prefill or a plain step; the distributions sampled drafts were drawn from go to
         the round's buffer); returns the tokens each appended. Sampled sequences get 2k+1 uniforms a round
         from their own generator (seeded requests stay reproducible)."""
-        fresh = [s for s in seqs if getattr(s, "drafts", None) is None]
+        fresh = [s for s in seqs if s.drafts is None]
         proposals = self._mtp_drafts_many(fresh, kv, states) if fresh else []
         for seq, (drafts, _) in zip(fresh, proposals, strict=True):
             seq.drafts = drafts
@@ -359,7 +359,7 @@ class MTPSpeculator:
         parameters, and ``speculate_sorted_sampling``, do not change while they run)."""
         runner = self.llm.runner
         batch = [(s, 1) for s in seqs]
-        if hasattr(runner, "fusable_decode") and runner.fusable_decode(batch, kv):
+        if runner.fusable_decode(batch, kv):
             logits, hidden = runner.decode_step(seqs)
         else:
             hidden, _ = runner.forward(batch, kv, states)
@@ -372,4 +372,4 @@ class MTPSpeculator:
                 seq.hidden_tail, seq.mtp_cached = hidden[:0], seq.num_cached
             else:
                 seq.hidden_tail = torch.cat([seq.hidden_tail, hidden[i : i + 1]])
-            self.llm.sample_into(seq, logits[i])
+        self.llm.sample_all([(seq, logits[i]) for i, seq in enumerate(seqs)])
