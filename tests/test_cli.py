@@ -73,8 +73,11 @@ def test_generate_and_serve_declare_the_engine_options_once():
     srv = engine_config(build_parser().parse_args(["serve", "m", *argv]))
     assert gen == srv
     assert gen.limit_mm_per_prompt == {"image": 2} and gen.kv_cache_dtype == "fp8" and gen.max_num_seqs == 3
-    with pytest.raises(ValueError, match="limit-mm-per-prompt"):
-        engine_config(build_parser().parse_args(["serve", "m", "--limit-mm-per-prompt", "{image"]))
+    for bad in ("{image", "true", '{"image": -1}', '{"image": false}'):
+        with pytest.raises(ValueError, match="limit-mm-per-prompt"):
+            engine_config(build_parser().parse_args(["serve", "m", "--limit-mm-per-prompt", bad]))
+    assert build_parser().parse_args(["generate", "m", "hi"]).max_num_seqs == 64  # offline: LLM's default
+    assert build_parser().parse_args(["serve", "m"]).max_num_seqs == 16
 
 
 def test_llm_takes_an_engine_config_and_keyword_overrides(checkpoints):

@@ -258,7 +258,7 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--logprobs", type=int, default=None, help="also print each token's log-probability and the top K"
     )
-    _add_engine_options(p)
+    _add_engine_options(p, max_num_seqs=64)  # offline: LLM's default
 
 
 def _positive(value: str) -> int:
@@ -303,7 +303,7 @@ SPEC_HELP = (
 )
 
 
-def _add_engine_options(p) -> None:
+def _add_engine_options(p, max_num_seqs: int) -> None:
     """The options of every command that runs fp4moe's engine (generate, serve): one EngineConfig."""
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument(
@@ -333,8 +333,8 @@ def _add_engine_options(p) -> None:
     p.add_argument(
         "--max-num-seqs",
         type=_positive,
-        default=16,
-        help="sequences in the running batch at most (default 16)",
+        default=max_num_seqs,
+        help=f"sequences in the running batch at most (default {max_num_seqs})",
     )
     p.add_argument(
         "--gpu-memory-utilization",
@@ -358,8 +358,11 @@ def _limit_mm(value: str) -> dict[str, int]:
         limits = json.loads(value)
     except json.JSONDecodeError as e:
         raise ValueError(f"--limit-mm-per-prompt is not valid JSON or a count: {e}") from None
-    limits = {"image": limits} if isinstance(limits, int) else limits
-    if not isinstance(limits, dict) or not all(isinstance(v, int) and v >= 0 for v in limits.values()):
+    limits = {"image": limits} if isinstance(limits, int) and not isinstance(limits, bool) else limits
+    counts = isinstance(limits, dict) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values()
+    )
+    if not counts:
         raise ValueError(f"--limit-mm-per-prompt must map modalities to counts >= 0, got {value}")
     return limits
 
@@ -494,7 +497,7 @@ def _add_serve(sub) -> None:
     )
     p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None, help="parse tool calls")
     p.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"')
-    _add_engine_options(p)
+    _add_engine_options(p, max_num_seqs=16)
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="with --engine vllm: GPUs to shard over"
     )

@@ -76,3 +76,28 @@ def test_bytes_that_never_complete_fall_back_to_the_full_decode():
     counting = Counting(TOK)
     seq, _ = _stream(ids, tok=counting)
     assert seq.text.endswith("clean text again") and seq._read == len(ids)
+
+
+def _sentencepiece_style():
+    """A Llama-style decoder (Metaspace + byte fallback, the first token's leading space stripped): not
+    concatenative, so a window needs a token of context."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "<0x80>": 2, "▁Hello": 3, "▁world": 4, "▁again": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", additional_special_tokens=["<s>"])
+
+
+def test_a_decoder_that_strips_the_first_space_keeps_its_spaces():
+    """After a skipped special token and after the whole-text fallback the next token still decodes with
+    context (found by review: 'Helloworld' for [Hello, <s>, world], 'worldworld' after lone bytes)."""
+    tok = _sentencepiece_style()
+    for ids in ([3, 1, 4, 5], [3] + [2] * (MAX_WINDOW + 1) + [4, 4, 5], [3, 1, 1, 4, 1, 5]):
+        seq = Sequence(0, [1], SamplingParams(max_tokens=len(ids) + 1, ignore_eos=True), slot=0)
+        for i, t in enumerate(ids):
+            seq.append(SampleResult(t), tok)
+            assert seq.text == tok.decode(ids[: i + 1], skip_special_tokens=True), (ids, i, seq.text)

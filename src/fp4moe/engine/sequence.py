@@ -116,10 +116,12 @@ class Sequence:
         ids = self.output_ids
         context = tokenizer.decode(ids[self._prefix : self._read], skip_special_tokens=True)
         window = tokenizer.decode(ids[self._prefix :], skip_special_tokens=True)
-        if len(ids) - self._prefix > MAX_WINDOW or not window.startswith(context):
+        no_context = self._prefix > 0 and not context  # a skipped special token: a decoder that strips the
+        # leading space of a first token (SentencePiece's Metaspace) would then drop the new text's
+        if no_context or len(ids) - self._prefix > MAX_WINDOW or not window.startswith(context):
             self.text = tokenizer.decode(ids, skip_special_tokens=True)
-            if not self.text.endswith("\ufffd"):
-                self._committed, self._prefix, self._read = self.text, len(ids), len(ids)
+            if not self.text.endswith("\ufffd"):  # the last token is the next window's context
+                self._committed, self._prefix, self._read = self.text, len(ids) - 1, len(ids)
             return
         self.text = self._committed + window[len(context) :]
         if not window.endswith("\ufffd"):  # a complete character: final
