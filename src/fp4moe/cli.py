@@ -812,7 +812,6 @@ def cmd_serve(args) -> int:
     from fp4moe.models.full_size import resolve
 
     args.model = resolve(args.model, args.load_format)
-    args.device = _device(args.device)
     if args.engine == "vllm":
         cmd = vllm_command(args)
         env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"} if vllm_without_flashinfer() else {}

@@ -199,10 +199,10 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample
                 q[j] = torch.empty(vocab).exponential_(generator=rows[i].generator).to(device)
         tokens[d] = (probs / q).argmax(-1)
     ids = tokens.tolist()
+    out = [SampleResult(t) for t in ids]
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not want:
-        return [SampleResult(t) for t in ids]
-    out = [SampleResult(t) for t in ids]
+        return out
     w = torch.tensor(want, device=device)
     logprobs = raw[w].log_softmax(-1)
     chosen = logprobs.gather(1, tokens[w][:, None])[:, 0].tolist()

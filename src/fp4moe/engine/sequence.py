@@ -110,7 +110,7 @@ class Sequence:
     def _detokenize(self, tokenizer) -> None:
         """``text`` = decode(output_ids), decoding only the tokens since the last complete character with
         one token before them for context (vLLM's incremental detokenization). A full decode per token
-        costs O(length) -- 0.44 ms at 1,024 tokens, per sequence and step (BENCHMARKS.md) -- this one
+        costs O(length) -- 0.28 ms at 1,024 tokens, per sequence and step (BENCHMARKS.md) -- this one
         O(1). Where the window's decode does not extend its context's (a decoder that is not
         concatenative) or bytes never complete a character for MAX_WINDOW tokens, the whole text is decoded."""
         ids = self.output_ids
