@@ -417,3 +417,115 @@ def test_paged_attention_matches_the_layer(kv_dtype):
         min_split=32,
     )
     assert rel(layer.o_proj(out), ref) < RTOL
+
+
+def _varlen_rows(gen, lengths, width):
+    """Flat rows of several sequences and their layout (StepContext's device tensors)."""
+    x = torch.randn(sum(lengths), width + 8, generator=gen).to(BF16)[:, :width]  # strided, as in_proj's
+    ctx = StepContext(list(lengths), [0] * len(lengths), list(range(len(lengths))), KVCache(), None)
+    return x, ctx
+
+
+def test_causal_conv_varlen_is_each_sequence_alone():
+    """One launch over several sequences' rows gives, row for row, what the single-sequence launch gives
+    each sequence on its own (same kernel, same sums: exactly), and the new states equal the layer's."""
+    from fp4moe.kernels.causal_conv import causal_conv_silu, causal_conv_silu_varlen
+
+    gen = torch.Generator().manual_seed(11)
+    layer = GatedDeltaNet(64, 2, 4, 16, 16, 4, 1e-6, 0)
+    layer.conv1d_weight.data = (torch.randn(layer.conv_dim, 1, 4, generator=gen) * 0.5).to(BF16)
+    lengths = [2, 1, 5, 37, 1, 3]  # short ones after others: their new state reaches into their old
+    x, ctx = _varlen_rows(gen, lengths, layer.conv_dim)
+    states = torch.randn(len(lengths), layer.conv_dim, 3, generator=gen).to(BF16)
+    t = ctx.tensors(DEV)
+    w = layer.conv1d_weight.to(DEV)
+    out, new = causal_conv_silu_varlen(x.to(DEV), states.to(DEV), w, t.token_seq, t.starts, t.ends)
+    for i, (a, b) in enumerate(ctx.spans()):
+        alone, _ = causal_conv_silu(x[a:b].to(DEV), states[i].to(DEV), w)
+        _, ref_state = layer._conv(x[a:b], states[i])
+        assert torch.equal(out[a:b].cpu(), alone.cpu()), i
+        assert torch.equal(new[i].cpu(), ref_state), i
+
+
+def test_slot_states_gather_and_scatter_are_get_and_set():
+    """The GPU states' batched read/write of a step against the per-slot get/set: exact (copies), stale
+    ring entries and states of a fresh sequence read as zeros, positions wrap around the ring."""
+    from fp4moe.engine.paged_cache import SlotStates
+
+    gen = torch.Generator().manual_seed(12)
+    conv_dim, kc, hv, dk, dv = 24, 4, 2, 8, 8
+    states = SlotStates([7], 6, conv_dim, kc, hv, dk, dv, BF16, DEV, ring_len=6)
+    states.ring.copy_(torch.randn(states.ring.shape, generator=gen).to(BF16))
+    states.rec.copy_(torch.randn(states.rec.shape, generator=gen))
+    slots, cached, lens = [3, 0, 5, 1], [0, 2, 9, 13], [4, 1, 2, 7]
+    ctx = StepContext(lens, cached, slots, KVCache(), states)
+    conv, rec = states.gather(7, ctx)
+    for j, (slot, pos) in enumerate(zip(slots, cached, strict=True)):
+        ref_conv, ref_rec = states.get(7, slot, pos)
+        assert torch.equal(conv[j].cpu(), ref_conv.cpu()) and torch.equal(rec[j].cpu(), ref_rec.cpu()), j
+    new_conv = torch.randn(conv.shape, generator=gen).to(BF16).to(DEV)
+    new_rec = torch.randn(rec.shape, generator=gen).to(DEV)
+    states.scatter(7, ctx, new_conv, new_rec)
+    for j, (slot, pos, n) in enumerate(zip(slots, cached, lens, strict=True)):
+        got_conv, got_rec = states.get(7, slot, pos + n)
+        valid = torch.arange(pos + n - kc + 1, pos + n) >= 0  # positions before 0 read as zeros
+        assert torch.equal(got_conv.cpu(), torch.where(valid, new_conv[j].cpu(), 0)), j
+        assert torch.equal(got_rec.cpu(), new_rec[j].cpu()), j
+
+
+def _torch_varlen_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                       cu_seqlens, cu_seqlens_cpu):  # fmt: skip
+    """fla's varlen chunked rule, as the layer's torch path computes each sequence (the CPU's stand-in)."""
+    from fp4moe.layers.deltanet import delta_rule_chunked, delta_rule_recurrent, l2_normalize
+
+    assert use_qk_l2norm_in_kernel and output_final_state and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
+    rep = v.shape[2] // q.shape[2]
+    outs, finals = [], []
+    for i in range(len(cu_seqlens_cpu) - 1):
+        a, b = int(cu_seqlens_cpu[i]), int(cu_seqlens_cpu[i + 1])
+        qi = l2_normalize(q[0, a:b].float()).repeat_interleave(rep, dim=1) * scale
+        ki = l2_normalize(k[0, a:b].float()).repeat_interleave(rep, dim=1)
+        rule = delta_rule_recurrent if b - a == 1 else delta_rule_chunked
+        o, final = rule(qi, ki, v[0, a:b].float(), g[0, a:b], beta[0, a:b].float(), initial_state[i])
+        outs.append(o.to(v.dtype))
+        finals.append(final)
+    return torch.cat(outs)[None], torch.stack(finals)
+
+
+def test_deltanet_varlen_prefill_is_each_sequence_alone(monkeypatch):
+    """A step of several sequences with cached history (prompt chunks of 1-70 tokens, one fresh) through
+    the batched prefill (one conv launch, one chunked-rule call, states by device indexing) against the
+    layer one sequence at a time: outputs and the states left behind. On the GPU with fla's kernels; on the
+    CPU with a torch stand-in for fla's varlen call (same math as the per-sequence path), which checks the
+    batching: the offsets, the gathered and stored states, the conv across sequence boundaries."""
+    from fp4moe.engine.paged_cache import SlotStates
+    from fp4moe.layers import deltanet
+
+    if not (DEV.type == "cuda" and deltanet._fla_chunk() is not None):
+        monkeypatch.setattr(deltanet, "_fla_chunk", lambda: _torch_varlen_rule)
+    monkeypatch.setattr(deltanet, "_varlen_prefill", lambda x, ctx: max(ctx.query_lens) > 1)
+    gen = torch.Generator().manual_seed(13)
+    layer = _gdn_layer(gen)
+    dims = (layer.conv_dim, 4, layer.num_v_heads, layer.k_dim, layer.v_dim, BF16, DEV)
+    batched, alone = SlotStates([0], 5, *dims), SlotStates([0], 5, *dims)
+    slots, history = [4, 1, 2, 0], [5, 1, 66, 0]  # slot 0: a fresh prompt
+    for slot, n in zip(slots, history, strict=True):  # the same history in both
+        if n:
+            x = torch.randn(n, 64, generator=gen).to(BF16).to(DEV)
+            for states in (batched, alone):
+                monkeypatch.setattr(deltanet, "_varlen_prefill", lambda x, ctx: False)
+                layer(x, StepContext([n], [0], [slot], KVCache(), states))
+    monkeypatch.setattr(deltanet, "_varlen_prefill", lambda x, ctx: max(ctx.query_lens) > 1)
+    lengths = [3, 1, 70, 9]
+    x = torch.randn(sum(lengths), 64, generator=gen).to(BF16).to(DEV)
+    got = layer(x, StepContext(lengths, history, slots, KVCache(), batched))
+    monkeypatch.setattr(deltanet, "_varlen_prefill", lambda x, ctx: False)
+    ctx = StepContext(lengths, history, slots, KVCache(), None)
+    for i, (a, b) in enumerate(ctx.spans()):
+        ref = layer(x[a:b], StepContext([b - a], [history[i]], [slots[i]], KVCache(), alone))
+        assert rel(got[a:b], ref) < RTOL, i
+        end = history[i] + b - a
+        c_got, r_got = batched.get(0, slots[i], end)
+        c_ref, r_ref = alone.get(0, slots[i], end)
+        assert torch.equal(c_got, c_ref), i  # copies of the conv inputs
+        assert rel(r_got, r_ref) < 1e-2, i

@@ -115,6 +115,15 @@ class DeltaNetStates:
     ) -> None:
         self._states[(layer, slot)] = (conv, rec)
 
+    def gather(self, layer: int, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sequence's states of a step (``StepContext``), stacked: conv [N, C, K-1], recurrent [N, ...]."""
+        states = [self.get(layer, slot) for slot in ctx.slots]
+        return torch.stack([c.to(self.dtype) for c, _ in states]), torch.stack([r for _, r in states])
+
+    def scatter(self, layer: int, ctx, conv: torch.Tensor, rec: torch.Tensor) -> None:
+        for j, slot in enumerate(ctx.slots):
+            self.set(layer, slot, conv[j], rec[j])
+
     def free(self, slot: int) -> None:
         for key in [k for k in self._states if k[1] == slot]:
             del self._states[key]

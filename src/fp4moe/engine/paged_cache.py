@@ -190,6 +190,24 @@ class SlotStates:
         self.ring[i, slot].index_copy_(0, rows, conv.T.to(self.dtype))
         self.rec[i, slot] = rec
 
+    def gather(self, layer: int, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sequence's states of a step (``StepContext``) at once: conv [N, C, K-1], recurrent [N, Hv,
+        Dk, Dv] -- device indexing only, no per-sequence work on the host."""
+        t, i = ctx.tensors(self.device), self.index[layer]
+        pos = t.cached[:, None] - self.kc + 1 + torch.arange(self.kc - 1, device=self.device)  # [N, K-1]
+        ring = self.ring[i][t.slots[:, None], pos.remainder(self.ring_len)]  # [N, K-1, C]
+        conv = torch.where((pos >= 0)[:, :, None], ring, 0).transpose(1, 2)
+        rec = torch.where((t.cached > 0)[:, None, None, None], self.rec[i][t.slots], 0)
+        return conv, rec
+
+    def scatter(self, layer: int, ctx, conv: torch.Tensor, rec: torch.Tensor) -> None:
+        """Store what ``gather`` read, after the step's tokens (conv [N, C, K-1] the last inputs)."""
+        t, i = ctx.tensors(self.device), self.index[layer]
+        end = t.cached + (t.ends - t.starts)
+        pos = end[:, None] - self.kc + 1 + torch.arange(self.kc - 1, device=self.device)
+        self.ring[i][t.slots[:, None], pos.remainder(self.ring_len)] = conv.transpose(1, 2).to(self.dtype)
+        self.rec[i][t.slots] = rec
+
     def free(self, slot: int) -> None:
         """Nothing to release: position 0 reads as a zero state, so a reused slot needs no clearing."""
 

@@ -17,29 +17,39 @@ from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 
 @triton.jit
 def _causal_conv_kernel(
-    x_ptr, stride_x, state_ptr, w_ptr, out_ptr, stride_o, T, C,
-    KC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, stride_x, state_ptr, w_ptr, out_ptr, stride_o, seq_ptr, start_ptr, T, C,
+    KC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     t_ok = t < T
     c_ok = c < C
+    if VARLEN:  # rows of several sequences: each reads its own sequence's rows and state
+        s = tl.load(seq_ptr + t, mask=t_ok, other=0)
+        first = tl.load(start_ptr + s, mask=t_ok, other=0)
+    else:
+        s = tl.zeros((BT,), dtype=tl.int32)
+        first = tl.zeros((BT,), dtype=tl.int32)
     acc = tl.zeros((BT, BC), dtype=tl.float32)
     for i in tl.static_range(KC):  # tap i reads the input KC - 1 - i positions back
         src = t - (KC - 1) + i
+        inside = src >= first
         x = tl.load(
             x_ptr + src[:, None].to(tl.int64) * stride_x + c[None, :],
-            mask=(src >= 0)[:, None] & t_ok[:, None] & c_ok[None, :],
+            mask=inside[:, None] & t_ok[:, None] & c_ok[None, :],
             other=0.0,
         )
-        s = tl.load(  # state [C, KC-1]: the inputs at positions -(KC-1) .. -1
-            state_ptr + c[None, :] * (KC - 1) + (KC - 1 + src)[:, None],
-            mask=(src < 0)[:, None] & t_ok[:, None] & c_ok[None, :],
+        st = tl.load(  # state [N, C, KC-1]: the sequence's inputs at positions -(KC-1) .. -1
+            state_ptr
+            + s[:, None].to(tl.int64) * C * (KC - 1)
+            + c[None, :] * (KC - 1)
+            + (KC - 1 + src - first)[:, None],
+            mask=(~inside)[:, None] & t_ok[:, None] & c_ok[None, :],
             other=0.0,
         )
         w = tl.load(w_ptr + c * KC + i, mask=c_ok, other=0.0).to(tl.float32)
-        acc += (x.to(tl.float32) + s.to(tl.float32)) * w[None, :]
+        acc += (x.to(tl.float32) + st.to(tl.float32)) * w[None, :]
     y = round_bf16(acc)
     y = round_bf16(y * tl.sigmoid(y))
     tl.store(
@@ -54,17 +64,48 @@ def causal_conv_silu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, C] (rows may be strided), state [C, K-1] (the inputs before x), weight [C, K] -> (silu(conv)
     [n, C] in x's dtype, the new state [C, K-1]: the last K-1 inputs)."""
-    n, c = x.shape
+    n = x.shape[0]
+    out = _launch(x, state.to(x.dtype).contiguous(), weight, None, None)
     kc = weight.shape[-1]
-    state = state.to(x.dtype).contiguous()
-    out = torch.empty(n, c, dtype=x.dtype, device=x.device)
-    bt, bc = min(32, next_pow2(n)), 128
-    _causal_conv_kernel[(triton.cdiv(n, bt), triton.cdiv(c, bc))](
-        x, x.stride(0), state, weight.reshape(c, kc), out, out.stride(0), n, c,
-        KC=kc, BT=bt, BC=bc, num_warps=4, **pdl_args(),
-    )  # fmt: skip
     if n >= kc - 1:
         new_state = x[n - (kc - 1) :].transpose(0, 1).contiguous()
     else:
-        new_state = torch.cat([state, x.transpose(0, 1)], dim=-1)[:, -(kc - 1) :].contiguous()
+        new_state = torch.cat([state.to(x.dtype), x.transpose(0, 1)], dim=-1)[:, -(kc - 1) :].contiguous()
     return out, new_state
+
+
+def causal_conv_silu_varlen(
+    x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, token_seq: torch.Tensor, starts: torch.Tensor,
+    ends: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Several sequences' rows in one launch: x [T, C] (sequence ``token_seq[t]`` owns row t; sequence i
+    rows ``starts[i]`` .. ``ends[i]`` - 1), states [N, C, K-1] -> (silu(conv) [T, C], new states [N, C, K-1]).
+    Each sequence as ``causal_conv_silu`` computes it alone."""
+    out = _launch(x, states.to(x.dtype).contiguous(), weight, token_seq, starts)
+    return out, last_inputs(x, states.to(x.dtype), starts, ends)
+
+
+def last_inputs(
+    x: torch.Tensor, states: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor
+) -> torch.Tensor:
+    """Each sequence's last K-1 inputs [N, C, K-1] after its rows of x [T, C]: the rows before its end,
+    reaching back into its state [N, C, K-1] where it has fewer rows -- device ops only (no host sync)."""
+    kc1 = states.shape[-1]
+    pos = ends[:, None] - kc1 + torch.arange(kc1, device=x.device)  # [N, K-1] rows wanted
+    from_x = x[pos.clamp(min=0)].transpose(1, 2)  # [N, C, K-1]
+    back = (kc1 + pos - starts[:, None].long()).clamp(0, kc1 - 1)  # column of the state where pos < start
+    from_state = states.gather(2, back[:, None, :].expand(-1, states.shape[1], -1))
+    return torch.where((pos >= starts[:, None])[:, None, :], from_x, from_state).contiguous()
+
+
+def _launch(x, states, weight, token_seq, starts) -> torch.Tensor:
+    n, c = x.shape
+    kc = weight.shape[-1]
+    out = torch.empty(n, c, dtype=x.dtype, device=x.device)
+    varlen = token_seq is not None
+    bt, bc = min(32, next_pow2(n)), 128
+    _causal_conv_kernel[(triton.cdiv(n, bt), triton.cdiv(c, bc))](
+        x, x.stride(0), states, weight.reshape(c, kc), out, out.stride(0), token_seq if varlen else x,
+        starts if varlen else x, n, c, KC=kc, BT=bt, BC=bc, VARLEN=varlen, num_warps=4, **pdl_args(),
+    )  # fmt: skip
+    return out

@@ -87,6 +87,12 @@ def _fla_rule(q, k, v, g, beta, state):
     return o[0], final[0]
 
 
+def _varlen_prefill(x: torch.Tensor, ctx) -> bool:
+    """Whether a step's sequences go through the rule together (a bf16 GPU step with a prompt chunk, fla
+    installed) rather than one at a time."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and max(ctx.query_lens) > 1 and _fla_chunk() is not None
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(
         self,
@@ -121,7 +127,44 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(t, self.num_v_heads, self.v_dim)
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        core = torch.empty(t, self.num_v_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        if _varlen_prefill(x, ctx):
+            core = self._prefill_varlen(mixed, g, beta, ctx)
+        else:
+            core = self._per_sequence(mixed, g, beta, ctx)
+        if x.is_cuda and x.dtype == torch.bfloat16:  # one kernel instead of the fp32 elementwise chain
+            from fp4moe.kernels.gdn_decode import gated_norm
+
+            out = gated_norm(core.view(t, -1), z.reshape(t, -1), self.norm_weight, self.eps, self.num_v_heads)
+        else:
+            out = gated_rms_norm(core, z, self.norm_weight, self.eps).reshape(t, -1)
+        return self.out_proj(out)
+
+    def _prefill_varlen(self, mixed, g, beta, ctx) -> torch.Tensor:
+        """Every sequence of a GPU step at once: one conv launch, one fla call over the flat rows with
+        their offsets (cu_seqlens), the states gathered and stored by device indexing. Per sequence, as
+        ``_per_sequence`` computes it (fla chunks each sequence on its own)."""
+        from fp4moe.kernels.causal_conv import causal_conv_silu_varlen
+
+        t = ctx.tensors(mixed.device)
+        conv_state, rec_state = ctx.deltanet.gather(self.layer_id, ctx)
+        qkv, new_conv = causal_conv_silu_varlen(
+            mixed, conv_state, self.conv1d_weight, t.token_seq, t.starts, t.ends
+        )
+        q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        n = mixed.shape[0]
+        o, new_rec = _fla_chunk()(
+            q.reshape(1, n, self.num_k_heads, self.k_dim), k.reshape(1, n, self.num_k_heads, self.k_dim),
+            v.reshape(1, n, self.num_v_heads, self.v_dim), g[None], beta[None], scale=self.k_dim**-0.5,
+            initial_state=rec_state.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=t.cu_seqlens, cu_seqlens_cpu=t.cu_seqlens_cpu,
+        )  # fmt: skip
+        ctx.deltanet.scatter(self.layer_id, ctx, new_conv, new_rec)
+        return o[0].to(mixed.dtype)
+
+    def _per_sequence(self, mixed, g, beta, ctx) -> torch.Tensor:
+        """One sequence at a time (the CPU path, the GPU's decode rows and fp32 runs)."""
+        t = mixed.shape[0]
+        core = torch.empty(t, self.num_v_heads, self.v_dim, dtype=mixed.dtype, device=mixed.device)
         for seq, (start, end) in enumerate(ctx.spans()):
             slot = ctx.slots[seq]
             conv_state, rec_state = ctx.deltanet.get(self.layer_id, slot, ctx.cached_lens[seq])
@@ -131,7 +174,7 @@ class GatedDeltaNet(nn.Module):
             q = q.view(n, self.num_k_heads, self.k_dim)
             k = k.view(n, self.num_k_heads, self.k_dim)
             v = v.view(n, self.num_v_heads, self.v_dim)
-            if n > 1 and x.is_cuda and _fla_chunk() is not None:
+            if n > 1 and mixed.is_cuda and _fla_chunk() is not None:
                 # grouped values: fla reads key head j // (Hv / Hk) for value head j itself
                 o, new_rec = _fla_rule(q, k, v, g[start:end], beta[start:end], rec_state)
             else:
@@ -141,14 +184,8 @@ class GatedDeltaNet(nn.Module):
                 rule = delta_rule_recurrent if n == 1 else delta_rule_chunked
                 o, new_rec = rule(q, k, v.float(), g[start:end], beta[start:end].float(), rec_state)
             ctx.deltanet.set(self.layer_id, slot, new_conv, new_rec, ctx.cached_lens[seq] + (end - start))
-            core[start:end] = o.to(x.dtype)
-        if x.is_cuda and x.dtype == torch.bfloat16:  # one kernel instead of the fp32 elementwise chain
-            from fp4moe.kernels.gdn_decode import gated_norm
-
-            out = gated_norm(core.view(t, -1), z.reshape(t, -1), self.norm_weight, self.eps, self.num_v_heads)
-        else:
-            out = gated_rms_norm(core, z, self.norm_weight, self.eps).reshape(t, -1)
-        return self.out_proj(out)
+            core[start:end] = o.to(mixed.dtype)
+        return core
 
     def _conv(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal depthwise conv + SiLU over x [n, C] continuing from state [C, K-1] (the last inputs)."""

@@ -1,0 +1,96 @@
+"""Prefill of many prompts in one step vs one long prompt (issue 20): the same number of tokens through the
+GPU runner's prefill path (``CudaModelRunner.hidden_states``), split into ``n`` sequences. A server's
+prefill steps are of the split kind (pp 512 at concurrency 64: four 512-token prompts per 2,048-token step),
+the decode benchmark's of the single kind.
+
+    python benchmarks/prefill_batch.py --tokens 8192 --splits 1 4 16 64 --profile 16 --out $OUT/prefill_batch.json
+
+Per split: device time (CUDA events, median of 3), the host's time to enqueue the step (when it is close to
+the device time, the step waits on Python), tok/s; ``--profile N``: torch profiler on the N-way split, the
+ops by self host time and the kernels by device time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per step")
+    p.add_argument("--splits", type=int, nargs="+", default=[1, 4, 16, 64], help="sequences per step")
+    p.add_argument("--profile", type=int, default=None, help="profile the step of this many sequences")
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = p.parse_args()
+    import decode as dec
+
+    from fp4moe.engine.context import StepContext
+    from fp4moe.engine.cuda_runner import CudaModelRunner
+
+    dev = torch.device("cuda")
+    model = dec.build_model(True, dev)
+    n_max = max(args.splits)
+    runner = CudaModelRunner(
+        model, None, dev, "auto", max_num_seqs=n_max, max_model_len=args.tokens + 64,
+        num_pages=n_max * (args.tokens // 64 + 2), cuda_graphs=False,
+    )  # fmt: skip
+    host: list[float] = []
+
+    def step(n: int):
+        lens = [args.tokens // n] * n
+        for s in range(n):
+            runner.kv.free(s)
+        ids = torch.randint(0, model.args.vocab_size, (sum(lens),), device=dev)
+        pos = torch.cat([torch.arange(m, device=dev) for m in lens])
+        ctx = StepContext(lens, [0] * n, list(range(n)), runner.kv, runner.states)
+        start = time.perf_counter()
+        h = runner.hidden_states(ids, pos, ctx)
+        host.append(time.perf_counter() - start)
+        return h
+
+    rows = []
+    for n in args.splits:
+        step(n)  # compiles
+        torch.cuda.synchronize()
+        host.clear()
+        times = dec.event_seconds(lambda n=n: step(n), 3)
+        t = statistics.median(times)
+        rows.append(dict(sequences=n, tokens=args.tokens, seconds=t, host_s=statistics.median(host),
+                         tokens_per_s=args.tokens / t))  # fmt: skip
+        print(f"{n:3d} x {args.tokens // n:5d}: {t * 1e3:7.1f} ms, host {rows[-1]['host_s'] * 1e3:7.1f} ms, "
+              f"{rows[-1]['tokens_per_s']:8.0f} tok/s", flush=True)  # fmt: skip
+    result = dict(device=torch.cuda.get_device_name(), rows=rows)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(args.profile)
+            torch.cuda.synchronize()
+        avg = prof.key_averages()
+        by_host = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:25]
+        result["host_ops"] = [
+            dict(op=e.key[:90], calls=e.count, self_host_us=e.self_cpu_time_total) for e in by_host
+        ]
+        result["kernels"] = dec._kernel_table(prof, 25)
+        print(f"\nprofile, {args.profile} sequences: ops by self host time")
+        for r in result["host_ops"]:
+            print(f"  {r['self_host_us'] / 1e3:8.2f} ms  {r['calls']:6d}  {r['op']}")
+        print("kernels by device time")
+        for r in result["kernels"]:
+            print(f"  {r['us'] / 1e3:8.2f} ms  {r['calls']:6d}  {r['kernel']}")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
