@@ -68,16 +68,24 @@ def test_generate_and_serve_declare_the_engine_options_once():
     for command in ("generate", "serve"):
         options = {o for a in sub[command]._actions for o in a.option_strings}
         assert fields <= options, (command, fields - options)
-    argv = ["--device", "cpu", "--limit-mm-per-prompt", "2", "--kv-cache-dtype", "fp8", "--max-num-seqs", "3"]
+    argv = ["--device", "cpu", "--limit-mm-per-prompt", "2", "--kv-cache-dtype", "fp8", "--max-num-seqs", "3",
+            "--max-num-batched-tokens", "512", "--max-cached-tokens", "4096", "--no-enable-chunked-prefill"]  # fmt: skip
     gen = engine_config(build_parser().parse_args(["generate", "m", "hi", *argv]))
     srv = engine_config(build_parser().parse_args(["serve", "m", *argv]))
     assert gen == srv
     assert gen.limit_mm_per_prompt == {"image": 2} and gen.kv_cache_dtype == "fp8" and gen.max_num_seqs == 3
+    assert (gen.max_num_batched_tokens, gen.max_cached_tokens, gen.enable_chunked_prefill) == (
+        512,
+        4096,
+        False,
+    )
     for bad in ("{image", "true", '{"image": -1}', '{"image": false}'):
         with pytest.raises(ValueError, match="limit-mm-per-prompt"):
             engine_config(build_parser().parse_args(["serve", "m", "--limit-mm-per-prompt", bad]))
     assert build_parser().parse_args(["generate", "m", "hi"]).max_num_seqs == 64  # offline: LLM's default
     assert build_parser().parse_args(["serve", "m"]).max_num_seqs == 16
+    assert build_parser().parse_args(["generate", "m", "hi"]).max_num_batched_tokens == 8192
+    assert build_parser().parse_args(["serve", "m"]).max_num_batched_tokens == 2048
 
 
 def test_llm_takes_an_engine_config_and_keyword_overrides(checkpoints):

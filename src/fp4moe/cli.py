@@ -258,7 +258,7 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--logprobs", type=int, default=None, help="also print each token's log-probability and the top K"
     )
-    _add_engine_options(p, max_num_seqs=64)  # offline: LLM's default
+    _add_engine_options(p, max_num_seqs=64, max_num_batched_tokens=8192)  # offline: LLM's defaults
 
 
 def _positive(value: str) -> int:
@@ -303,7 +303,7 @@ SPEC_HELP = (
 )
 
 
-def _add_engine_options(p, max_num_seqs: int) -> None:
+def _add_engine_options(p, max_num_seqs: int, max_num_batched_tokens: int) -> None:
     """The options of every command that runs fp4moe's engine (generate, serve): one EngineConfig."""
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument(
@@ -341,6 +341,25 @@ def _add_engine_options(p, max_num_seqs: int) -> None:
         type=float,
         default=0.9,
         help="with --device cuda: share of GPU memory for weights + caches; sizes the KV budget (default 0.9)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive,
+        default=max_num_batched_tokens,
+        help=f"tokens one step runs at most, prompt chunks and decodes (default {max_num_batched_tokens})",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts across steps to keep decoding (default on)",
+    )
+    p.add_argument(
+        "--max-cached-tokens",
+        type=_positive,
+        default=None,
+        help="KV budget in tokens (default: what the cache holds in GPU memory, 2^20 on the CPU); beyond it "
+        "sequences are preempted and recomputed",
     )
     p.add_argument("--num-speculative-tokens", type=_spec_tokens, default="auto", help=SPEC_HELP)
     p.add_argument(
@@ -385,6 +404,9 @@ def engine_config(args):
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        max_cached_tokens=args.max_cached_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         load_format=args.load_format,
     )
@@ -424,15 +446,6 @@ def _add_serve(sub) -> None:
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most (default 2048)"
-    )
-    p.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="split long prompts across steps to keep decoding (default on)",
-    )
-    p.add_argument(
         "--max-waiting", type=int, default=256, help="waiting requests before answering 429 (default 256)"
     )
     p.add_argument(
@@ -451,12 +464,6 @@ def _add_serve(sub) -> None:
     )
     p.add_argument(
         "--prefix-cache-entries", type=int, default=64, help="prefix snapshots kept, LRU (default 64)"
-    )
-    p.add_argument(
-        "--max-cached-tokens",
-        type=int,
-        default=1 << 20,
-        help="cache budget in tokens; beyond it sequences are preempted and recomputed",
     )
     p.add_argument(
         "--max-n-sequences",
@@ -497,7 +504,7 @@ def _add_serve(sub) -> None:
     )
     p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None, help="parse tool calls")
     p.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"')
-    _add_engine_options(p, max_num_seqs=16)
+    _add_engine_options(p, max_num_seqs=16, max_num_batched_tokens=2048)
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="with --engine vllm: GPUs to shard over"
     )
@@ -819,46 +826,21 @@ def cmd_serve(args) -> int:
             os.execvpe(cmd[0], cmd, {**os.environ, **env})
         print(shlex.join([f"{k}={v}" for k, v in env.items()] + cmd))
         return 0
-    from fp4moe.engine.core import AsyncEngine, EngineCore
+    from fp4moe.engine.core import AsyncEngine
     from fp4moe.engine.llm import LLM
-    from fp4moe.engine.scheduler import SchedulerConfig
+    from fp4moe.engine.prefix_cache import PrefixCache
     from fp4moe.server.app import ServerConfig, build_app
     from fp4moe.server.uvicorn_server import serve
 
     config = engine_config(args)
     llm = LLM(args.model, config)
-    from fp4moe.engine.prefix_cache import PrefixCache
-
-    max_cached = args.max_cached_tokens
-    capacity = llm.runner.capacity_tokens()
-    if capacity is not None:  # the GPU runner sized its paged cache from free memory already
-        max_cached = min(max_cached, capacity)
-    elif llm.device.type == "cuda":  # size the KV budget from what the loaded model leaves
-        import torch
-
-        from fp4moe.engine.memory import cache_budget_tokens, deltanet_bytes_per_sequence, kv_bytes_per_token
-
-        free, total = torch.cuda.mem_get_info(llm.device)
-        dtype = llm.model.embed_tokens.dtype
-        max_cached = min(
-            max_cached,
-            cache_budget_tokens(
-                total,
-                total - free,
-                args.gpu_memory_utilization,
-                kv_bytes_per_token(llm.model.args, args.kv_cache_dtype, dtype),
-                deltanet_bytes_per_sequence(llm.model.args, dtype),
-                args.max_num_seqs,
-            ),
-        )
-
     if llm.device.type == "cuda" and args.warmup:
         print("warming up: compiling kernels, capturing CUDA graphs ...", file=sys.stderr, flush=True)
         print(f"warm-up took {llm.warmup(args.max_num_batched_tokens):.1f} s", file=sys.stderr, flush=True)
     spec = llm.speculator.k if llm.speculator is not None else 0
     print(
         f"fp4moe serve: device {llm.device}, {llm.model.embed_tokens.dtype} compute, KV cache "
-        f"{args.kv_cache_dtype} for {max_cached} tokens, at most {args.max_num_seqs} sequences running and "
+        f"{args.kv_cache_dtype} for {llm.max_cached_tokens} tokens, at most {args.max_num_seqs} sequences running and "
         f"{args.max_num_batched_tokens} tokens per step, context {llm.max_model_len}, speculative tokens {spec}",
         file=sys.stderr,
         flush=True,
@@ -866,17 +848,7 @@ def cmd_serve(args) -> int:
     prefix = (
         PrefixCache(args.prefix_block_size, args.prefix_cache_entries) if args.enable_prefix_caching else None
     )
-    core = EngineCore(
-        llm,
-        SchedulerConfig(
-            args.max_num_seqs,
-            args.max_num_batched_tokens,
-            args.enable_chunked_prefill,
-            args.max_waiting,
-            max_cached,
-        ),
-        prefix_cache=prefix,
-    )
+    core = llm.new_core(args.max_waiting, prefix)
     app = build_app(
         AsyncEngine(core),
         ServerConfig(

@@ -224,3 +224,36 @@ def test_cache_budget_is_never_exceeded(llm):
     assert [s.output_ids for s in seqs] == expected
     assert peak <= budget
     assert blocked and peak >= budget - 5  # the limit mattered (measured peak: 99 of 100)
+
+
+def test_generate_is_the_servers_engine_loop(checkpoints, monkeypatch):
+    """Offline ``LLM.generate`` steps the same ``EngineCore`` the server does (one loop): with 2 sequence
+    slots and 16 tokens a step, five prompts queue, prefill in chunks and give exactly the server loop's
+    tokens (same steps, same arithmetic); ``on_token`` sees every token once."""
+    llm = LLM(checkpoints.bf16(), dtype="float32", max_num_seqs=2, max_num_batched_tokens=16)
+    served, _, max_batch = _serve(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16), 7)
+    running, seen = [], []
+    real_step = EngineCore.step
+
+    def step(core):
+        out = real_step(core)
+        running.append(len(core.scheduler.running) + sum(o.finished for o in out))
+        return out
+
+    monkeypatch.setattr(EngineCore, "step", step)
+    p = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, p, on_token=lambda i, token, delta: seen.append((i, token)))
+    assert [o.outputs[0].token_ids for o in outs] == served
+    assert max(running) == max_batch == 2 and len(running) > 7  # queued, chunked: more steps than tokens
+    assert sorted(seen) == sorted((i, t) for i, o in enumerate(outs) for t in o.outputs[0].token_ids)
+
+
+def test_sequence_token_access_copies_nothing_and_agrees_with_all_ids():
+    from fp4moe.engine.sequence import Sequence
+
+    seq = Sequence(0, [5, 6, 7], SamplingParams(), slot=0, output_ids=[8, 9])
+    assert seq.num_tokens == len(seq.all_ids) == 5
+    assert [seq.token(i) for i in range(-5, 5)] == seq.all_ids * 2
+    for start in range(6):
+        for end in range(start, 6):
+            assert seq.tokens(start, end) == seq.all_ids[start:end], (start, end)

@@ -204,8 +204,10 @@ def test_batched_mtp_drafts_equal_per_sequence_drafts(path):
     llm = LLM(path, dtype="float32", num_speculative_tokens=3)
     spec = llm.speculator
     _, seqs = llm._make_sequences(PROMPTS, [GREEDY] * len(PROMPTS))
-    kv, states = llm._new_states()
-    spec.prefill(seqs, kv, states)
+    for slot, seq in enumerate(seqs):
+        seq.slot = slot
+    kv, states = llm.runner.new_caches()
+    spec.prefill([(s, len(s.all_ids)) for s in seqs], kv, states)
     saved = [s.mtp_cached for s in seqs]
     many = spec._mtp_drafts_many(seqs, kv, states)
     for seq, cached in zip(seqs, saved, strict=True):  # undo the catch-up, then draft one by one

@@ -13,14 +13,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from fp4moe.engine.llm import LLM
 from fp4moe.engine.prefix_cache import PrefixCache
 from fp4moe.engine.sampler import SamplingParams
 from fp4moe.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from fp4moe.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from fp4moe.engine.llm import LLM
 
 
 @dataclass
@@ -149,25 +150,12 @@ class EngineCore:
 def run_spec_batch(core: EngineCore, batch) -> list[Sequence]:
     """Run a scheduled batch with MTP speculative decoding: prefill chunks in one flat forward (their hidden
     states kept for the MTP head), then a draft-and-verify round for every decoding sequence."""
-    spec, llm = core.llm.speculator, core.llm
+    spec = core.llm.speculator
     decoding = [
-        s for s, n in batch if n == 1 and s.num_cached == len(s.all_ids) - 1 and s.hidden_tail is not None
+        s for s, n in batch if n == 1 and s.num_cached == s.num_tokens - 1 and s.hidden_tail is not None
     ]
     prefill = [(s, n) for s, n in batch if s not in decoding]
-    progressed = []
-    if prefill:
-        hidden, spans = llm.runner.forward(prefill, core.kv, core.states)
-        for (seq, n), (start, end) in zip(prefill, spans, strict=True):
-            if seq.num_cached == 0 or seq.hidden_tail is None:
-                # fresh (or restored from a prefix snapshot: the MTP head starts after the restored part)
-                seq.hidden_tail, seq.mtp_cached = hidden[start:end][:0], seq.num_cached
-                seq.drafts = None
-            seq.hidden_tail = torch.cat([seq.hidden_tail, hidden[start:end]])
-            seq.num_cached += n
-            if seq.num_cached == len(seq.all_ids):
-                llm.sample_into(seq, llm.model.compute_logits(hidden[end - 1 : end])[0].cpu())
-                seq.new_tokens = 1
-                progressed.append(seq)
+    progressed = spec.prefill(prefill, core.kv, core.states) if prefill else []
     if spec.disable_by_batch_size and len(decoding) > spec.disable_by_batch_size:
         # under load one batched plain step beats per-sequence draft-and-verify; the MTP head keeps its
         # inputs (hidden states) and catches up when the batch shrinks again
@@ -178,11 +166,16 @@ def run_spec_batch(core: EngineCore, batch) -> list[Sequence]:
             progressed.append(seq)
         return progressed
     for seq, n in zip(
-        decoding, spec.decode_round(decoding, core.kv, core.states, llm.max_model_len), strict=True
+        decoding, spec.decode_round(decoding, core.kv, core.states, core.llm.max_model_len), strict=True
     ):
         seq.new_tokens = n
         progressed.append(seq)
     return progressed
+
+
+def _deliver(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
 
 
 class AsyncEngine:
@@ -278,10 +271,13 @@ class AsyncEngine:
                 for o in outputs:
                     if o.finished:
                         self._queues.pop(id(o.seq), None)
+            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
             for target, out in targets:
                 if target is not None:
                     loop, queue, _ = target
-                    loop.call_soon_threadsafe(queue.put_nowait, out)
+                    by_loop.setdefault(loop, []).append((queue, out))
+            for loop, items in by_loop.items():  # one wake-up of each event loop per step, not one per token
+                loop.call_soon_threadsafe(_deliver, items)
             if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()

@@ -268,7 +268,7 @@ class CudaModelRunner(ModelRunner):
 
     def fusable_decode(self, batch: list[tuple[Sequence, int]], kv) -> bool:
         """Whether ``batch`` is one decode token per sequence that the fused step can take."""
-        decode = all(n == 1 and 0 < s.num_cached == len(s.all_ids) - 1 for s, n in batch)
+        decode = all(n == 1 and 0 < s.num_cached == s.num_tokens - 1 for s, n in batch)
         decode = decode and len(batch) <= self.max_num_seqs
         decode = decode and all(s.image_embeds is None or s.num_cached >= len(s.prompt_ids) for s, _ in batch)
         # an fp8 cache's scales are set by the first prefill that writes each layer (the module path)
@@ -296,7 +296,7 @@ class CudaModelRunner(ModelRunner):
         on the device -- a copy: the MTP head's inputs -- or None)."""
         logits = self.decode_logits(
             [s.slot for s in seqs],
-            [s.all_ids[s.num_cached] for s in seqs],
+            [s.token(s.num_cached) for s in seqs],
             [s.num_cached for s in seqs],
             torch.cat([s.positions(s.num_cached, s.num_cached + 1) for s in seqs], dim=1),
         )

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from fp4moe.engine.cache import DeltaNetStates, KVCache
 from fp4moe.engine.config import EngineConfig
+from fp4moe.engine.core import EngineCore, StepOutput
 from fp4moe.engine.loader import load_model
 from fp4moe.engine.model_runner import ModelRunner
 from fp4moe.engine.sampler import SampleResult, SampleRow, SamplingParams, sample_batch
+from fp4moe.engine.scheduler import SchedulerConfig
 from fp4moe.engine.sequence import FinishReason, Sequence
 
 
@@ -110,6 +112,7 @@ class LLM:
             self.speculator.disable_by_batch_size = max(0, int(config.speculative_disable_by_batch_size))
         self.eos_ids = self._eos_ids()
         self._seq_ids = itertools.count()
+        self.max_cached_tokens = self._cache_budget()
 
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
@@ -202,12 +205,35 @@ class LLM:
         )
 
     # ----- generation -----
-    def _new_states(self) -> tuple[KVCache, DeltaNetStates]:
-        return self.runner.new_caches()
+    def _cache_budget(self) -> int:
+        """KV tokens the scheduler may reserve: what the GPU runner's paged cache holds (sized from free
+        memory), what free GPU memory allows on the module path, else the configured budget (default 2^20)."""
+        requested = self.engine_config.max_cached_tokens or 1 << 20
+        capacity = self.runner.capacity_tokens()
+        if capacity is not None:
+            return min(requested, capacity)
+        if self.device.type != "cuda":
+            return requested
+        from fp4moe.engine.memory import cache_budget_tokens, deltanet_bytes_per_sequence, kv_bytes_per_token
 
-    def _step(self, seqs: list[Sequence], kv: KVCache, states: DeltaNetStates) -> None:
-        """One flat forward over every sequence's uncached tokens; samples one token for each."""
-        self.sample_all(self.runner.run([(s, len(s.all_ids) - s.num_cached) for s in seqs], kv, states))
+        free, total = torch.cuda.mem_get_info(self.device)
+        cfg, dtype = self.engine_config, self.model.embed_tokens.dtype
+        per_token = kv_bytes_per_token(self.model.args, cfg.kv_cache_dtype, dtype)
+        per_seq = deltanet_bytes_per_sequence(self.model.args, dtype)
+        budget = cache_budget_tokens(
+            total, total - free, cfg.gpu_memory_utilization, per_token, per_seq, cfg.max_num_seqs
+        )
+        return min(requested, budget)
+
+    def new_core(self, max_waiting: int = 1 << 30, prefix_cache=None) -> EngineCore:
+        """The engine loop over this model (the runner's caches, a fresh scheduler): what ``generate`` steps
+        through and what ``fp4moe serve`` runs on its engine thread."""
+        cfg = self.engine_config
+        slots = self.runner.max_num_seqs or cfg.max_num_seqs  # the GPU runner has that many state slots
+        limits = SchedulerConfig(
+            slots, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill, max_waiting, self.max_cached_tokens
+        )
+        return EngineCore(self, limits, prefix_cache)
 
     def sample_all(self, results: list[tuple[Sequence, torch.Tensor]]) -> None:
         """Sample a token for each (sequence, logits [V], on the host or the device): one ``sample_batch``
@@ -224,45 +250,25 @@ class LLM:
 
     def _accept(self, seq: Sequence, result: SampleResult) -> None:
         seq.delta = seq.append(result, self.tokenizer)
-        if not seq.finished and len(seq.all_ids) >= self.max_model_len:
+        if not seq.finished and seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH  # the context is full
 
-    def _spec_step(self, seqs: list[Sequence], kv: KVCache, states: DeltaNetStates) -> None:
-        spec = self.speculator
-        fresh = [s for s in seqs if s.num_cached == 0]
-        if fresh:
-            spec.prefill(fresh, kv, states)
-        decoding = [s for s in seqs if s not in fresh]
-        spec.decode_round(decoding, kv, states, self.max_model_len)
-        for seq in decoding:
-            if not seq.finished and len(seq.all_ids) >= self.max_model_len:
-                seq.finish_reason = FinishReason.LENGTH
-
-    def _run(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
-        """Advance all sequences to completion, yielding the ones that got a token after each step."""
-        limit = self.runner.max_num_seqs  # the GPU runner has that many state slots
-        if limit and len(seqs) > limit:
-            for start in range(0, len(seqs), limit):
-                wave = seqs[start : start + limit]
-                for slot, seq in enumerate(wave):
-                    seq.slot = slot
-                yield from self._run(wave)
-            return
-        kv, states = self._new_states()
-        active = list(seqs)
+    def _run(self, seqs: list[Sequence]) -> Iterator[list[StepOutput]]:
+        """Step the engine loop until every sequence is finished, yielding each step's outputs (one per
+        sequence that got tokens). Closing the iterator early (an error, an abandoned stream) aborts what
+        is unfinished and frees its caches."""
+        core = self.new_core()
+        now = time.monotonic()
+        for seq in seqs:
+            seq.arrival = now
+        core.add(seqs)
         try:
-            while active:
-                (self._spec_step if self.speculator is not None else self._step)(active, kv, states)
-                yield active
-                for seq in active:
-                    if seq.finished:
-                        kv.free(seq.slot)
-                        states.free(seq.slot)
-                active = [s for s in active if not s.finished]
-        finally:  # an abandoned stream or an error: the GPU runner's caches outlive this call
-            for seq in active:
-                kv.free(seq.slot)
-                states.free(seq.slot)
+            while core.scheduler.has_work():
+                yield core.step()
+        finally:
+            for seq in seqs:
+                if not seq.finished:
+                    core.abort(seq)
 
     def _make_sequences(
         self, prompts, params: list[SamplingParams]
@@ -279,7 +285,7 @@ class LLM:
             first = None
             for j in range(p.n):
                 sp = p if p.seed is None or j == 0 else SamplingParams(**{**p.__dict__, "seed": p.seed + j})
-                seq = Sequence(next(self._seq_ids), list(ids), sp, slot=len(seqs), eos_ids=self.eos_ids)
+                seq = Sequence(next(self._seq_ids), list(ids), sp, slot=-1, eos_ids=self.eos_ids)
                 if images and first is None:
                     self._attach_images(seq, images)
                     first = seq
@@ -338,11 +344,13 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         encoded, seqs = self._make_sequences(prompts, params)
         owner = [i for i, p in enumerate(params) for _ in range(p.n)]
+        owner_of = {id(s): i for s, i in zip(seqs, owner, strict=True)}
         with contextlib.closing(self._run(seqs)) as run:  # a raising on_token frees the caches at once
-            for stepped in run:
+            for outputs in run:
                 if on_token is not None:
-                    for seq in stepped:
-                        on_token(owner[seqs.index(seq)], seq.output_ids[-1], seq.delta)
+                    for out in outputs:
+                        if out.seq.output_ids:
+                            on_token(owner_of[id(out.seq)], out.seq.output_ids[-1], out.delta)
         outputs = []
         for i, (text, ids) in enumerate(encoded):
             mine = [s for s, o in zip(seqs, owner, strict=True) if o == i]
@@ -371,9 +379,10 @@ class LLM:
         _, seqs = self._make_sequences([prompt], [sampling_params or SamplingParams()])
         # an abandoned stream frees its cache now, not whenever the inner generator is collected
         with contextlib.closing(self._run(seqs[:1])) as run:
-            for _ in run:
-                if seqs[0].delta:
-                    yield seqs[0].delta
+            for outputs in run:
+                delta = "".join(out.delta for out in outputs)
+                if delta:
+                    yield delta
 
     def chat(
         self,

@@ -62,7 +62,7 @@ class ModelRunner:
             return None
         embeds = self.model.embed(ids)
         for seq, n, (start, end) in with_images:
-            chunk = torch.tensor(seq.all_ids[seq.num_cached : seq.num_cached + n])
+            chunk = torch.tensor(seq.tokens(seq.num_cached, seq.num_cached + n))
             mask = chunk == self.image_token_id
             if mask.any():
                 before = sum(t == self.image_token_id for t in seq.prompt_ids[: seq.num_cached])
@@ -74,7 +74,7 @@ class ModelRunner:
     def forward(self, batch: list[tuple[Sequence, int]], kv: KVCache, states: DeltaNetStates):
         """Hidden states [T, H] of ``n`` uncached tokens of each (sequence, n), and each one's span in T.
         Caches are updated; ``num_cached`` is left to the caller."""
-        chunks = [seq.all_ids[seq.num_cached : seq.num_cached + n] for seq, n in batch]
+        chunks = [seq.tokens(seq.num_cached, seq.num_cached + n) for seq, n in batch]
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
         positions = torch.cat(
             [
@@ -105,7 +105,7 @@ class ModelRunner:
         done = []
         for (seq, n), (_, end) in zip(batch, spans, strict=True):
             seq.num_cached += n
-            if seq.num_cached == len(seq.all_ids):
+            if seq.num_cached == seq.num_tokens:
                 done.append((seq, end - 1))
         if not done:
             return []

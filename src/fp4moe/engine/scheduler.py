@@ -40,7 +40,7 @@ class Scheduler:
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.free_slots = list(range(config.max_num_seqs))
+        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self.num_preemptions = 0
         self.cache_full: list[Sequence] = []  # ended because the cache cannot hold them (reported once)
 
@@ -50,7 +50,7 @@ class Scheduler:
 
     def check_fits(self, seq: Sequence) -> None:
         """A prompt that no schedule could ever run is refused up front instead of waiting forever."""
-        n = len(seq.all_ids)
+        n = seq.num_tokens
         if n >= self.config.max_cached_tokens:
             raise ValueError(
                 f"prompt of {n} tokens does not fit the cache budget ({self.config.max_cached_tokens} tokens)"
@@ -75,7 +75,7 @@ class Scheduler:
 
     def reserved_tokens(self) -> int:
         """Cache the running sequences will hold once their current tokens are all in (prefills included)."""
-        return sum(len(s.all_ids) for s in self.running)
+        return sum(s.num_tokens for s in self.running)
 
     def _release(self, seq: Sequence, release) -> None:
         release(seq.slot)
@@ -89,7 +89,7 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         batch: list[tuple[Sequence, int]] = []
-        decoding = [s for s in self.running if s.num_cached == len(s.all_ids) - 1]
+        decoding = [s for s in self.running if s.num_cached == s.num_tokens - 1]
         # preempt (newest first) while the step's new tokens do not fit in the cache
         while decoding and self.reserved_tokens() > cfg.max_cached_tokens:
             victim = self.running.pop()
@@ -102,14 +102,14 @@ class Scheduler:
                 break
             self.waiting.appendleft(victim)
             self.num_preemptions += 1
-            decoding = [s for s in self.running if s.num_cached == len(s.all_ids) - 1]
+            decoding = [s for s in self.running if s.num_cached == s.num_tokens - 1]
         scheduled = set()
         for seq in decoding[:budget]:
             batch.append((seq, 1))
             scheduled.add(id(seq))
         budget -= len(batch)
         for seq in self.running:  # prefills under way (chunked)
-            remaining = len(seq.all_ids) - seq.num_cached
+            remaining = seq.num_tokens - seq.num_cached
             if id(seq) in scheduled or remaining < 1 or budget < 1:
                 continue
             chunkable = cfg.enable_chunked_prefill or bool(seq.output_ids)  # recomputes may always chunk
@@ -120,8 +120,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and self.free_slots and budget > 0:
             seq = self.waiting[0]
-            remaining = len(seq.all_ids) - seq.num_cached
-            if self.reserved_tokens() + len(seq.all_ids) > cfg.max_cached_tokens:
+            remaining = seq.num_tokens - seq.num_cached
+            if self.reserved_tokens() + seq.num_tokens > cfg.max_cached_tokens:
                 break  # its whole prompt must fit, not just the first chunk
             recompute = bool(seq.output_ids)  # preempted: may be longer than any one step now
             if remaining > budget and not (cfg.enable_chunked_prefill or recompute):
@@ -131,7 +131,7 @@ class Scheduler:
             self.running.append(seq)
             if on_admit is not None:
                 on_admit(seq)
-                remaining = len(seq.all_ids) - seq.num_cached
+                remaining = seq.num_tokens - seq.num_cached
             n = _clip_to_snapshot(seq, min(remaining, budget))
             batch.append((seq, n))
             budget -= n

@@ -65,7 +65,28 @@ class Sequence:
 
     @property
     def all_ids(self) -> list[int]:
+        """Prompt and output as one new list (O(length): the engine's per-step paths use ``num_tokens``,
+        ``token`` and ``tokens``, which copy nothing)."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, i: int) -> int:
+        """Token ``i`` of prompt + output (``i`` < 0 counts from the end)."""
+        n = len(self.prompt_ids)
+        i = i + self.num_tokens if i < 0 else i
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens start..end-1 of prompt + output (0 <= start <= end)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     def positions(self, start: int, end: int) -> torch.Tensor:
         """mRoPE positions [3, end - start] of tokens start..end-1."""

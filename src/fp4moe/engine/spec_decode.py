@@ -92,15 +92,26 @@ class MTPSpeculator:
             self.fused = FusedSpecRound(llm.runner, num_speculative_tokens)
 
     @torch.no_grad()
-    def prefill(self, seqs: list[Sequence], kv, states) -> None:
-        """Target prefill of every prompt (flat), keeping all hidden states for the MTP head."""
-        runner = self.llm.runner
-        batch = [(s, len(s.all_ids) - s.num_cached) for s in seqs]
-        hidden, spans = runner.forward(batch, kv, states)
+    def prefill(self, batch: list[tuple[Sequence, int]], kv, states) -> list[Sequence]:
+        """Prompt chunks (sequence, tokens) in one flat target forward, their hidden states kept for the MTP
+        head; samples the first token of each sequence whose prompt is now all in. Returns those."""
+        hidden, spans = self.llm.runner.forward(batch, kv, states)
+        done = []
         for (seq, n), (start, end) in zip(batch, spans, strict=True):
+            if seq.num_cached == 0 or seq.hidden_tail is None:
+                # fresh (or restored from a prefix snapshot: the MTP head starts after the restored part)
+                seq.hidden_tail, seq.mtp_cached = hidden[start:end][:0], seq.num_cached
+                seq.drafts = None
+            seq.hidden_tail = torch.cat([seq.hidden_tail, hidden[start:end]])
             seq.num_cached += n
-            seq.hidden_tail, seq.mtp_cached = hidden[start:end], 0
-            self.llm.sample_into(seq, self.model.compute_logits(hidden[end - 1 : end])[0].cpu())
+            if seq.num_cached == seq.num_tokens:
+                seq.new_tokens = 1
+                done.append((seq, end - 1))
+        if done:
+            rows = torch.tensor([i for _, i in done], device=hidden.device)
+            logits = self.model.compute_logits(hidden[rows]).cpu()
+            self.llm.sample_all([(seq, logits[j]) for j, (seq, _) in enumerate(done)])
+        return [seq for seq, _ in done]
 
     def _mtp_drafts(self, seq: Sequence, kv, states) -> tuple[list[int], list[torch.Tensor]]:
         """Catch the MTP head up on the accepted positions, then draft k tokens; returns drafts and the
@@ -113,10 +124,10 @@ class MTPSpeculator:
         """``_mtp_drafts`` for several sequences at once: one flat MTP forward catches every sequence up,
         then each of the k-1 further drafts is one forward over all of them."""
         mtp, layer, device, k = self.model.mtp, self.model.mtp.layer_id, self.llm.device, self.k
-        ps = [len(seq.all_ids) - 1 for seq in seqs]
+        ps = [seq.num_tokens - 1 for seq in seqs]
         lens = [p - seq.mtp_cached for seq, p in zip(seqs, ps, strict=True)]
         ids = torch.tensor(
-            [t for seq, p in zip(seqs, ps, strict=True) for t in seq.all_ids[seq.mtp_cached + 1 : p + 1]],
+            [t for seq, p in zip(seqs, ps, strict=True) for t in seq.tokens(seq.mtp_cached + 1, p + 1)],
             device=device,
         )
         positions = torch.cat(
@@ -179,7 +190,7 @@ class MTPSpeculator:
     def decode_round(self, seqs: list[Sequence], kv, states, max_model_len: int) -> list[int]:
         """One round for decoding sequences: draft-and-verify where k+1 more tokens fit in the context,
         a plain step where they do not; returns the tokens each sequence appended."""
-        room = [s for s in seqs if len(s.all_ids) + self.k + 1 < max_model_len and not self.plain_only(s, kv)]
+        room = [s for s in seqs if s.num_tokens + self.k + 1 < max_model_len and not self.plain_only(s, kv)]
         fused = [s for s in room if self._fusable(s, kv, max_model_len)]
         for s in [s for s in fused if s.spec_backoff > 0]:  # drafting did not pay lately: plain steps
             s.spec_backoff -= 1
@@ -231,7 +242,7 @@ class MTPSpeculator:
             and kv is self.llm.runner.kv
             and p.logprobs is None
             and not p.penalized
-            and len(seq.all_ids) - 1 + 2 * self.k <= max_model_len  # its MTP drafts reach p + 2k - 1
+            and seq.num_tokens - 1 + 2 * self.k <= max_model_len  # its MTP drafts reach p + 2k - 1
             and (not kv.fp8 or all(layer in kv.scales for layer in kv.index))
         )
 
@@ -261,11 +272,11 @@ class MTPSpeculator:
                 torch.zeros(n) if s.params.greedy else torch.rand(n, generator=s.generator) for s in seqs
             ])  # fmt: skip
             extra["sampling"] = ([s.params for s in seqs], uniforms)
-        ps = [len(s.all_ids) - 1 for s in seqs]
+        ps = [s.num_tokens - 1 for s in seqs]
         accepted, choices, drafts = self.fused(
             [s.slot for s in seqs],
             ps,
-            [[s.all_ids[-1], *s.drafts] for s in seqs],
+            [[s.token(-1), *s.drafts] for s in seqs],
             [s.rope_delta for s in seqs],
             **extra,
         )
@@ -309,8 +320,8 @@ class MTPSpeculator:
         else:  # a custom drafter (tests force acceptance or rejection): one sequence at a time
             proposals = [self.drafter(seq, kv, states) for seq in seqs]
         for seq, (drafts, draft_logits) in zip(seqs, proposals, strict=True):
-            p = len(seq.all_ids) - 1  # position of the pending (sampled, uncached) token
-            tokens = [seq.all_ids[-1], *drafts]
+            p = seq.num_tokens - 1  # position of the pending (sampled, uncached) token
+            tokens = [seq.token(-1), *drafts]
             rounds.append((seq, p, tokens, drafts, draft_logits, states.snapshot(seq.slot)))
         hidden, spans = self._forward([(seq, p, tokens) for seq, p, tokens, *_ in rounds], kv, states)
         target = self.model.compute_logits(hidden).cpu()  # [sum(k+1), V]
