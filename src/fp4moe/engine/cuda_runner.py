@@ -294,11 +294,11 @@ class CudaModelRunner(ModelRunner):
         """The fused step for ``seqs`` (each decoding its next token; ``fusable_decode`` holds) -> (logits
         [b, V] fp32 on the host (``host`` False: bf16 on the device, a copy), final-normed hidden states [b, H]
         on the device -- a copy: the MTP head's inputs -- or None)."""
+        rope = None  # rotary positions are the cache positions unless a prompt held images
+        if any(s.prompt_positions is not None for s in seqs):
+            rope = torch.cat([s.positions(s.num_cached, s.num_cached + 1) for s in seqs], dim=1)
         logits = self.decode_logits(
-            [s.slot for s in seqs],
-            [s.token(s.num_cached) for s in seqs],
-            [s.num_cached for s in seqs],
-            torch.cat([s.positions(s.num_cached, s.num_cached + 1) for s in seqs], dim=1),
+            [s.slot for s in seqs], [s.token(s.num_cached) for s in seqs], [s.num_cached for s in seqs], rope
         )
         hidden = self.last_hidden.clone() if keep_hidden else None
         for s in seqs:
@@ -344,19 +344,7 @@ class CudaModelRunner(ModelRunner):
         bucket = self.graph_bucket(b)
         if bucket is not None and bucket not in self.graphs:
             self._capture(bucket)  # before the live inputs go in: the warm-up really runs a step
-        self.buf_slots.fill_(self.scratch)
-        self.buf_pos.zero_()
-        self.buf_slots[:b] = torch.tensor(slots, dtype=torch.int32)
-        self.buf_pos[:b] = torch.tensor(positions, dtype=torch.int32)
-        self.buf_rope.zero_()
-        if rope_positions is None:
-            self.buf_rope[:, :b] = self.buf_pos[:b].long()
-        else:
-            self.buf_rope[:, :b] = torch.as_tensor(rope_positions, dtype=torch.long)
-        if isinstance(tokens, torch.Tensor):
-            self.buf_ids[:b] = tokens
-        else:
-            self.buf_ids[:b] = torch.tensor(tokens, dtype=torch.long)
+        self._load_inputs(slots, tokens, positions, rope_positions)
         if bucket is not None:
             graph, (logits, hidden) = self.graphs[bucket]
             graph.replay()
@@ -367,6 +355,28 @@ class CudaModelRunner(ModelRunner):
             # the target's layers only: the MTP layer's keys/values are the head's, written as it catches up
             self.kv.advance(slot, pos + 1, self.attn_ids)
         return logits
+
+    def _load_inputs(self, slots: list[int], tokens, positions: list[int], rope_positions) -> None:
+        """The step's inputs into the graphs' buffers (rows past ``len(slots)`` point at the scratch slot):
+        one host tensor, one copy from pinned memory that does not wait for the GPU (four pageable copies,
+        each a stream sync, did before), then device copies into the buffers."""
+        b, m = len(slots), self.max_num_seqs
+        host = torch.zeros(6, m, dtype=torch.long)
+        host[0].fill_(self.scratch)
+        host[0, :b] = torch.tensor(slots)
+        host[1, :b] = torch.tensor(positions)
+        if not isinstance(tokens, torch.Tensor):
+            host[2, :b] = torch.tensor(tokens)
+        host[3:, :b] = host[1, :b] if rope_positions is None else torch.as_tensor(rope_positions)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        self.buf_slots.copy_(dev[0])
+        self.buf_pos.copy_(dev[1])
+        self.buf_ids.copy_(dev[2])
+        self.buf_rope.copy_(dev[3:])
+        if isinstance(tokens, torch.Tensor):  # already on the device (a speculative round's drafts)
+            self.buf_ids[:b] = tokens
 
     def _capture(self, b: int) -> None:
         """Warm up (compiles the kernels) and capture bucket ``b``; every row points at the scratch slot,
