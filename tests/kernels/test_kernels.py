@@ -474,11 +474,13 @@ def test_slot_states_gather_and_scatter_are_get_and_set():
 
 
 def _torch_varlen_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                       cu_seqlens, cu_seqlens_cpu):  # fmt: skip
+                       cu_seqlens, cu_seqlens_cpu, chunk_indices):  # fmt: skip
     """fla's varlen chunked rule, as the layer's torch path computes each sequence (the CPU's stand-in)."""
     from fp4moe.layers.deltanet import delta_rule_chunked, delta_rule_recurrent, l2_normalize
 
     assert use_qk_l2norm_in_kernel and output_final_state and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
+    lens = cu_seqlens_cpu.diff().tolist()  # fla's 64-token chunks: (sequence, chunk within it)
+    assert chunk_indices.tolist() == [[i, j] for i, n in enumerate(lens) for j in range(-(-n // 64))]
     rep = v.shape[2] // q.shape[2]
     outs, finals = [], []
     for i in range(len(cu_seqlens_cpu) - 1):

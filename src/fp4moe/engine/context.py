@@ -59,3 +59,16 @@ class StepContext:
                 slots, cached, cu_dev[:-1].int(), cu_dev[1:], token_seq.int(), cu_dev, cu
             )
         return self._tensors[device]
+
+    def chunk_indices(self, device: torch.device, chunk: int) -> torch.Tensor:
+        """(sequence, chunk within it) of every ``chunk``-token chunk of the step's sequences [chunks, 2]
+        on ``device``, made once per step from pinned memory (fla's chunked rule plans the same from
+        cu_seqlens in each call, with a copy that waits for the GPU: a sync per layer)."""
+        key = (torch.device(device), chunk)
+        if key not in self._tensors:
+            pairs = [(i, j) for i, n in enumerate(self.query_lens) for j in range(-(-n // chunk))]
+            host = torch.tensor(pairs, dtype=torch.long).view(-1, 2)
+            if key[0].type == "cuda":
+                host = host.pin_memory()
+            self._tensors[key] = host.to(key[0], non_blocking=True)
+        return self._tensors[key]

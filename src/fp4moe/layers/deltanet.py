@@ -153,11 +153,19 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
         n = mixed.shape[0]
         o, new_rec = _fla_chunk()(
-            q.reshape(1, n, self.num_k_heads, self.k_dim), k.reshape(1, n, self.num_k_heads, self.k_dim),
-            v.reshape(1, n, self.num_v_heads, self.v_dim), g[None], beta[None], scale=self.k_dim**-0.5,
-            initial_state=rec_state.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
-            cu_seqlens=t.cu_seqlens, cu_seqlens_cpu=t.cu_seqlens_cpu,
-        )  # fmt: skip
+            q.reshape(1, n, self.num_k_heads, self.k_dim),
+            k.reshape(1, n, self.num_k_heads, self.k_dim),
+            v.reshape(1, n, self.num_v_heads, self.v_dim),
+            g[None],
+            beta[None],
+            scale=self.k_dim**-0.5,
+            initial_state=rec_state.contiguous(),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=t.cu_seqlens,
+            cu_seqlens_cpu=t.cu_seqlens_cpu,
+            chunk_indices=ctx.chunk_indices(mixed.device, 64),
+        )  # fmt: skip  (fla's chunks are 64 tokens)
         ctx.deltanet.scatter(self.layer_id, ctx, new_conv, new_rec)
         return o[0].to(mixed.dtype)
 
