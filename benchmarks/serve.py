@@ -278,7 +278,7 @@ def main() -> int:
         (args.out / "serve.json").write_text(json.dumps(result, indent=2) + "\n")
     if args.engine_rate:
         log("engine decode step")
-        result["engine"] = engine_rates(args.concurrency, args.pp + args.tg // 2)
+        result["engine_rate"] = engine_rates(args.concurrency, args.pp + args.tg // 2)
     if args.offline:
         log("offline LLM.generate")
         result["offline"] = offline(model, args.concurrency, args.pp, args.tg, args)
@@ -288,7 +288,7 @@ def main() -> int:
 
 
 def table(result: dict) -> None:
-    engine = {r["batch"]: r for r in result.get("engine", [])}
+    engine = {r["batch"]: r for r in result.get("engine_rate", [])}
     offline_rows = {r["concurrency"]: r for r in result.get("offline", [])}
     log("\n| spec | pp | tg | concurrency | served tok/s | per request tok/s | TTFT p50 ms | acceptance | "
         "engine step tok/s | served ÷ engine | offline tok/s | served ÷ offline |")  # fmt: skip
