@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from fp4moe.cli import build_parser, main
+from fp4moe.cli import build_parser, main, vllm_command
 
 
 def _subparsers(parser):
@@ -83,7 +83,7 @@ def test_generate_and_serve_declare_the_engine_options_once():
         with pytest.raises(ValueError, match="limit-mm-per-prompt"):
             engine_config(build_parser().parse_args(["serve", "m", "--limit-mm-per-prompt", bad]))
     assert build_parser().parse_args(["generate", "m", "hi"]).max_num_seqs == 64  # offline: LLM's default
-    assert build_parser().parse_args(["serve", "m"]).max_num_seqs == 16
+    assert build_parser().parse_args(["serve", "m"]).max_num_seqs == "auto"  # 16 on the CPU, memory on a GPU
     assert build_parser().parse_args(["generate", "m", "hi"]).max_num_batched_tokens == 8192
     assert build_parser().parse_args(["serve", "m"]).max_num_batched_tokens == 2048
 
@@ -98,3 +98,30 @@ def test_llm_takes_an_engine_config_and_keyword_overrides(checkpoints):
         llm.model.embed_tokens.dtype.is_floating_point
         and str(llm.model.embed_tokens.dtype) == "torch.float32"
     )
+
+
+def test_max_num_seqs_auto_sizes_by_memory(checkpoints):
+    """serve's default: on the GPU the largest graph bucket whose per-sequence states take at most a quarter
+    of what the model leaves (H200-sized arithmetic below: 63 MiB of Gated DeltaNet state per sequence of the
+    full-size model, 252 MiB with speculation's history at k = 2), 16 on the CPU; never more than 256."""
+    from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
+    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.memory import auto_max_num_seqs
+
+    gib, mib = 2**30, 2**20
+    total, used = 141 * gib, 22 * gib  # an H200 with the NVFP4 model loaded
+    assert auto_max_num_seqs(total, used, 0.9, 63 * mib, GRAPH_BATCH_SIZES) == 256  # 26 GiB of states: capped
+    assert auto_max_num_seqs(total, used, 0.9, 252 * mib, GRAPH_BATCH_SIZES) == 96  # 24 GiB; 128 would be 32
+    assert auto_max_num_seqs(total, 120 * gib, 0.9, 252 * mib, GRAPH_BATCH_SIZES) == 4
+    with pytest.raises(ValueError, match="gpu-memory-utilization"):
+        auto_max_num_seqs(total, 126 * gib, 0.9, 252 * mib, GRAPH_BATCH_SIZES)
+    llm = LLM(checkpoints.bf16(), dtype="float32", max_num_seqs="auto")
+    assert llm.engine_config.max_num_seqs == 16 and llm.new_core().scheduler.config.max_num_seqs == 16
+    path = str(checkpoints.bf16())
+    assert "--max-num-seqs" not in vllm_command(
+        build_parser().parse_args(["serve", path, "--engine", "vllm"])
+    )
+    given = build_parser().parse_args(["serve", path, "--engine", "vllm", "--max-num-seqs", "48"])
+    assert "--max-num-seqs 48" in " ".join(vllm_command(given))  # auto: vLLM's own default; a count passes
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--max-num-seqs", "0"])

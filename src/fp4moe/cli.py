@@ -261,6 +261,11 @@ def _add_generate(sub) -> None:
     _add_engine_options(p, max_num_seqs=64, max_num_batched_tokens=8192)  # offline: LLM's defaults
 
 
+def _seqs(value: str) -> int | str:
+    """--max-num-seqs: a positive count or auto."""
+    return "auto" if value == "auto" else _positive(value)
+
+
 def _positive(value: str) -> int:
     n = int(value)
     if n < 1:
@@ -332,9 +337,11 @@ def _add_engine_options(p, max_num_seqs: int, max_num_batched_tokens: int) -> No
     )
     p.add_argument(
         "--max-num-seqs",
-        type=_positive,
+        type=_seqs,
         default=max_num_seqs,
-        help=f"sequences in the running batch at most (default {max_num_seqs})",
+        help=f"sequences in the running batch at most, or auto: on the GPU the largest CUDA-graph bucket (up to "
+        f"256) whose per-sequence states take at most a quarter of the memory the model leaves, 16 on the CPU "
+        f"(default {max_num_seqs})",
     )
     p.add_argument(
         "--gpu-memory-utilization",
@@ -504,7 +511,7 @@ def _add_serve(sub) -> None:
     )
     p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None, help="parse tool calls")
     p.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"')
-    _add_engine_options(p, max_num_seqs=16, max_num_batched_tokens=2048)
+    _add_engine_options(p, max_num_seqs="auto", max_num_batched_tokens=2048)
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="with --engine vllm: GPUs to shard over"
     )
@@ -791,9 +798,9 @@ def vllm_command(args) -> list[str]:
         "--enable-chunked-prefill",
         "--limit-mm-per-prompt",
         json.dumps(_limit_mm(args.limit_mm_per_prompt)),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
     ]
+    if args.max_num_seqs != "auto":  # auto: vLLM's own default, bounded by its KV cache
+        cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     k = getattr(args, "num_speculative_tokens", "auto")
     k = 2 if k == "auto" else int(k)  # the reference recipe's n = 2; 0 turns MTP off
     if k and int(text.get("mtp_num_hidden_layers", 0) or 0) > 0:
@@ -840,7 +847,7 @@ def cmd_serve(args) -> int:
     spec = llm.speculator.k if llm.speculator is not None else 0
     print(
         f"fp4moe serve: device {llm.device}, {llm.model.embed_tokens.dtype} compute, KV cache "
-        f"{args.kv_cache_dtype} for {llm.max_cached_tokens} tokens, at most {args.max_num_seqs} sequences running and "
+        f"{args.kv_cache_dtype} for {llm.max_cached_tokens} tokens, at most {llm.engine_config.max_num_seqs} sequences running and "
         f"{args.max_num_batched_tokens} tokens per step, context {llm.max_model_len}, speculative tokens {spec}",
         file=sys.stderr,
         flush=True,

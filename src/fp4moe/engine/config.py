@@ -18,10 +18,15 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the compute dtype) or fp8 (e4m3 with per-layer scales)
     num_speculative_tokens: int | str = 0  # MTP drafts per step; "auto": 2 on the GPU with an MTP head
     speculative_disable_by_batch_size: int = 0  # no drafts while more sequences than this decode; 0: never
-    max_num_seqs: int = 64  # sequences decoding at once (the GPU runner's state slots and graph buckets)
+    # sequences decoding at once (the GPU runner's state slots and graph buckets); "auto": as many as GPU
+    # memory holds beside the KV cache (memory.auto_max_num_seqs), AUTO_CPU_SEQS on the CPU
+    max_num_seqs: int | str = 64
     max_num_batched_tokens: int = 8192  # tokens one step runs at most (prompt chunks + decodes)
     enable_chunked_prefill: bool = True  # a prompt longer than a step's room is split across steps
     max_cached_tokens: int | None = None  # KV budget in tokens; None: what the caches (GPU memory) hold
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights and caches (sizes the KV cache)
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs on the GPU
     load_format: str = "auto"  # auto/safetensors: the checkpoint's weights; dummy: random, from config.json
+
+
+AUTO_CPU_SEQS = 16  # --max-num-seqs auto on the CPU

@@ -87,9 +87,12 @@ class LLM:
         self.max_model_len = config.max_model_len or limit
         self.tokenizer = self._load_tokenizer()
         k = config.num_speculative_tokens
+        fused = self.device.type == "cuda" and self.model.embed_tokens.dtype == torch.bfloat16
         if k == "auto":  # where the fused round pays: the GPU engine, with an MTP head
-            fused = self.device.type == "cuda" and self.model.embed_tokens.dtype == torch.bfloat16
             k = AUTO_SPECULATIVE_TOKENS if fused and self.model.mtp is not None else 0
+        if config.max_num_seqs == "auto":
+            config = replace(config, max_num_seqs=self._auto_max_num_seqs(k if fused else 0))
+            self.engine_config = config
         image_token = self.config.get("image_token_id")
         image_token = int(image_token) if image_token is not None else None
         # paged caches, fused decode kernels, CUDA graphs; the kernels are bf16 (an fp32 model on the GPU,
@@ -113,6 +116,27 @@ class LLM:
         self.eos_ids = self._eos_ids()
         self._seq_ids = itertools.count()
         self.max_cached_tokens = self._cache_budget()
+
+    def _auto_max_num_seqs(self, spec_tokens: int) -> int:
+        """``max_num_seqs="auto"``: memory-sized on the GPU (``memory.auto_max_num_seqs``), AUTO_CPU_SEQS on
+        the CPU."""
+        from fp4moe.engine.config import AUTO_CPU_SEQS
+
+        if self.device.type != "cuda":
+            return AUTO_CPU_SEQS
+        from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
+        from fp4moe.engine.memory import auto_max_num_seqs, deltanet_bytes_per_sequence
+
+        a, dtype = self.model.args, self.model.embed_tokens.dtype
+        per_seq = deltanet_bytes_per_sequence(a, dtype)
+        if spec_tokens:  # the per-token recurrent states a verification keeps (CudaModelRunner.history)
+            num_deltanet = sum(t == "linear_attention" for t in a.layer_types)
+            recurrent = a.linear_num_value_heads * a.linear_key_head_dim * a.linear_value_head_dim * 4
+            per_seq += num_deltanet * recurrent * (spec_tokens + 1)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return auto_max_num_seqs(
+            total, total - free, self.engine_config.gpu_memory_utilization, per_seq, GRAPH_BATCH_SIZES
+        )
 
     def _load_tokenizer(self):
         from transformers import AutoTokenizer

@@ -40,3 +40,30 @@ def cache_budget_tokens(
             "or lower --max-num-seqs"
         )
     return free // per_token
+
+
+AUTO_SEQS_CAP = 256  # the largest CUDA-graph bucket
+AUTO_SEQS_SHARE = 0.25  # of the memory left after the weights: the rest is the KV cache's
+
+
+def auto_max_num_seqs(
+    total_bytes: int,
+    used_bytes: int,
+    utilization: float,
+    per_sequence: int,
+    buckets,
+    cap: int = AUTO_SEQS_CAP,
+) -> int:
+    """``--max-num-seqs auto`` on the GPU: the largest graph bucket (up to ``cap``) whose sequences' fixed
+    state (``per_sequence`` bytes each: Gated DeltaNet states, and speculation's per-token history) takes at
+    most a quarter of what ``utilization`` of the device leaves after the model; the rest holds the KV
+    cache, which then bounds how many are really admitted (vLLM sizes its batch the same way, with no fixed
+    per-sequence state to pay for)."""
+    room = int(total_bytes * utilization) - used_bytes
+    fits = [b for b in buckets if b <= cap and b * per_sequence <= AUTO_SEQS_SHARE * room]
+    if not fits:
+        raise ValueError(
+            f"not enough GPU memory for one sequence's state ({per_sequence / 2**20:.0f} MiB) beside the model "
+            f"({used_bytes / 2**30:.1f} GiB); raise --gpu-memory-utilization"
+        )
+    return max(fits)
