@@ -191,18 +191,17 @@ class MTPSpeculator:
         """One round for decoding sequences: draft-and-verify where k+1 more tokens fit in the context,
         a plain step where they do not; returns the tokens each sequence appended."""
         room = [s for s in seqs if s.num_tokens + self.k + 1 < max_model_len and not self.plain_only(s, kv)]
-        fused = [s for s in room if self._fusable(s, kv, max_model_len)]
-        for s in [s for s in fused if s.spec_backoff > 0]:  # drafting did not pay lately: plain steps
+        for s in [s for s in room if s.spec_backoff > 0]:  # drafting did not pay lately: plain steps
             s.spec_backoff -= 1
-            fused.remove(s)
             room.remove(s)
+        fused = [s for s in room if self._fusable(s, kv, max_model_len)]
         # the module path's round needs positions the MTP head has not seen: a sequence fresh from a fused
         # round (drafts held, nothing to catch up; possible near the context end for k >= 4) steps plainly
         rest = [s for s in room if s not in fused and s.drafts is None]
         counts = dict(zip(map(id, fused), self.fused_round(fused, kv, states) if fused else [], strict=True))
-        for s in fused:
-            self._judge(s, counts[id(s)] - 1)
         counts.update(zip(map(id, rest), self.step_many(rest, kv, states) if rest else [], strict=True))
+        for s in fused + rest:  # either round: back off where the drafts do not pay
+            self._judge(s, counts[id(s)] - 1)
         plain = [seq for seq in seqs if id(seq) not in counts]
         if plain:
             self.plain_steps(plain, kv, states)
