@@ -542,3 +542,33 @@ def test_align_tables_are_16_byte_aligned_at_every_token_count():
         ids = torch.randint(0, 16, (t, 4), generator=gen).to(DEV)
         r = gemm.align(ids, 16, 16)
         assert all(x.data_ptr() % 16 == 0 for x in (r.order, r.blk_expert, r.blk_start, r.blk_count)), t
+
+
+@pytest.mark.parametrize("dtype", ["auto", "fp8"])
+def test_paged_append_step_is_append_per_sequence(dtype):
+    """A step's keys/values stored at once (one scatter, the step's device layout) against ``append`` one
+    sequence at a time: the same pages, lengths and returned k/v (exact: copies, and the same fp8 rounding
+    with the scale from the first sequence's rows), fresh prompts and continuing chunks mixed."""
+    from fp4moe.engine.paged_cache import PagedKVCache
+
+    gen = torch.Generator().manual_seed(15)
+    caches = [PagedKVCache([3], 64, 4, 2, 8, 6, 64, dtype, BF16, DEV) for _ in range(2)]
+    history = {5: 6, 1: 3}  # slot -> tokens already cached (the rest are fresh)
+    for slot, n in history.items():
+        k, v = (torch.randn(n, 2, 8, generator=gen).to(BF16).to(DEV) for _ in range(2))
+        for cache in caches:
+            cache.append(3, slot, k, v)
+    slots, lengths = [0, 5, 2, 1], [7, 2, 1, 5]
+    cached = [history.get(s, 0) for s in slots]
+    k, v = (torch.randn(sum(lengths), 2, 8, generator=gen).to(BF16).to(DEV) for _ in range(2))
+    ctx = StepContext(lengths, cached, slots, caches[0], None)
+    got = caches[0].append_step(3, ctx, k, v)
+    want = [caches[1].append(3, s, k[a:b], v[a:b]) for s, (a, b) in zip(slots, ctx.spans(), strict=True)]
+    for (gk, gv), (wk, wv) in zip(got, want, strict=True):
+        assert torch.equal(gk.cpu(), wk.cpu()) and torch.equal(gv.cpu(), wv.cpu())
+    for slot, n, m in zip(slots, cached, lengths, strict=True):
+        assert caches[0].length(3, slot) == caches[1].length(3, slot) == n + m
+        rows = [c.rows(slot, 0, n + m) for c in caches]
+        for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+            flat = (a.shape[0], -1, *a.shape[3:])
+            assert torch.equal(a.view(flat)[:, rows[0]].cpu().float(), b.view(flat)[:, rows[1]].cpu().float())

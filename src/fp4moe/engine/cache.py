@@ -57,6 +57,16 @@ class KVCache:
             return fp8_decode(k, ks, dtype), fp8_decode(v, vs, dtype)
         return k, v
 
+    def append_step(
+        self, layer: int, ctx, k: torch.Tensor, v: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A step's keys/values [T, Hkv, D] (``StepContext``: sequence i's rows at its span) added to each
+        sequence's cache; returns each sequence's whole k/v, as ``append`` does."""
+        return [
+            self.append(layer, slot, k[a:b], v[a:b])
+            for slot, (a, b) in zip(ctx.slots, ctx.spans(), strict=True)
+        ]
+
     def truncate(self, layer: int, slot: int, length: int) -> None:
         """Keep the first ``length`` tokens of a slot's cache at one layer (speculative-decoding rollback)."""
         entry = self._kv.get((layer, slot))

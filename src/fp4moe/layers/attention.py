@@ -34,10 +34,8 @@ class GatedAttention(nn.Module):
         k = Rotary.apply(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)), cos, sin)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(q)
-        for seq, (start, end) in enumerate(ctx.spans()):
-            k_all, v_all = ctx.kv.append(
-                self.layer_id, ctx.slots[seq], k[start:end], v[start:end]
-            )  # [L, Hkv, D]
+        whole = ctx.kv.append_step(self.layer_id, ctx, k, v)  # each sequence's k/v [L, Hkv, D]
+        for seq, ((start, end), (k_all, v_all)) in enumerate(zip(ctx.spans(), whole, strict=True)):
             out[start:end] = attend(q[start:end], k_all, v_all, ctx.cached_lens[seq])
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
