@@ -257,3 +257,16 @@ def test_sequence_token_access_copies_nothing_and_agrees_with_all_ids():
     for start in range(6):
         for end in range(start, 6):
             assert seq.tokens(start, end) == seq.all_ids[start:end], (start, end)
+
+
+def test_generate_reports_each_token_once_when_the_cache_ends_a_sequence(checkpoints):
+    """A sequence ended because the cache cannot hold it (finish reason length, no new token) is not
+    reported to ``on_token`` a second time."""
+    llm = LLM(checkpoints.bf16(), dtype="float32", max_cached_tokens=12)
+    seen = []
+    p = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    out = llm.generate([[5, 6, 7, 8, 9, 10, 11, 12]], p, on_token=lambda i, t, d: seen.append(t))[0].outputs[
+        0
+    ]
+    assert out.finish_reason == "length" and len(out.token_ids) < 20  # ended by the cache, not max_tokens
+    assert seen == out.token_ids

@@ -505,7 +505,7 @@ def test_deltanet_varlen_prefill_is_each_sequence_alone(monkeypatch):
 
     if not (DEV.type == "cuda" and deltanet._fla_chunk() is not None):
         monkeypatch.setattr(deltanet, "_fla_chunk", lambda: _torch_varlen_rule)
-    monkeypatch.setattr(deltanet, "_varlen_prefill", lambda x, ctx: max(ctx.query_lens) > 1)
+    monkeypatch.setattr(deltanet, "_varlen_prefill", lambda x, ctx: True)  # a 1-token row included
     gen = torch.Generator().manual_seed(13)
     layer = _gdn_layer(gen)
     dims = (layer.conv_dim, 4, layer.num_v_heads, layer.k_dim, layer.v_dim, BF16, DEV)
@@ -517,7 +517,7 @@ def test_deltanet_varlen_prefill_is_each_sequence_alone(monkeypatch):
             for states in (batched, alone):
                 monkeypatch.setattr(deltanet, "_varlen_prefill", lambda x, ctx: False)
                 layer(x, StepContext([n], [0], [slot], KVCache(), states))
-    monkeypatch.setattr(deltanet, "_varlen_prefill", lambda x, ctx: max(ctx.query_lens) > 1)
+    monkeypatch.setattr(deltanet, "_varlen_prefill", lambda x, ctx: True)
     lengths = [3, 1, 70, 9]
     x = torch.randn(sum(lengths), 64, generator=gen).to(BF16).to(DEV)
     got = layer(x, StepContext(lengths, history, slots, KVCache(), batched))

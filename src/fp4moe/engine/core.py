@@ -32,6 +32,7 @@ class StepOutput:
     finished: bool
     logprob: object = None  # the SampleResult of this token when logprobs were asked for
     error: str | None = None  # the engine failed this request (the server answers with an error)
+    new_tokens: int = 1  # tokens this step appended (0: ended without one, e.g. the cache cannot hold it)
 
 
 class EngineStoppedError(RuntimeError):
@@ -105,7 +106,7 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule(self._release, self._on_admit)
         outputs = [
-            StepOutput(seq, seq.output_ids[-1] if seq.output_ids else -1, "", True)
+            StepOutput(seq, seq.output_ids[-1] if seq.output_ids else -1, "", True, new_tokens=0)
             for seq in self.scheduler.cache_full
         ]  # ended: the cache cannot hold them
         self.scheduler.cache_full.clear()
@@ -139,7 +140,9 @@ class EngineCore:
             seq.last_token_time = now
             self.stats.generation_tokens += seq.new_tokens
             lp = seq.logprobs[-1] if seq.params.logprobs is not None and seq.logprobs else None
-            outputs.append(StepOutput(seq, seq.output_ids[-1], seq.delta, seq.finished, lp))
+            outputs.append(
+                StepOutput(seq, seq.output_ids[-1], seq.delta, seq.finished, lp, new_tokens=seq.new_tokens)
+            )
             if seq.finished:
                 self.scheduler.finish(seq, self._release)
                 self.stats.finished_requests += 1

@@ -8,6 +8,7 @@ CUDA graphs belong to the serving engine.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -115,7 +116,6 @@ class LLM:
             self.speculator.disable_by_batch_size = max(0, int(config.speculative_disable_by_batch_size))
         self.eos_ids = self._eos_ids()
         self._seq_ids = itertools.count()
-        self.max_cached_tokens = self._cache_budget()
 
     def _auto_max_num_seqs(self, spec_tokens: int) -> int:
         """``max_num_seqs="auto"``: memory-sized on the GPU (``memory.auto_max_num_seqs``), AUTO_CPU_SEQS on
@@ -129,10 +129,12 @@ class LLM:
 
         a, dtype = self.model.args, self.model.embed_tokens.dtype
         per_seq = deltanet_bytes_per_sequence(a, dtype)
-        if spec_tokens:  # the per-token recurrent states a verification keeps (CudaModelRunner.history)
+        if spec_tokens:  # the per-token recurrent states a verification keeps (CudaModelRunner.history), and
+            # the conv ring's k + 1 more rows
             num_deltanet = sum(t == "linear_attention" for t in a.layer_types)
             recurrent = a.linear_num_value_heads * a.linear_key_head_dim * a.linear_value_head_dim * 4
-            per_seq += num_deltanet * recurrent * (spec_tokens + 1)
+            ring = a.conv_dim * torch.tensor([], dtype=dtype).element_size()
+            per_seq += num_deltanet * (recurrent + ring) * (spec_tokens + 1)
         free, total = torch.cuda.mem_get_info(self.device)
         return auto_max_num_seqs(
             total, total - free, self.engine_config.gpu_memory_utilization, per_seq, GRAPH_BATCH_SIZES
@@ -229,9 +231,11 @@ class LLM:
         )
 
     # ----- generation -----
-    def _cache_budget(self) -> int:
+    @functools.cached_property
+    def max_cached_tokens(self) -> int:
         """KV tokens the scheduler may reserve: what the GPU runner's paged cache holds (sized from free
-        memory), what free GPU memory allows on the module path, else the configured budget (default 2^20)."""
+        memory), what free GPU memory allows on the module path (sized at the first generation), else the
+        configured budget (default 2^20)."""
         requested = self.engine_config.max_cached_tokens or 1 << 20
         capacity = self.runner.capacity_tokens()
         if capacity is not None:
@@ -289,10 +293,10 @@ class LLM:
         try:
             while core.scheduler.has_work():
                 yield core.step()
-        finally:
-            for seq in seqs:
-                if not seq.finished:
-                    core.abort(seq)
+        finally:  # everything the scheduler still holds, finished or not: a step that raised after marking a
+            # sequence finished never released its slot, and the GPU runner's caches outlive this core
+            for seq in list(core.scheduler.running) + list(core.scheduler.waiting):
+                core.abort(seq)
 
     def _make_sequences(
         self, prompts, params: list[SamplingParams]
@@ -373,7 +377,7 @@ class LLM:
             for outputs in run:
                 if on_token is not None:
                     for out in outputs:
-                        if out.seq.output_ids:
+                        if out.new_tokens:
                             on_token(owner_of[id(out.seq)], out.seq.output_ids[-1], out.delta)
         outputs = []
         for i, (text, ids) in enumerate(encoded):

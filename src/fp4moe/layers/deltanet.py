@@ -88,16 +88,17 @@ def _fla_rule(q, k, v, g, beta, state):
 
 
 def _varlen_prefill(x: torch.Tensor, ctx) -> bool:
-    """Whether a step's sequences go through the rule together (a bf16 GPU step of several sequences with a
-    prompt chunk, fla installed) rather than one at a time. A single sequence keeps the plain call: an 8K
-    prompt measured 190 ms that way on the H200 against 222 through the varlen call
-    (benchmarks/prefill_batch.py)."""
+    """Whether a step's sequences go through the rule together (a bf16 GPU step of several prompt chunks,
+    fla installed) rather than one at a time. A single sequence keeps the plain call: an 8K prompt measured
+    190 ms that way on the H200 against 222 through the varlen call (benchmarks/prefill_batch.py); and a
+    step with a one-token row keeps them all apart, so that row takes the fp32 recurrent rule whatever
+    else shares its step (a sequence's tokens must not depend on its neighbours)."""
     lens = ctx.query_lens
     return (
         x.is_cuda
         and x.dtype == torch.bfloat16
         and len(lens) > 1
-        and max(lens) > 1
+        and min(lens) > 1
         and _fla_chunk() is not None
     )
 
