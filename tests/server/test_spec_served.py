@@ -13,7 +13,7 @@ from fp4moe.engine import spec_decode
 TOKENS = 64
 
 
-def _served(path, k: int) -> tuple[list[str], int, object]:
+def _served(path, k: int) -> tuple[list[tuple[str, dict]], int, object]:
     srv = start_server(path, num_speculative_tokens=k)
     llm = srv.engine.core.llm
     rows = [0]
@@ -23,9 +23,12 @@ def _served(path, k: int) -> tuple[list[str], int, object]:
         client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
         stream = client.completions.create(
             model="tiny", prompt="The Python tutorial", max_tokens=TOKENS, temperature=0, stream=True,
-            logprobs=0, extra_body={"ignore_eos": True},
+            logprobs=2, extra_body={"ignore_eos": True},
         )  # fmt: skip
-        tokens = [t for chunk in stream for t in (chunk.choices[0].logprobs.tokens or [])]
+        tokens = [
+            (t, top) for chunk in stream if chunk.choices[0].logprobs
+            for t, top in zip(chunk.choices[0].logprobs.tokens, chunk.choices[0].logprobs.top_logprobs, strict=True)
+        ]  # fmt: skip
     finally:
         srv.stop()
     return tokens, rows[0], llm.speculator
@@ -35,7 +38,13 @@ def test_a_rejected_draft_head_costs_only_its_probe(checkpoints):
     path = checkpoints.bf16()
     plain, plain_rows, _ = _served(path, 0)
     spec_tokens, spec_rows, spec = _served(path, 2)
-    assert spec_tokens == plain and len(plain) == TOKENS  # greedy: the same tokens
+    assert len(spec_tokens) == len(plain) == TOKENS
+    # greedy: the same tokens, but for a near tie (fp32: verification's 3-row forward sums in another order
+    # than a 1-row step; a split is excused where plain decoding's top two are within 1e-4 nats)
+    split = next((i for i, (a, b) in enumerate(zip(plain, spec_tokens, strict=True)) if a[0] != b[0]), None)
+    if split is not None:
+        first, second = sorted(plain[split][1].values(), reverse=True)[:2]
+        assert first - second < 1e-4, (split, plain[split], spec_tokens[split])
     stats = spec.stats
     assert stats.accepted < spec_decode.MIN_ACCEPTED * spec_decode.PROBE_ROUNDS  # the head is rejected ...
     assert stats.backed_off == 1 and stats.drafts == spec_decode.PROBE_ROUNDS  # ... so it stops drafting
