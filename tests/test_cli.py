@@ -102,19 +102,32 @@ def test_llm_takes_an_engine_config_and_keyword_overrides(checkpoints):
 
 def test_max_num_seqs_auto_sizes_by_memory(checkpoints):
     """serve's default: on the GPU the largest graph bucket whose per-sequence states take at most a quarter
-    of what the model leaves (H200-sized arithmetic below: 63 MiB of Gated DeltaNet state per sequence of the
-    full-size model, 252 MiB with speculation's history at k = 2), 16 on the CPU; never more than 256."""
+    of what the model leaves (H200-sized arithmetic below: 61 MiB of Gated DeltaNet state per sequence of the
+    full-size model, 243 MiB with speculation's history and ring at k = 2), 16 on the CPU; never more than 256."""
     from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
     from fp4moe.engine.llm import LLM
     from fp4moe.engine.memory import auto_max_num_seqs
 
     gib, mib = 2**30, 2**20
+    import torch
+
+    from fp4moe.engine.memory import state_bytes_per_sequence
+    from fp4moe.models.full_size import REAL_TEXT_CONFIG
+    from fp4moe.models.qwen3_5_moe_model import ModelArgs
+
+    full = ModelArgs.from_text_config(REAL_TEXT_CONFIG)  # the figures below, from the full-size shapes
+    assert round(state_bytes_per_sequence(full, torch.bfloat16) / mib) == 61
+    assert round(state_bytes_per_sequence(full, torch.bfloat16, 2) / mib) == 243
+    plain, spec = (
+        state_bytes_per_sequence(full, torch.bfloat16),
+        state_bytes_per_sequence(full, torch.bfloat16, 2),
+    )
     total, used = 141 * gib, 22 * gib  # an H200 with the NVFP4 model loaded
-    assert auto_max_num_seqs(total, used, 0.9, 63 * mib, GRAPH_BATCH_SIZES) == 256  # 26 GiB of states: capped
-    assert auto_max_num_seqs(total, used, 0.9, 252 * mib, GRAPH_BATCH_SIZES) == 96  # 24 GiB; 128 would be 32
-    assert auto_max_num_seqs(total, 120 * gib, 0.9, 252 * mib, GRAPH_BATCH_SIZES) == 4
+    assert auto_max_num_seqs(total, used, 0.9, plain, GRAPH_BATCH_SIZES) == 256  # 15 GiB of states: capped
+    assert auto_max_num_seqs(total, used, 0.9, spec, GRAPH_BATCH_SIZES) == 96  # 23 GiB; 128 would be 30
+    assert auto_max_num_seqs(total, 120 * gib, 0.9, spec, GRAPH_BATCH_SIZES) == 4
     with pytest.raises(ValueError, match="gpu-memory-utilization"):
-        auto_max_num_seqs(total, 126 * gib, 0.9, 252 * mib, GRAPH_BATCH_SIZES)
+        auto_max_num_seqs(total, 126 * gib, 0.9, spec, GRAPH_BATCH_SIZES)
     llm = LLM(checkpoints.bf16(), dtype="float32", max_num_seqs="auto")
     assert llm.engine_config.max_num_seqs == 16 and llm.new_core().scheduler.config.max_num_seqs == 16
     path = str(checkpoints.bf16())

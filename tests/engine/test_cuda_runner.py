@@ -402,7 +402,7 @@ def test_top_p_sequences_decode_plainly_next_to_speculating_ones(checkpoints):
     sampled_logits = {}  # run -> the top-p sequence's logits per step, as its sampler saw them
 
     def record(llm, run):
-        sample_all = llm.sample_all  # every sampling goes through it (sample_into too)
+        sample_all = llm.sample_all  # every sampling goes through it
 
         def wrapped(results):
             for seq, logits in results:

@@ -125,16 +125,9 @@ class LLM:
         if self.device.type != "cuda":
             return AUTO_CPU_SEQS
         from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
-        from fp4moe.engine.memory import auto_max_num_seqs, deltanet_bytes_per_sequence
+        from fp4moe.engine.memory import auto_max_num_seqs, state_bytes_per_sequence
 
-        a, dtype = self.model.args, self.model.embed_tokens.dtype
-        per_seq = deltanet_bytes_per_sequence(a, dtype)
-        if spec_tokens:  # the per-token recurrent states a verification keeps (CudaModelRunner.history), and
-            # the conv ring's k + 1 more rows
-            num_deltanet = sum(t == "linear_attention" for t in a.layer_types)
-            recurrent = a.linear_num_value_heads * a.linear_key_head_dim * a.linear_value_head_dim * 4
-            ring = a.conv_dim * torch.tensor([], dtype=dtype).element_size()
-            per_seq += num_deltanet * (recurrent + ring) * (spec_tokens + 1)
+        per_seq = state_bytes_per_sequence(self.model.args, self.model.embed_tokens.dtype, spec_tokens)
         free, total = torch.cuda.mem_get_info(self.device)
         return auto_max_num_seqs(
             total, total - free, self.engine_config.gpu_memory_utilization, per_seq, GRAPH_BATCH_SIZES
@@ -272,9 +265,6 @@ class LLM:
             logits = torch.stack([x for _, x in rows])
             for (seq, _), result in zip(rows, sample_batch(logits, [_row(s) for s, _ in rows]), strict=True):
                 self._accept(seq, result)
-
-    def sample_into(self, seq: Sequence, logits: torch.Tensor) -> None:
-        self.sample_all([(seq, logits)])
 
     def _accept(self, seq: Sequence, result: SampleResult) -> None:
         seq.delta = seq.append(result, self.tokenizer)

@@ -20,6 +20,16 @@ def deltanet_bytes_per_sequence(args, dtype: torch.dtype) -> int:
     return num_deltanet * (conv + recurrent)
 
 
+def state_bytes_per_sequence(args, dtype: torch.dtype, spec_tokens: int = 0) -> int:
+    """One sequence slot of the GPU runner: its Gated DeltaNet states, and with ``spec_tokens`` k the per-token
+    recurrent states a verification keeps (``CudaModelRunner.history``) and the conv ring's k + 1 more rows."""
+    num_deltanet = sum(t == "linear_attention" for t in args.layer_types)
+    recurrent = args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim * 4
+    ring = args.conv_dim * torch.tensor([], dtype=dtype).element_size()
+    extra = num_deltanet * (recurrent + ring) * (spec_tokens + 1) if spec_tokens else 0
+    return deltanet_bytes_per_sequence(args, dtype) + extra
+
+
 def cache_budget_tokens(
     total_bytes: int,
     used_bytes: int,

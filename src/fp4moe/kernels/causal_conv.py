@@ -81,8 +81,8 @@ def causal_conv_silu_varlen(
     """Several sequences' rows in one launch: x [T, C] (sequence ``token_seq[t]`` owns row t; sequence i
     rows ``starts[i]`` .. ``ends[i]`` - 1), states [N, C, K-1] -> (silu(conv) [T, C], new states [N, C, K-1]).
     Each sequence as ``causal_conv_silu`` computes it alone."""
-    out = _launch(x, states.to(x.dtype).contiguous(), weight, token_seq, starts)
-    return out, last_inputs(x, states.to(x.dtype), starts, ends)
+    states = states.to(x.dtype).contiguous()
+    return _launch(x, states, weight, token_seq, starts), last_inputs(x, states, starts, ends)
 
 
 def last_inputs(
