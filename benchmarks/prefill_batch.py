@@ -4,6 +4,10 @@ prefill steps are of the split kind (pp 512 at concurrency 64: four 512-token pr
 the decode benchmark's of the single kind.
 
     python benchmarks/prefill_batch.py --tokens 8192 --splits 1 4 16 64 --profile 16 --out $OUT/prefill_batch.json
+    python benchmarks/prefill_batch.py --tokens 512 --splits 1 4 --graphs --out $OUT/prefill_graphs.json
+
+``--graphs``: the step as the engine runs fresh prompts (``CudaModelRunner.forward``: a captured prefill
+graph where the prompts fit one, the module path otherwise), each row saying which it took.
 
 Per split: device time (CUDA events, median of 3), the host's time to enqueue the step (when it is close to
 the device time, the step waits on Python), tok/s; ``--profile N``: torch profiler on the N-way split, the
@@ -29,19 +33,24 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=8192, help="tokens per step")
     p.add_argument("--splits", type=int, nargs="+", default=[1, 4, 16, 64], help="sequences per step")
     p.add_argument("--profile", type=int, default=None, help="profile the step of this many sequences")
+    p.add_argument(
+        "--graphs", action="store_true", help="through the runner's prefill graphs where they apply"
+    )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args()
     import decode as dec
 
     from fp4moe.engine.context import StepContext
     from fp4moe.engine.cuda_runner import CudaModelRunner
+    from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.engine.sequence import Sequence
 
     dev = torch.device("cuda")
     model = dec.build_model(True, dev)
     n_max = max(args.splits)
     runner = CudaModelRunner(
         model, None, dev, "auto", max_num_seqs=n_max, max_model_len=args.tokens + 64,
-        num_pages=n_max * (args.tokens // 64 + 2), cuda_graphs=False,
+        num_pages=n_max * (args.tokens // 64 + 2), cuda_graphs=args.graphs,
     )  # fmt: skip
     host: list[float] = []
 
@@ -49,6 +58,13 @@ def main() -> int:
         lens = [args.tokens // n] * n
         for s in range(n):
             runner.kv.free(s)
+        if args.graphs:  # fresh sequences through the engine's entry point
+            seqs = [Sequence(s, torch.randint(0, model.args.vocab_size, (m,)).tolist(), SamplingParams(), slot=s)
+                    for s, m in enumerate(lens)]  # fmt: skip
+            start = time.perf_counter()
+            h, _ = runner.forward([(q, m) for q, m in zip(seqs, lens, strict=True)], runner.kv, runner.states)
+            host.append(time.perf_counter() - start)
+            return h
         ids = torch.randint(0, model.args.vocab_size, (sum(lens),), device=dev)
         pos = torch.cat([torch.arange(m, device=dev) for m in lens])
         ctx = StepContext(lens, [0] * n, list(range(n)), runner.kv, runner.states)
@@ -64,10 +80,11 @@ def main() -> int:
         host.clear()
         times = dec.event_seconds(lambda n=n: step(n), 3)
         t = statistics.median(times)
+        graph = runner.prompt_bucket([args.tokens // n] * n) if args.graphs else None
         rows.append(dict(sequences=n, tokens=args.tokens, seconds=t, host_s=statistics.median(host),
-                         tokens_per_s=args.tokens / t))  # fmt: skip
+                         tokens_per_s=args.tokens / t, graph=graph))  # fmt: skip
         print(f"{n:3d} x {args.tokens // n:5d}: {t * 1e3:7.1f} ms, host {rows[-1]['host_s'] * 1e3:7.1f} ms, "
-              f"{rows[-1]['tokens_per_s']:8.0f} tok/s", flush=True)  # fmt: skip
+              f"{rows[-1]['tokens_per_s']:8.0f} tok/s" + (f", graph {graph}" if graph else ""), flush=True)  # fmt: skip
     result = dict(device=torch.cuda.get_device_name(), rows=rows)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -12,7 +12,8 @@ client, beside the engine's own decode-step rate and offline ``LLM.generate`` on
    pp 512, tg 128 at concurrency ``--concurrency`` (1 4 8 16 32 48 64), then pp 8192 tg 128 at 1, and with
    ``--sglang`` SGLang's shape (pp 8192, tg 1024 at 1 and 16). ``--profile C``: py-spy samples the server
    process (all threads, 100 Hz) during the sweep's round at concurrency C; the top functions by own and
-   inclusive samples go into the result.
+   inclusive samples go into the result. Before the server stops, its count of Triton kernels compiled
+   after the warm-up (``/metrics``; each one a request that waited for the compiler) is recorded.
 3. ``--engine-rate``: after the server stops, the engine's decode step at each batch size (graph replay and
    the engine's own step with its host work, ``decode.py``'s ``time_decode``) at context pp + tg/2.
 4. ``--offline``: ``LLM.generate`` on the same dummy model with the same limits (max 64 sequences, chunked
@@ -160,6 +161,19 @@ def bench(
     return rows, profile
 
 
+def compiles_after_warmup(port: int) -> dict[str, int]:
+    """The server's ``fp4moe:kernel_compiles_after_warmup`` counters by kernel (each one a request that
+    waited for Triton's compiler)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("fp4moe:kernel_compiles_after_warmup_total{"):
+            labels, _, value = line.rpartition(" ")
+            kernel = labels.split('kernel="', 1)[1].split('"', 1)[0]
+            out[kernel] = int(float(value))
+    return out
+
+
 def top_functions(raw: Path, top: int = 30) -> dict:
     """py-spy's raw (collapsed) stacks -> the functions with the most own and inclusive samples, per thread."""
     own, inclusive, threads, total = collections.Counter(), collections.Counter(), collections.Counter(), 0
@@ -270,9 +284,12 @@ def main() -> int:
                 rows += bench(port, args.long_pp, args.tg, [1], args.runs, None, proc.pid, args.out)[0]
             if args.sglang:
                 rows += bench(port, 8192, 1024, [1, 16], 1, None, proc.pid, args.out)[0]
+            compiled = compiles_after_warmup(port) if args.engine == "fp4moe" else {}
         finally:
             stop_server(proc)
         result["served"][spec] = rows
+        result.setdefault("compiles_after_warmup", {})[spec] = compiled
+        log(f"  kernels compiled after the warm-up: {compiled or 'none'}")
         if profile:
             result["profile"][spec] = profile
         (args.out / "serve.json").write_text(json.dumps(result, indent=2) + "\n")

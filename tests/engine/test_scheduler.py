@@ -47,6 +47,29 @@ def test_continuous_batching_with_chunked_prefill_matches_sequential(llm):
     assert max_batch == 3  # requests really overlapped, and never more than max_num_seqs
 
 
+def test_whole_prompts_wait_for_a_step_rather_than_split():
+    """``whole_prompts``: a fresh prompt that the next step could take whole (beside the running decodes)
+    waits instead of being split; one that no step could take whole still is; FIFO holds."""
+    from fp4moe.engine.scheduler import Scheduler
+    from fp4moe.engine.sequence import Sequence
+
+    def admit(lens, whole, decoding=0, budget=32):
+        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, whole_prompts=whole))
+        for i in range(decoding):  # running sequences one token from the end of their prompt
+            seq = Sequence(100 + i, [1, 2], SamplingParams(), slot=-1)
+            seq.slot, seq.num_cached = sched.free_slots.pop(), 1
+            sched.running.append(seq)
+        for i, n in enumerate(lens):
+            sched.add(Sequence(i, [7] * n, SamplingParams(), slot=-1))
+        return [(s.seq_id, n) for s, n in sched.schedule(lambda slot: None) if s.seq_id < 100]
+
+    assert admit([20, 20, 3], whole=False) == [(0, 20), (1, 12)]  # vLLM's way: the second one split
+    assert admit([20, 20, 3], whole=True) == [(0, 20)]  # it waits; the 3 behind it does not jump ahead
+    assert admit([20, 28], whole=True, decoding=4) == [(0, 20)]  # 28 + 4 decodes fit a step: it waits
+    assert admit([20, 29], whole=True, decoding=4) == [(0, 20), (1, 8)]  # no step beside 4 decodes takes 29
+    assert admit([40], whole=True) == [(0, 32)]  # longer than any step: split as before
+
+
 def test_without_chunked_prefill_long_prompts_wait_their_turn(llm):
     expected = _reference(llm, 6)
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128, enable_chunked_prefill=False)

@@ -522,6 +522,40 @@ def test_metrics_names(server, client):
         assert name in text, name
 
 
+def test_kernels_compiled_after_the_warm_up_are_warned_about_and_counted(server, monkeypatch, caplog):
+    """Triton's post-compile hook (called by hand: the CPU's interpreter compiles nothing) counts compiles by
+    kernel; those after the warm-up's mark are logged as warnings and exported in /metrics."""
+    import collections
+    from types import SimpleNamespace
+
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    from fp4moe.kernels import compiles
+
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(compiles, "_installed", False)
+    monkeypatch.setattr(compiles, "_mark", None)
+    monkeypatch.setattr(compiles, "_counts", collections.Counter())
+    assert compiles.watch()
+
+    def compile_(name):
+        knobs.runtime.jit_post_compile_hook(key=None, repr="", fn=SimpleNamespace(name=name), compile={},
+                                            is_manual_warmup=False, already_compiled=False)  # fmt: skip
+
+    compile_("_warm_kernel")
+    assert compiles.after_mark() == {} and not caplog.records
+    compiles.mark()
+    compile_("_late_kernel")
+    compile_("_late_kernel")
+    assert compiles.after_mark() == {"_late_kernel": 2}
+    assert any("_late_kernel" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    text = httpx.get(f"{server.root}/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("fp4moe:kernel_compiles_after_warmup_total{"))
+    assert 'kernel="_late_kernel"' in line and line.endswith(" 2.0")
+    assert "_warm_kernel" not in text
+
+
 def test_api_key_and_full_queue(checkpoints):
     from conftest import start_server
 

@@ -22,16 +22,24 @@ the modules' own weights become views into them: no extra memory.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp4moe.engine.context import StepTensors
 from fp4moe.engine.model_runner import ModelRunner
 from fp4moe.engine.paged_cache import PagedKVCache, SlotStates
 from fp4moe.engine.sequence import Sequence
 from fp4moe.layers.rope import Rotary
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# prompt lengths with a captured prefill graph (a fresh prompt pads up to the next one): one eager 512-token
+# prefill enqueued for 177 ms on the H200 against 28 ms of kernels (benchmarks/prefill_batch.py): a served
+# single stream's time to first token was that host work
+PROMPT_GRAPH_TOKENS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+PROMPT_GRAPH_SEQS = (1, 2, 4, 8, 16, 32, 64, 128)  # fresh prompts in one step (each padded to the longest)
 
 
 class FusedLinear:
@@ -211,6 +219,16 @@ class CudaModelRunner(ModelRunner):
         self.overlap_shared = True  # the shared expert's down GEMM on a side stream (``_moe``)
         self.fused_prefill = True  # prefill chunks with the fused pieces (``hidden_states``)
         self._side: torch.cuda.Stream | None = None
+        # fresh prompts through captured graphs (``prompt_forward``): inputs, and the graphs by padded length
+        self.max_prompt_graph_tokens = PROMPT_GRAPH_TOKENS[-1]
+        self.use_prompt_graphs = True  # off: fresh prompts take the module path too (the warm-up compiles it)
+        self.prompt_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._prompt_pool = None
+        top = PROMPT_GRAPH_TOKENS[-1]
+        self.prompt_ids = torch.zeros(top, dtype=torch.long, device=device)
+        self.prompt_rows = torch.arange(top, device=device)
+        self.prompt_len = torch.zeros(PROMPT_GRAPH_SEQS[-1], dtype=torch.long, device=device)
+        self.prompt_slot = torch.full((PROMPT_GRAPH_SEQS[-1],), self.scratch, dtype=torch.long, device=device)
 
     # ---- set-up -------------------------------------------------------------------------------------
 
@@ -333,6 +351,167 @@ class CudaModelRunner(ModelRunner):
             h, x = self._moe(layer.mlp, self.fused[i][1], h, x, next_w)
         return x
 
+    # ---- fresh prompts through graphs ---------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, batch: list[tuple[Sequence, int]], kv, states):
+        """As ``ModelRunner.forward``; the step's fresh text prompts (or first chunks) replay a captured
+        prefill graph (``prompt_forward``) instead of enqueueing the layers' kernels one by one from Python,
+        and only the rest (continuing chunks, images) go through the module path."""
+        fresh = [i for i, (seq, n) in enumerate(batch) if self._prompt_graph_fits(seq, n, kv)]
+        bucket = self.prompt_bucket([batch[i][1] for i in fresh]) if fresh else None
+        if bucket is None:
+            return super().forward(batch, kv, states)
+        pieces = dict(zip(fresh, self._run_prompt_graph([batch[i] for i in fresh], *bucket), strict=True))
+        rest = [i for i in range(len(batch)) if i not in pieces]
+        if rest:
+            hidden, spans = super().forward([batch[i] for i in rest], kv, states)
+            pieces |= {i: hidden[a:b] for i, (a, b) in zip(rest, spans, strict=True)}
+        ordered = [pieces[i] for i in range(len(batch))]
+        ends = list(accumulate(len(p) for p in ordered))
+        return torch.cat(ordered), [(e - len(p), e) for e, p in zip(ends, ordered, strict=True)]
+
+    def whole_prompts(self) -> bool:
+        """Fresh prompts go through graphs, their continuing chunks through the module path: split none that
+        a step can take whole."""
+        return self.cuda_graphs and self.use_prompt_graphs and self.fused_prefill
+
+    def prompt_bucket(self, lens: list[int]) -> tuple[int, int] | None:
+        """The graph (sequences, rows each) that takes fresh prompts of ``lens`` tokens, or None."""
+        if not (self.cuda_graphs and self.use_prompt_graphs):
+            return None
+        t = next((t for t in PROMPT_GRAPH_TOKENS if max(lens) <= t), None)
+        b = next((b for b in PROMPT_GRAPH_SEQS if len(lens) <= b <= self.max_num_seqs), None)
+        return None if t is None or b is None or b * t > self.max_prompt_graph_tokens else (b, t)
+
+    def _prompt_graph_fits(self, seq: Sequence, n: int, kv) -> bool:
+        return (
+            kv is self.kv
+            and self.fused_prefill
+            and seq.num_cached == 0
+            and n >= 2  # one token: the recurrent rule in fp32, as the module path takes it
+            and seq.image_embeds is None
+            and seq.prompt_positions is None
+            # an fp8 cache's scales come from the first prefill that writes each layer (the module path)
+            and (not kv.fp8 or all(layer in kv.scales for layer in self.attn_ids))
+        )
+
+    def _run_prompt_graph(self, batch: list[tuple[Sequence, int]], b: int, t: int) -> list[torch.Tensor]:
+        """Replay the prefill graph of ``b`` sequences x ``t`` rows for the fresh prompts of ``batch`` ->
+        each one's final-normed hidden [n, H] (views of one copy). Their pages are reserved here; the graph
+        writes them and the slots' states."""
+        for seq, n in batch:
+            self.kv.reserve(seq.slot, n)
+        if (b, t) not in self.prompt_graphs:
+            self._capture_prompt(b, t)
+        host = torch.zeros(b * t + 2 * b, dtype=torch.long)
+        host[b * t + b :] = self.scratch  # unused sequences: no rows, the scratch slot
+        for i, (seq, n) in enumerate(batch):
+            host[i * t : i * t + n] = torch.tensor(seq.tokens(0, n))
+            host[b * t + i], host[b * t + b + i] = n, seq.slot
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        self.prompt_ids[: b * t].copy_(dev[: b * t])
+        self.prompt_len[:b].copy_(dev[b * t : b * t + b])
+        self.prompt_slot[:b].copy_(dev[b * t + b :])
+        graph, hidden = self.prompt_graphs[(b, t)]
+        graph.replay()
+        hidden = hidden.clone()
+        for seq, n in batch:
+            self.kv.advance(seq.slot, n, self.attn_ids)
+        return [hidden[i * t : i * t + n] for i, (_, n) in enumerate(batch)]
+
+    def _capture_prompt(self, b: int, t: int) -> None:
+        """Capture the prefill graph of ``b`` x ``t`` rows; the warm-up run and the capture have no real row
+        (every length 0), so they write only the scratch slot and page."""
+        self.prompt_len.zero_()
+        self.prompt_slot.fill_(self.scratch)
+        self.prompt_ids.zero_()
+        if self._prompt_pool is None and self.device.type == "cuda":
+            self._prompt_pool = torch.cuda.graph_pool_handle()
+        self.prompt_graphs[(b, t)] = self.graph_of(lambda: self.prompt_forward(b, t), pool=self._prompt_pool)
+
+    def capture_prompts(self, max_tokens: int) -> None:
+        """Capture the prefill graphs of up to ``max_tokens`` rows ahead of serving (else each is captured
+        on first use)."""
+        for t in PROMPT_GRAPH_TOKENS:
+            for b in PROMPT_GRAPH_SEQS:
+                fits = b * t <= max(16, max_tokens) and self.prompt_bucket([t] * b) == (b, t)
+                if fits and (b, t) not in self.prompt_graphs:
+                    self._capture_prompt(b, t)
+
+    def prompt_forward(self, b: int, t: int) -> torch.Tensor:
+        """``b`` fresh prompts (lengths ``prompt_len``, slots ``prompt_slot``, on the device), each padded to
+        ``t`` rows, with static shapes and device-side indexing only (graph-capturable) -> final-normed
+        hidden [b * t, H] (rows past a prompt's length are padding). The layers as ``hidden_states`` runs
+        them (fused projections, fused MoE). Attention is causal within each prompt's rows, so the padding
+        after a prompt changes none of its rows, and the padding's keys/values go to the scratch page; in
+        the Gated DeltaNet layers the padding has decay 1 and write strength 0, so the states after a
+        prompt's last row are its final ones (stored in its slot)."""
+        from fp4moe.kernels import norm
+
+        model, a, dev = self.model, self.args, self.device
+        flat = self.prompt_rows[: b * t]
+        seq_of, pos = flat // t, flat % t
+        lens = self.prompt_len[:b]
+        valid = pos < lens[seq_of]
+        starts = self.prompt_rows[:b] * t
+        zero = torch.zeros(b, dtype=torch.long, device=dev)
+        step = _Prompts(
+            StepTensors(self.prompt_slot[:b], zero, starts.int(), starts + lens, seq_of.int(), zero, zero)
+        )
+        cos, sin = model.rotary.cos_sin(pos, model.embed_tokens.dtype)
+        h = model.embed(self.prompt_ids[: b * t])
+        layers = model.layers
+        _, x = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, a.eps)
+        for i, layer in enumerate(layers):
+            mix, router = self.fused[i]
+            if layer.is_attention:
+                out = self._prompt_attention(layer.self_attn, mix(x), cos, sin, step, pos, valid, b)
+            else:
+                out = self._prompt_deltanet(layer.linear_attn, mix(x), step, valid, b)
+            h, x = norm.add_rms_norm(h, out, layer.post_attention_layernorm.weight, a.eps)
+            next_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
+            h, x = self._moe(layer.mlp, router, h, x, next_w)
+        return x
+
+    def _prompt_deltanet(self, m, proj, step, valid, b: int) -> torch.Tensor:
+        from fp4moe.kernels.causal_conv import causal_conv_silu_varlen
+
+        mixed, z, w, d = proj.split([m.conv_dim, m.value_size, m.num_v_heads, m.num_v_heads], dim=-1)
+        beta, g = m.gates(w, d)
+        beta = torch.where(valid[:, None], beta, 0)  # padding writes nothing ...
+        g = torch.where(valid[:, None], g, 0)  # ... and decays nothing
+        t = step.t
+        conv0 = mixed.new_zeros(b, m.conv_dim, m.conv_kernel - 1)
+        qkv, conv = causal_conv_silu_varlen(mixed, conv0, m.conv1d_weight, t.token_seq, t.starts, t.ends)
+        core, rec = m.rule_fresh(qkv, g, beta, b)
+        self.states.scatter(m.layer_id, step, conv, rec)
+        return m.output(core, z)
+
+    def _prompt_attention(self, m, proj, cos, sin, step, pos, valid, b: int) -> torch.Tensor:
+        from fp4moe.engine.cache import fp8_decode, fp8_encode
+        from fp4moe.layers.attention import attend_fresh
+
+        kv, page = self.kv, self.kv.page_size
+        hd, kvd = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+        q, gate, k, v = m.heads(*proj.split([2 * hd, kvd, kvd], dim=-1), cos, sin)
+        slots = step.t.slots[step.t.token_seq.long()]
+        dest = kv.block_table[slots, pos // page].long() * page + pos % page
+        spare = kv.block_table[self.scratch, 0].long() * page + pos % page
+        dest = torch.where(valid, dest, spare)
+        li = kv.index[m.layer_id]
+        kc, vc = kv.k[li].view(-1, *k.shape[1:]), kv.v[li].view(-1, *k.shape[1:])
+        if kv.fp8:  # the layer's scales as the graph reads them: set in place by the first prefill
+            ks, vs = kv.scale_t[li, 0], kv.scale_t[li, 1]
+            kq, vq = fp8_encode(k, ks), fp8_encode(v, vs)
+            kc[dest], vc[dest] = kq, vq
+            k, v = fp8_decode(kq, ks, k.dtype), fp8_decode(vq, vs, v.dtype)
+        else:
+            kc[dest], vc[dest] = k, v
+        return m.output(attend_fresh(q, k, v, b), gate)
+
     # ---- fused decode -------------------------------------------------------------------------------
 
     def decode_logits(
@@ -396,15 +575,17 @@ class CudaModelRunner(ModelRunner):
         bucket = next((g for g in GRAPH_BATCH_SIZES if g >= b), None)
         return bucket if self.cuda_graphs and bucket is not None and bucket <= self.max_num_seqs else None
 
-    def graph_of(self, fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def graph_of(self, fn, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Run ``fn`` once (compiles its kernels), then capture it in a CUDA graph that shares the runner's
-        memory pool; returns the graph and ``fn``'s output buffer."""
+        memory pool (or ``pool``); returns the graph and ``fn``'s output buffer."""
         fn()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
+        if pool is None:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            pool = self._pool
+        with torch.cuda.graph(graph, pool=pool):
             out = fn()
         return graph, out
 
@@ -535,3 +716,14 @@ class CudaModelRunner(ModelRunner):
         if self._side is None:
             self._side = torch.cuda.Stream(x.device)
         return self._side
+
+
+class _Prompts:
+    """The step layout of graphed prompts (``StepContext``'s ``tensors`` only, for ``SlotStates.scatter``):
+    each sequence's slot, rows, length, all on the device, nothing cached."""
+
+    def __init__(self, t: StepTensors):
+        self.t = t
+
+    def tensors(self, device) -> StepTensors:
+        return self.t

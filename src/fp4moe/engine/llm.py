@@ -252,8 +252,9 @@ class LLM:
         cfg = self.engine_config
         slots = self.runner.max_num_seqs or cfg.max_num_seqs  # the GPU runner has that many state slots
         limits = SchedulerConfig(
-            slots, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill, max_waiting, self.max_cached_tokens
-        )
+            slots, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill, max_waiting, self.max_cached_tokens,
+            whole_prompts=self.runner.whole_prompts(),
+        )  # fmt: skip
         return EngineCore(self, limits, prefix_cache)
 
     def sample_all(self, results: list[tuple[Sequence, torch.Tensor]]) -> None:
@@ -324,7 +325,9 @@ class LLM:
         import time
 
         from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
+        from fp4moe.kernels import compiles
 
+        compiles.watch()
         start = time.perf_counter()
         limit = min(max_batch_tokens, self.max_model_len - 4)
         lengths = sorted(
@@ -332,18 +335,35 @@ class LLM:
         )
         greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
         sampled = SamplingParams(max_tokens=3, temperature=0.8, ignore_eos=True, seed=0)
-        for n in lengths:
+        # the module path first (continuing chunks, several sequences' chunks in a step, images, an fp8
+        # cache's first prefill take it): fresh prompts of every length, continuing chunks of a prompt longer
+        # than a step of a length divisible by 16 and of one that is not (Triton specializes on both), and
+        # several prompts in a step, again of both kinds of total
+        self.runner.use_prompt_graphs = False
+        try:
+            for n in lengths:
+                self.generate([[1] * n], greedy)
+            for extra in (16, 17):
+                if limit + extra <= self.max_model_len - 4:
+                    self.generate([[1] * (limit + extra)], greedy)
+            for lens in ((3, 6, 8), (5, 11)):
+                self.generate([[1] * n for n in lens], greedy)
+        finally:
+            self.runner.use_prompt_graphs = True
+        for n in lengths:  # then fresh prompts through the prefill graphs (each captured on first use)
             self.generate([[1] * n], greedy)
         width = self.runner.max_num_seqs or 1
         for b in [b for b in GRAPH_BATCH_SIZES if b <= width]:
             self.generate([[1] * 4] * b, greedy)
             self.generate([[1] * 4] * b, sampled)
         self.runner.capture()  # the plain step's graphs (speculating warm-ups ran rounds)
+        self.runner.capture_prompts(limit)
         self.runner.reset_kv_scales()
         if self.speculator is not None:  # the warm-up's drafts are not the server's
             from fp4moe.engine.spec_decode import SpecStats
 
             self.speculator.stats = SpecStats(accepted_per_position=[0] * self.speculator.k)
+        compiles.mark()  # from here on, a compile is a request waiting for the compiler: warned and counted
         return time.perf_counter() - start
 
     def generate(

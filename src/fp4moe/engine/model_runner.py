@@ -15,8 +15,9 @@ class ModelRunner:
     """The CPU path (the torch modules), and the runner protocol the engine relies on; ``CudaModelRunner``
     overrides what differs: ``max_num_seqs`` (state slots, None = unbounded), ``capacity_tokens()`` (KV
     tokens its caches hold, None = unbounded), ``spec_tokens`` (drafts its fused round verifies, 0 = no
-    fused round), ``fusable_decode`` (whether a batch can take its fused decode step), ``capture`` (its
-    CUDA graphs) and ``reset_kv_scales`` (an fp8 cache's scales, which the first real prefill sets)."""
+    fused round), ``fusable_decode`` (whether a batch can take its fused decode step), ``capture`` and
+    ``capture_prompts`` (its CUDA graphs of the decode step and of fresh prompts), ``whole_prompts`` (its
+    fresh prompts are cheaper unsplit) and ``reset_kv_scales`` (an fp8 cache's scales, which the first real prefill sets)."""
 
     max_num_seqs: int | None = None
     spec_tokens: int = 0
@@ -29,6 +30,13 @@ class ModelRunner:
 
     def capture(self, batch_sizes=None) -> None:
         """No graphs on this path."""
+
+    def capture_prompts(self, max_tokens: int) -> None:
+        """No graphs on this path."""
+
+    def whole_prompts(self) -> bool:
+        """Whether the scheduler should keep fresh prompts whole (``SchedulerConfig.whole_prompts``)."""
+        return False
 
     def reset_kv_scales(self) -> None:
         """The CPU's caches keep no scales between requests."""

@@ -4,7 +4,10 @@ decodes; FIFO admission with a bounded waiting queue; preemption by recompute wh
 Each step first gives every running sequence that has finished its prefill one decode token, then
 continues unfinished prefills, then admits waiting sequences in arrival order while sequence slots and
 tokens remain (a prompt larger than what is left is split when chunked prefill is on; otherwise it waits,
-and nothing behind it jumps the queue). The cache budget counts cached tokens; when a step would exceed it,
+and nothing behind it jumps the queue). With ``whole_prompts`` a fresh prompt that a step beside the
+running decodes could take whole waits for the next step rather than be split: the GPU runner prefills
+fresh prompts through captured graphs, but a continuing chunk takes the module path (~150 ms of host work
+at full size on the H200, however short the chunk). The cache budget counts cached tokens; when a step would exceed it,
 the most recently admitted running sequence is preempted: its caches are freed and it goes back to the
 front of the queue to be recomputed (its generated tokens are kept).
 """
@@ -28,6 +31,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_waiting: int = 256
     max_cached_tokens: int = 1 << 20
+    whole_prompts: bool = False  # do not split a fresh prompt that the next step can take whole
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_cached_tokens"):
@@ -126,6 +130,12 @@ class Scheduler:
             recompute = bool(seq.output_ids)  # preempted: may be longer than any one step now
             if remaining > budget and not (cfg.enable_chunked_prefill or recompute):
                 break  # FIFO: wait for a step with room rather than let later requests pass
+            if (
+                remaining > budget
+                and cfg.whole_prompts
+                and remaining + len(decoding) <= cfg.max_num_batched_tokens
+            ):
+                break  # the next step takes it whole (FIFO as above)
             self.waiting.popleft()
             seq.slot = self.free_slots.pop()
             self.running.append(seq)

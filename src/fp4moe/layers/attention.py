@@ -28,17 +28,26 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         """x [T, hidden] (flat batch), cos/sin [T, rotary_dim] -> [T, hidden]."""
-        t = x.shape[0]
-        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D] each
-        q = Rotary.apply(self.q_norm(q), cos, sin)
-        k = Rotary.apply(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, gate, k, v = self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
         out = torch.empty_like(q)
         whole = ctx.kv.append_step(self.layer_id, ctx, k, v)  # each sequence's k/v [L, Hkv, D]
         for seq, ((start, end), (k_all, v_all)) in enumerate(zip(ctx.spans(), whole, strict=True)):
             out[start:end] = attend(q[start:end], k_all, v_all, ctx.cached_lens[seq])
-        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(out)
+        return self.output(out, gate)
+
+    def heads(self, q_gate, k, v, cos, sin):
+        """The projections' outputs [T, ...] -> per head q (normed, rotated), gate [T, H, D] and k (normed,
+        rotated), v [T, Hkv, D]."""
+        t = q_gate.shape[0]
+        q, gate = q_gate.reshape(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = Rotary.apply(self.q_norm(q), cos, sin)
+        k = Rotary.apply(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), cos, sin)
+        return q, gate, k, v.reshape(t, self.num_kv_heads, self.head_dim)
+
+    def output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Attention output [T, H, D] * sigmoid(gate), then o_proj."""
+        t = out.shape[0]
+        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -> torch.Tensor:
@@ -61,3 +70,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=visible, scale=dim**-0.5
     )
     return out.transpose(0, 1)
+
+
+def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int) -> torch.Tensor:
+    """Causal GQA for ``batch`` fresh prompts of equal length in consecutive rows: q [rows, H, D], k/v
+    [rows, Hkv, D] -> [rows, H, D]; one batched flash-attention call on the GPU, ``attend`` per prompt on
+    the CPU."""
+    rows, heads, dim = q.shape
+    n = rows // batch
+    if not q.is_cuda:
+        return torch.cat([attend(q[i * n : (i + 1) * n], k[i * n : (i + 1) * n], v[i * n : (i + 1) * n], 0)
+                          for i in range(batch)])  # fmt: skip
+    out = F.scaled_dot_product_attention(
+        *(x.view(batch, n, -1, dim).transpose(1, 2) for x in (q, k, v)), is_causal=True, scale=dim**-0.5,
+        enable_gqa=True,
+    )  # fmt: skip
+    return out.transpose(1, 2).reshape(rows, heads, dim)

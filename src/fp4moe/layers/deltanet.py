@@ -132,22 +132,68 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """x [T, hidden] (flat batch) -> [T, hidden]; reads and updates each sequence's state slot."""
-        t = x.shape[0]
         mixed = self.in_proj_qkv(x)  # [T, conv_dim]
-        z = self.in_proj_z(x).view(t, self.num_v_heads, self.v_dim)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta, g = self.gates(self.in_proj_b(x), self.in_proj_a(x))
         if _varlen_prefill(x, ctx):
             core = self._prefill_varlen(mixed, g, beta, ctx)
         else:
             core = self._per_sequence(mixed, g, beta, ctx)
-        if x.is_cuda and x.dtype == torch.bfloat16:  # one kernel instead of the fp32 elementwise chain
+        return self.output(core, self.in_proj_z(x))
+
+    def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The write strength beta (sigmoid of in_proj_b's output) and the fp32 log-decay g [T, Hv]."""
+        return b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+    def output(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm of the rule's output core [T, Hv, Dv] by z [T, Hv * Dv], then out_proj."""
+        t = core.shape[0]
+        if core.is_cuda and core.dtype == torch.bfloat16:  # one kernel instead of the fp32 elementwise chain
             from fp4moe.kernels.gdn_decode import gated_norm
 
-            out = gated_norm(core.view(t, -1), z.reshape(t, -1), self.norm_weight, self.eps, self.num_v_heads)
+            out = gated_norm(
+                core.reshape(t, -1), z.reshape(t, -1), self.norm_weight, self.eps, self.num_v_heads
+            )
         else:
+            z = z.reshape(t, self.num_v_heads, self.v_dim)
             out = gated_rms_norm(core, z, self.norm_weight, self.eps).reshape(t, -1)
         return self.out_proj(out)
+
+    def rule(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor):
+        """The gated delta rule over one sequence's conv output qkv [n, conv_dim] from the fp32 state [Hv,
+        Dk, Dv] -> (output [n, Hv, Dv] in qkv's dtype, the new state): fla's chunked kernel on the GPU for
+        more than one token, else ours in fp32 (chunked; token-wise for one token)."""
+        q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        n = qkv.shape[0]
+        q = q.view(n, self.num_k_heads, self.k_dim)
+        k = k.view(n, self.num_k_heads, self.k_dim)
+        v = v.view(n, self.num_v_heads, self.v_dim)
+        if n > 1 and qkv.is_cuda and _fla_chunk() is not None:
+            # grouped values: fla reads key head j // (Hv / Hk) for value head j itself
+            o, new = _fla_rule(q, k, v, g, beta, state)
+        else:
+            rep = self.num_v_heads // self.num_k_heads
+            q = l2_normalize(q.float()).repeat_interleave(rep, dim=1) * self.k_dim**-0.5
+            k = l2_normalize(k.float()).repeat_interleave(rep, dim=1)
+            rule = delta_rule_recurrent if n == 1 else delta_rule_chunked
+            o, new = rule(q, k, v.float(), g, beta.float(), state)
+        return o.to(qkv.dtype), new
+
+    def rule_fresh(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: int):
+        """``rule`` for ``batch`` sequences of equal length in consecutive rows of qkv, each from a zero
+        state -> (output [rows, Hv, Dv], new states [batch, Hv, Dk, Dv]): one fla call on the GPU."""
+        n = qkv.shape[0] // batch
+        if not (qkv.is_cuda and _fla_chunk() is not None):
+            outs = [self.rule(qkv[i * n : (i + 1) * n], g[i * n : (i + 1) * n], beta[i * n : (i + 1) * n],
+                              qkv.new_zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32))
+                    for i in range(batch)]  # fmt: skip
+            return torch.cat([o for o, _ in outs]), torch.stack([s for _, s in outs])
+        q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        o, final = _fla_chunk()(
+            q.reshape(batch, n, self.num_k_heads, self.k_dim), k.reshape(batch, n, self.num_k_heads, self.k_dim),
+            v.reshape(batch, n, self.num_v_heads, self.v_dim), g.view(batch, n, -1), beta.view(batch, n, -1),
+            scale=self.k_dim**-0.5, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        return o.reshape(batch * n, self.num_v_heads, self.v_dim).to(qkv.dtype), final
 
     def _prefill_varlen(self, mixed, g, beta, ctx) -> torch.Tensor:
         """Every sequence of a GPU step at once: one conv launch, one fla call over the flat rows with
@@ -187,22 +233,8 @@ class GatedDeltaNet(nn.Module):
             slot = ctx.slots[seq]
             conv_state, rec_state = ctx.deltanet.get(self.layer_id, slot, ctx.cached_lens[seq])
             qkv, new_conv = self._conv(mixed[start:end], conv_state)
-            q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
-            n = end - start
-            q = q.view(n, self.num_k_heads, self.k_dim)
-            k = k.view(n, self.num_k_heads, self.k_dim)
-            v = v.view(n, self.num_v_heads, self.v_dim)
-            if n > 1 and mixed.is_cuda and _fla_chunk() is not None:
-                # grouped values: fla reads key head j // (Hv / Hk) for value head j itself
-                o, new_rec = _fla_rule(q, k, v, g[start:end], beta[start:end], rec_state)
-            else:
-                rep = self.num_v_heads // self.num_k_heads
-                q = l2_normalize(q.float()).repeat_interleave(rep, dim=1) * self.k_dim**-0.5
-                k = l2_normalize(k.float()).repeat_interleave(rep, dim=1)
-                rule = delta_rule_recurrent if n == 1 else delta_rule_chunked
-                o, new_rec = rule(q, k, v.float(), g[start:end], beta[start:end].float(), rec_state)
+            core[start:end], new_rec = self.rule(qkv, g[start:end], beta[start:end], rec_state)
             ctx.deltanet.set(self.layer_id, slot, new_conv, new_rec, ctx.cached_lens[seq] + (end - start))
-            core[start:end] = o.to(mixed.dtype)
         return core
 
     def _conv(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from fp4moe.kernels import compiles
+
 LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -70,6 +72,13 @@ class Metrics:
             registry=r,
         )
         self._spec_seen: dict[str, int] = {}
+        self.compiles = Counter(
+            "fp4moe:kernel_compiles_after_warmup",
+            "Triton kernels compiled after the warm-up (each one a request that waited for the compiler).",
+            [*labels, "kernel"],
+            registry=r,
+        )
+        self._compiles_seen: dict[str, int] = {}
         self.ttft = Histogram(
             "fp4moe:time_to_first_token_seconds",
             "Time to first token.",
@@ -130,6 +139,9 @@ class Metrics:
                         self.spec_per_pos.labels(m, key[3:]).inc(delta)
                     else:
                         self.spec[key].labels(m).inc(delta)
+            for kernel, n in compiles.after_mark().items():
+                self.compiles.labels(m, kernel).inc(n - self._compiles_seen.get(kernel, 0))
+                self._compiles_seen[kernel] = n
             for hist, samples in ((self.ttft, stats.ttft), (self.itl, stats.itl), (self.e2e, stats.e2e)):
                 for v in samples:
                     hist.labels(m).observe(v)
