@@ -301,7 +301,9 @@ def _w4a16_kernel(
 # ---- routing: (token, expert) pairs sorted by expert, and the block table --------------------------------
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["TK"]
+)  # the pair count: one variant per TKP, not two (issue 20's no-compile test)
 def _align_kernel(
     ids_ptr,
     TK,
