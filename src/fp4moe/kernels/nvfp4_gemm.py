@@ -301,9 +301,9 @@ def _w4a16_kernel(
 # ---- routing: (token, expert) pairs sorted by expert, and the block table --------------------------------
 
 
-@triton.jit(
-    do_not_specialize=["TK"]
-)  # the pair count: one variant per TKP, not two (issue 20's no-compile test)
+# the pair count unspecialized: one variant per TKP, not two (the GPU no-compile test found the block size and
+# the count's divisibility by 16 combining into variants the warm-up had not met)
+@triton.jit(do_not_specialize=["TK"])
 def _align_kernel(
     ids_ptr,
     TK,
