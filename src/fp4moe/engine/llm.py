@@ -357,7 +357,7 @@ class LLM:
             self.generate([[1] * 4] * b, greedy)
             self.generate([[1] * 4] * b, sampled)
         self.runner.capture()  # the plain step's graphs (speculating warm-ups ran rounds)
-        self.runner.capture_prompts(limit)
+        self.runner.capture_prompts()
         self.runner.reset_kv_scales()
         if self.speculator is not None:  # the warm-up's drafts are not the server's
             from fp4moe.engine.spec_decode import SpecStats
