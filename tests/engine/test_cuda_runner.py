@@ -607,8 +607,9 @@ def test_plain_steps_under_load_leave_the_mtp_cache_to_the_head(checkpoints):
 
 
 def test_fresh_prompts_through_their_prefill_graph(checkpoints):
-    """A step of two fresh prompts (12 and 9 tokens: padded to 2 x 16 rows, ``prompt_forward``; on the CPU
-    through a stand-in graph, on the GPU the real one) beside a continuing chunk (the module path), against
+    """A step of three fresh prompts (20 tokens alone in a 1 x 32-row graph, as graphs are held to 32 rows
+    here; 12 and 9 tokens padded to 2 x 16 rows: ``prompt_forward``; on the CPU through a stand-in graph, on
+    the GPU the real one) beside a continuing chunk (the module path), against
     the same runner's eager prefill (``hidden_states``) of the same step: the same hidden states, keys/values
     and Gated DeltaNet states up to rounding (the padded rule and the fused projections sum in another
     order), the padding's keys/values nowhere but the scratch page (every other page as it was). The
@@ -617,7 +618,12 @@ def test_fresh_prompts_through_their_prefill_graph(checkpoints):
     from fp4moe.engine.sequence import Sequence
 
     path = checkpoints.bf16()  # (the experts' format is the MoE's business, the same on both paths)
-    prompts = {0: list(range(40, 52)), 1: [3, 4, 5, 6, 7, 8], 2: list(range(200, 209))}
+    prompts = {
+        0: list(range(40, 52)),
+        1: [3, 4, 5, 6, 7, 8],
+        2: list(range(200, 209)),
+        3: list(range(300, 320)),
+    }
     runs = {}
     for graphs in (False, True):
         llm = LLM(path, dtype="bfloat16", device=DEV)
@@ -629,13 +635,15 @@ def test_fresh_prompts_through_their_prefill_graph(checkpoints):
         else:
             llm.runner.cuda_graphs = graphs
         runner, kv = llm.runner, llm.runner.kv
+        runner.max_prompt_graph_tokens = 32  # the 20-token prompt (32 rows) needs a graph of its own
         seqs = {i: Sequence(i, p, SamplingParams(max_tokens=1), slot=i) for i, p in prompts.items()}
         runner.run([(seqs[1], 3)], kv, runner.states)  # half of a prompt: the step continues it
         pages_before = kv.k.clone()
-        hidden, spans = runner.forward([(seqs[0], 12), (seqs[1], 3), (seqs[2], 9)], kv, runner.states)
-        assert sorted(runner.prompt_graphs) == ([(1, 16), (2, 16)] if graphs else [])
-        assert spans == [(0, 12), (12, 15), (15, 24)]
-        rows = {0: kv.rows(0, 0, 12), 1: kv.rows(1, 0, 6), 2: kv.rows(2, 0, 9)}
+        step = [(seqs[0], 12), (seqs[1], 3), (seqs[2], 9), (seqs[3], 20)]
+        hidden, spans = runner.forward(step, kv, runner.states)
+        assert sorted(runner.prompt_graphs) == ([(1, 16), (1, 32), (2, 16)] if graphs else [])
+        assert spans == [(0, 12), (12, 15), (15, 24), (24, 44)]
+        rows = {0: kv.rows(0, 0, 12), 1: kv.rows(1, 0, 6), 2: kv.rows(2, 0, 9), 3: kv.rows(3, 0, 20)}
         mine = torch.zeros(kv.k.shape[1] * kv.page_size, dtype=torch.bool)
         for r in rows.values():
             mine[r.cpu()] = True
@@ -645,7 +653,7 @@ def test_fresh_prompts_through_their_prefill_graph(checkpoints):
         gi = list(runner.states.index.values())
         runs[graphs] = dict(
             hidden=hidden.float().cpu(), k=torch.cat([kv.k.view(flat)[:, r] for r in rows.values()], 1).float().cpu(),
-            rec=runner.states.rec[gi][:, :3].cpu(), ring=runner.states.ring[gi][:, :3].float().cpu(),
+            rec=runner.states.rec[gi][:, :4].cpu(), ring=runner.states.ring[gi][:, :4].float().cpu(),
         )  # fmt: skip
     eager, graph = runs[False], runs[True]
     # bf16 activations (O(3) here): a few ulps where a rounding flips and is carried through the layers (the

@@ -358,11 +358,14 @@ class CudaModelRunner(ModelRunner):
         """As ``ModelRunner.forward``; the step's fresh text prompts (or first chunks) replay a captured
         prefill graph (``prompt_forward``) instead of enqueueing the layers' kernels one by one from Python,
         and only the rest (continuing chunks, images) go through the module path."""
-        fresh = [i for i, (seq, n) in enumerate(batch) if self._prompt_graph_fits(seq, n, kv)]
-        bucket = self.prompt_bucket([batch[i][1] for i in fresh]) if fresh else None
-        if bucket is None:
+        groups = self._prompt_groups(batch, kv)
+        if not groups:
             return super().forward(batch, kv, states)
-        pieces = dict(zip(fresh, self._run_prompt_graph([batch[i] for i in fresh], *bucket), strict=True))
+        pieces = {}
+        for group in groups:
+            prompts = [batch[i] for i in group]
+            bucket = self.prompt_bucket([n for _, n in prompts])
+            pieces |= dict(zip(group, self._run_prompt_graph(prompts, *bucket), strict=True))
         rest = [i for i in range(len(batch)) if i not in pieces]
         if rest:
             hidden, spans = super().forward([batch[i] for i in rest], kv, states)
@@ -370,6 +373,23 @@ class CudaModelRunner(ModelRunner):
         ordered = [pieces[i] for i in range(len(batch))]
         ends = list(accumulate(len(p) for p in ordered))
         return torch.cat(ordered), [(e - len(p), e) for e, p in zip(ends, ordered, strict=True)]
+
+    def _prompt_groups(self, batch: list[tuple[Sequence, int]], kv) -> list[list[int]]:
+        """The step's fresh prompts (indices into ``batch``) in groups that one prefill graph each takes:
+        longest first, each group as many as fit its graph (four 522-token prompts pad to 768 rows each,
+        two per 2,048-row graph: two replays, where one group would have sent them all to the module
+        path)."""
+        fresh = sorted(
+            (i for i, (seq, n) in enumerate(batch) if self._prompt_graph_fits(seq, n, kv)),
+            key=lambda i: -batch[i][1],
+        )
+        groups: list[list[int]] = []
+        for i in fresh:
+            if groups and self.prompt_bucket([batch[j][1] for j in groups[-1]] + [batch[i][1]]) is not None:
+                groups[-1].append(i)
+            elif self.prompt_bucket([batch[i][1]]) is not None:
+                groups.append([i])
+        return groups
 
     def whole_prompts(self) -> bool:
         """Fresh prompts go through graphs, their continuing chunks through the module path: split none that
