@@ -41,10 +41,11 @@ def _all_pages_back(runner) -> bool:
     return runner.kv.num_free_pages == runner.kv.k.shape[1] - 1
 
 
-def _fused(llm: LLM, kv_cache_dtype: str = "auto", spec_tokens: int = 0) -> None:
+def _fused(llm: LLM, kv_cache_dtype: str = "auto", spec_tokens: int = 0, **sizes) -> None:
+    sizes = {"max_num_seqs": 4, "max_model_len": 256, **sizes}
     llm.runner = CudaModelRunner(
-        llm.model, None, llm.device, kv_cache_dtype, max_num_seqs=4, max_model_len=256, num_pages=20,
-        page_size=16, cuda_graphs=DEV == "cuda", spec_tokens=spec_tokens,
+        llm.model, None, llm.device, kv_cache_dtype, num_pages=20, page_size=16, cuda_graphs=DEV == "cuda",
+        spec_tokens=spec_tokens, **sizes,
     )  # fmt: skip
     # prompts through the modules, so the CPU's exact comparisons see the fused decode step alone (the fused
     # prefill sums the experts in fp32, the modules in bf16: test_fused_decode_... checks it on its own)
@@ -607,10 +608,10 @@ def test_plain_steps_under_load_leave_the_mtp_cache_to_the_head(checkpoints):
 
 
 def test_fresh_prompts_through_their_prefill_graph(checkpoints):
-    """A step of three fresh prompts (20 tokens alone in a 1 x 32-row graph, as graphs are held to 32 rows
-    here; 12 and 9 tokens padded to 2 x 16 rows: ``prompt_forward``; on the CPU through a stand-in graph, on
-    the GPU the real one) beside a continuing chunk (the module path), against
-    the same runner's eager prefill (``hidden_states``) of the same step: the same hidden states, keys/values
+    """A step of four fresh prompts (66 tokens in a 1 x 96-row graph, whose padding runs past the last page
+    of the CPU runner's 72-token context; 20 tokens alone in 1 x 32 rows; 12 and 9 tokens in 2 x 16 rows:
+    ``prompt_forward``; on the CPU through a stand-in graph, on the GPU the real one) beside a continuing
+    chunk (the module path), against the same runner's eager prefill (``hidden_states``) of the same step: the same hidden states, keys/values
     and Gated DeltaNet states up to rounding (the padded rule and the fused projections sum in another
     order), the padding's keys/values nowhere but the scratch page (every other page as it was). The
     padding is what could go wrong: its decay and write strength are masked, or the states would have run
@@ -623,27 +624,30 @@ def test_fresh_prompts_through_their_prefill_graph(checkpoints):
         1: [3, 4, 5, 6, 7, 8],
         2: list(range(200, 209)),
         3: list(range(300, 320)),
+        4: list(range(400, 466)),
     }
     runs = {}
     for graphs in (False, True):
         llm = LLM(path, dtype="bfloat16", device=DEV)
         if DEV == "cpu":
-            _fused(llm)
+            # the 66-token prompt's 96 rows run past the 5 pages of 16 rows a 72-token context has
+            _fused(llm, max_num_seqs=5, max_model_len=72)
             llm.runner.fused_prefill = True
             if graphs:
                 _emulate_graphs(llm.runner)
         else:
             llm.runner.cuda_graphs = graphs
         runner, kv = llm.runner, llm.runner.kv
-        runner.max_prompt_graph_tokens = 32  # the 20-token prompt (32 rows) needs a graph of its own
+        runner.max_prompt_graph_tokens = 96
         seqs = {i: Sequence(i, p, SamplingParams(max_tokens=1), slot=i) for i, p in prompts.items()}
         runner.run([(seqs[1], 3)], kv, runner.states)  # half of a prompt: the step continues it
         pages_before = kv.k.clone()
-        step = [(seqs[0], 12), (seqs[1], 3), (seqs[2], 9), (seqs[3], 20)]
+        step = [(seqs[0], 12), (seqs[1], 3), (seqs[2], 9), (seqs[3], 20), (seqs[4], 66)]
         hidden, spans = runner.forward(step, kv, runner.states)
-        assert sorted(runner.prompt_graphs) == ([(1, 16), (1, 32), (2, 16)] if graphs else [])
-        assert spans == [(0, 12), (12, 15), (15, 24), (24, 44)]
-        rows = {0: kv.rows(0, 0, 12), 1: kv.rows(1, 0, 6), 2: kv.rows(2, 0, 9), 3: kv.rows(3, 0, 20)}
+        # one graph per row bucket: the 20 tokens are not padded to the 66's 96 rows
+        assert sorted(runner.prompt_graphs) == ([(1, 16), (1, 32), (1, 96), (2, 16)] if graphs else [])
+        assert spans == [(0, 12), (12, 15), (15, 24), (24, 44), (44, 110)]
+        rows = {i: kv.rows(i, 0, len(p)) for i, p in prompts.items()}
         mine = torch.zeros(kv.k.shape[1] * kv.page_size, dtype=torch.bool)
         for r in rows.values():
             mine[r.cpu()] = True
@@ -653,7 +657,7 @@ def test_fresh_prompts_through_their_prefill_graph(checkpoints):
         gi = list(runner.states.index.values())
         runs[graphs] = dict(
             hidden=hidden.float().cpu(), k=torch.cat([kv.k.view(flat)[:, r] for r in rows.values()], 1).float().cpu(),
-            rec=runner.states.rec[gi][:, :4].cpu(), ring=runner.states.ring[gi][:, :4].float().cpu(),
+            rec=runner.states.rec[gi][:, :5].cpu(), ring=runner.states.ring[gi][:, :5].float().cpu(),
         )  # fmt: skip
     eager, graph = runs[False], runs[True]
     # bf16 activations (O(3) here): a few ulps where a rounding flips and is carried through the layers (the

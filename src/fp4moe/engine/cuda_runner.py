@@ -376,19 +376,25 @@ class CudaModelRunner(ModelRunner):
 
     def _prompt_groups(self, batch: list[tuple[Sequence, int]], kv) -> list[list[int]]:
         """The step's fresh prompts (indices into ``batch``) in groups that one prefill graph each takes:
-        longest first, each group as many as fit its graph (four 522-token prompts pad to 768 rows each,
-        two per 2,048-row graph: two replays, where one group would have sent them all to the module
-        path)."""
+        longest first, prompts of one row bucket together while they fit its graph (four 522-token prompts
+        pad to 768 rows each, two per 2,048-row graph: two replays, where one group sent them all to the
+        module path), a shorter bucket in a group of its own (a 20-token prompt is not padded to a
+        1,000-token one's rows)."""
         fresh = sorted(
             (i for i, (seq, n) in enumerate(batch) if self._prompt_graph_fits(seq, n, kv)),
             key=lambda i: -batch[i][1],
         )
         groups: list[list[int]] = []
+        rows = None  # the last group's rows per prompt
         for i in fresh:
-            if groups and self.prompt_bucket([batch[j][1] for j in groups[-1]] + [batch[i][1]]) is not None:
+            alone = self.prompt_bucket([batch[i][1]])
+            if alone is None:
+                continue
+            if alone[1] == rows and self.prompt_bucket([batch[j][1] for j in groups[-1]] + [batch[i][1]]):
                 groups[-1].append(i)
-            elif self.prompt_bucket([batch[i][1]]) is not None:
+            else:
                 groups.append([i])
+                rows = alone[1]
         return groups
 
     def whole_prompts(self) -> bool:
@@ -519,7 +525,8 @@ class CudaModelRunner(ModelRunner):
         hd, kvd = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
         q, gate, k, v = m.heads(*proj.split([2 * hd, kvd, kvd], dim=-1), cos, sin)
         slots = step.t.slots[step.t.token_seq.long()]
-        dest = kv.block_table[slots, pos // page].long() * page + pos % page
+        # (padding rows may lie past the table's last page -- t > max_model_len -- and are replaced below)
+        dest = kv.block_table[slots, (pos // page).clamp(max=kv.max_pages - 1)].long() * page + pos % page
         spare = kv.block_table[self.scratch, 0].long() * page + pos % page
         dest = torch.where(valid, dest, spare)
         li = kv.index[m.layer_id]

@@ -339,7 +339,7 @@ class LLM:
         # cache's first prefill take it): fresh prompts of every length, continuing chunks of a prompt longer
         # than a step of a length divisible by 16 and of one that is not (Triton specializes on both), and
         # several prompts in a step, again of both kinds of total
-        self.runner.use_prompt_graphs = False
+        graphs, self.runner.use_prompt_graphs = self.runner.use_prompt_graphs, False
         try:
             for n in lengths:
                 self.generate([[1] * n], greedy)
@@ -349,7 +349,7 @@ class LLM:
             for lens in ((3, 6, 8), (5, 11)):
                 self.generate([[1] * n for n in lens], greedy)
         finally:
-            self.runner.use_prompt_graphs = True
+            self.runner.use_prompt_graphs = graphs
         for n in lengths:  # then fresh prompts through the prefill graphs (each captured on first use)
             self.generate([[1] * n], greedy)
         width = self.runner.max_num_seqs or 1
