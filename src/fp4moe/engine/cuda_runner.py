@@ -337,19 +337,28 @@ class CudaModelRunner(ModelRunner):
         False: the modules throughout."""
         if not self.fused_prefill:
             return super().hidden_states(ids, positions, ctx, embeds)
+        h = self.model.embed(ids) if embeds is None else embeds
+        cos, sin = self.model.rotary.cos_sin(positions, h.dtype)
+
+        def mixer(i, layer, x):
+            return layer.self_attn(x, cos, sin, ctx) if layer.is_attention else layer.linear_attn(x, ctx)
+
+        return self._layers(h, mixer)[1]
+
+    def _layers(self, h: torch.Tensor, mixer) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer walk every fused path shares: residual add + norm in one kernel, ``mixer(i, layer, x)``
+        (attention or Gated DeltaNet, as the path runs them), the fused MoE and the next layer's norm
+        (``_moe``) -> (residual stream, final-normed hidden) [rows, H] from the embeddings ``h``."""
         from fp4moe.kernels import norm
 
-        model, eps = self.model, self.args.eps
-        h = model.embed(ids) if embeds is None else embeds
-        cos, sin = model.rotary.cos_sin(positions, h.dtype)
-        layers = model.layers
-        _, x = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, eps)
+        a, layers = self.args, self.model.layers
+        _, x = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, a.eps)
         for i, layer in enumerate(layers):
-            out = layer.self_attn(x, cos, sin, ctx) if layer.is_attention else layer.linear_attn(x, ctx)
-            h, x = norm.add_rms_norm(h, out, layer.post_attention_layernorm.weight, eps)
-            next_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
+            out = mixer(i, layer, x)
+            h, x = norm.add_rms_norm(h, out, layer.post_attention_layernorm.weight, a.eps)
+            next_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
             h, x = self._moe(layer.mlp, self.fused[i][1], h, x, next_w)
-        return x
+        return h, x
 
     # ---- fresh prompts through graphs ---------------------------------------------------------------
 
@@ -362,10 +371,10 @@ class CudaModelRunner(ModelRunner):
         if not groups:
             return super().forward(batch, kv, states)
         pieces = {}
-        for group in groups:
-            prompts = [batch[i] for i in group]
-            bucket = self.prompt_bucket([n for _, n in prompts])
-            pieces |= dict(zip(group, self._run_prompt_graph(prompts, *bucket), strict=True))
+        for group, bucket in groups:
+            pieces |= dict(
+                zip(group, self._run_prompt_graph([batch[i] for i in group], *bucket), strict=True)
+            )
         rest = [i for i in range(len(batch)) if i not in pieces]
         if rest:
             hidden, spans = super().forward([batch[i] for i in rest], kv, states)
@@ -374,27 +383,30 @@ class CudaModelRunner(ModelRunner):
         ends = list(accumulate(len(p) for p in ordered))
         return torch.cat(ordered), [(e - len(p), e) for e, p in zip(ends, ordered, strict=True)]
 
-    def _prompt_groups(self, batch: list[tuple[Sequence, int]], kv) -> list[list[int]]:
+    def _prompt_groups(
+        self, batch: list[tuple[Sequence, int]], kv
+    ) -> list[tuple[list[int], tuple[int, int]]]:
         """The step's fresh prompts (indices into ``batch``) in groups that one prefill graph each takes:
         longest first, prompts of one row bucket together while they fit its graph (four 522-token prompts
         pad to 768 rows each, two per 2,048-row graph: two replays, where one group sent them all to the
         module path), a shorter bucket in a group of its own (a 20-token prompt is not padded to a
-        1,000-token one's rows)."""
+        1,000-token one's rows). Each group comes with its graph (``prompt_bucket``)."""
         fresh = sorted(
             (i for i, (seq, n) in enumerate(batch) if self._prompt_graph_fits(seq, n, kv)),
             key=lambda i: -batch[i][1],
         )
-        groups: list[list[int]] = []
-        rows = None  # the last group's rows per prompt
+        groups: list[tuple[list[int], tuple[int, int]]] = []
         for i in fresh:
             alone = self.prompt_bucket([batch[i][1]])
             if alone is None:
                 continue
-            if alone[1] == rows and self.prompt_bucket([batch[j][1] for j in groups[-1]] + [batch[i][1]]):
-                groups[-1].append(i)
+            joined = None
+            if groups and alone[1] == groups[-1][1][1]:  # the same rows per prompt as the last group
+                joined = self.prompt_bucket([batch[j][1] for j in groups[-1][0]] + [batch[i][1]])
+            if joined is not None:
+                groups[-1] = (groups[-1][0] + [i], joined)
             else:
-                groups.append([i])
-                rows = alone[1]
+                groups.append(([i], alone))
         return groups
 
     def whole_prompts(self) -> bool:
@@ -476,9 +488,7 @@ class CudaModelRunner(ModelRunner):
         after a prompt changes none of its rows, and the padding's keys/values go to the scratch page; in
         the Gated DeltaNet layers the padding has decay 1 and write strength 0, so the states after a
         prompt's last row are its final ones (stored in its slot)."""
-        from fp4moe.kernels import norm
-
-        model, a, dev = self.model, self.args, self.device
+        model, dev = self.model, self.device
         flat = self.prompt_rows[: b * t]
         seq_of, pos = flat // t, flat % t
         lens = self.prompt_len[:b]
@@ -489,19 +499,14 @@ class CudaModelRunner(ModelRunner):
             StepTensors(self.prompt_slot[:b], zero, starts.int(), starts + lens, seq_of.int(), zero, zero)
         )
         cos, sin = model.rotary.cos_sin(pos, model.embed_tokens.dtype)
-        h = model.embed(self.prompt_ids[: b * t])
-        layers = model.layers
-        _, x = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, a.eps)
-        for i, layer in enumerate(layers):
-            mix, router = self.fused[i]
+
+        def mixer(i, layer, x):
+            proj = self.fused[i][0](x)
             if layer.is_attention:
-                out = self._prompt_attention(layer.self_attn, mix(x), cos, sin, step, pos, valid, b)
-            else:
-                out = self._prompt_deltanet(layer.linear_attn, mix(x), step, valid, b)
-            h, x = norm.add_rms_norm(h, out, layer.post_attention_layernorm.weight, a.eps)
-            next_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
-            h, x = self._moe(layer.mlp, router, h, x, next_w)
-        return x
+                return self._prompt_attention(layer.self_attn, proj, cos, sin, step, pos, valid, b)
+            return self._prompt_deltanet(layer.linear_attn, proj, step, valid, b)
+
+        return self._layers(model.embed(self.prompt_ids[: b * t]), mixer)[1]
 
     def _prompt_deltanet(self, m, proj, step, valid, b: int) -> torch.Tensor:
         from fp4moe.kernels.causal_conv import causal_conv_silu_varlen
@@ -518,7 +523,6 @@ class CudaModelRunner(ModelRunner):
         return m.output(core, z)
 
     def _prompt_attention(self, m, proj, cos, sin, step, pos, valid, b: int) -> torch.Tensor:
-        from fp4moe.engine.cache import fp8_decode, fp8_encode
         from fp4moe.layers.attention import attend_fresh
 
         kv, page = self.kv, self.kv.page_size
@@ -528,16 +532,7 @@ class CudaModelRunner(ModelRunner):
         # (padding rows may lie past the table's last page -- t > max_model_len -- and are replaced below)
         dest = kv.block_table[slots, (pos // page).clamp(max=kv.max_pages - 1)].long() * page + pos % page
         spare = kv.block_table[self.scratch, 0].long() * page + pos % page
-        dest = torch.where(valid, dest, spare)
-        li = kv.index[m.layer_id]
-        kc, vc = kv.k[li].view(-1, *k.shape[1:]), kv.v[li].view(-1, *k.shape[1:])
-        if kv.fp8:  # the layer's scales as the graph reads them: set in place by the first prefill
-            ks, vs = kv.scale_t[li, 0], kv.scale_t[li, 1]
-            kq, vq = fp8_encode(k, ks), fp8_encode(v, vs)
-            kc[dest], vc[dest] = kq, vq
-            k, v = fp8_decode(kq, ks, k.dtype), fp8_decode(vq, vs, v.dtype)
-        else:
-            kc[dest], vc[dest] = k, v
+        k, v = kv.store(m.layer_id, torch.where(valid, dest, spare), k, v)
         return m.output(attend_fresh(q, k, v, b), gate)
 
     # ---- fused decode -------------------------------------------------------------------------------
@@ -647,32 +642,24 @@ class CudaModelRunner(ModelRunner):
         speculative verification): attention rows see the keys of the rows before them, the Gated DeltaNet
         kernel walks them in order and leaves its states in ``self.history`` instead of the slots."""
         from fp4moe.kernels import gdn_decode as gdn_k
-        from fp4moe.kernels import norm
 
-        model, a, st = self.model, self.args, self.states
+        model, st = self.model, self.states
         geometry = self._row_geometry(pos, slots)
         cos, sin = model.rotary.cos_sin(rope, model.embed_tokens.dtype)
-        h = model.embed_tokens[ids]
-        layers = model.layers
-        _, x = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, a.eps)
-        for i, layer in enumerate(layers):
-            mix, router = self.fused[i]
-            proj = mix(x)
+
+        def mixer(i, layer, x):
+            proj = self.fused[i][0](x)
             if layer.is_attention:
-                out = self._attention(layer.self_attn, i, proj, cos, sin, geometry)
-            else:
-                m = layer.linear_attn
-                gi = st.index[i]
-                core = gdn_k.gdn_decode(
-                    proj, m.conv1d_weight.view(m.conv_dim, -1), st.ring[gi], st.rec[gi], slots, pos,
-                    m.A_log, m.dt_bias, m.norm_weight, m.eps, (m.num_k_heads, m.num_v_heads, m.k_dim, m.v_dim),
-                    tokens_per_seq=tokens_per_seq, history=None if tokens_per_seq == 1 else self.history[gi],
-                )  # fmt: skip
-                out = m.out_proj(core)
-            h, x = norm.add_rms_norm(h, out, layer.post_attention_layernorm.weight, a.eps)
-            next_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
-            h, x = self._moe(layer.mlp, router, h, x, next_w)
-        return h, x
+                return self._attention(layer.self_attn, i, proj, cos, sin, geometry)
+            m, gi = layer.linear_attn, st.index[i]
+            core = gdn_k.gdn_decode(
+                proj, m.conv1d_weight.view(m.conv_dim, -1), st.ring[gi], st.rec[gi], slots, pos,
+                m.A_log, m.dt_bias, m.norm_weight, m.eps, (m.num_k_heads, m.num_v_heads, m.k_dim, m.v_dim),
+                tokens_per_seq=tokens_per_seq, history=None if tokens_per_seq == 1 else self.history[gi],
+            )  # fmt: skip
+            return m.out_proj(core)
+
+        return self._layers(model.embed_tokens[ids], mixer)
 
     def mtp_rows(self, ids, hidden, pos, slots, rope, keep=None) -> torch.Tensor:
         """The MTP head over rows: token ``ids`` after each row's target (or own) final-normed ``hidden`` at

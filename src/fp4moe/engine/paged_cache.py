@@ -121,16 +121,11 @@ class PagedKVCache:
         seq = t.token_seq.long()
         pos = t.cached[seq] + torch.arange(k.shape[0], device=self.device) - t.starts[seq]
         rows = self.block_table[t.slots[seq], pos // page].long() * page + pos % page
-        kc, vc = self.k[i].view(-1, *k.shape[1:]), self.v[i].view(-1, *k.shape[1:])
         if self.fp8:
             a, b = spans[0]
             self._set_scales(layer, k[a:b], v[a:b])  # from the first sequence's rows, as append sets them
-            ks, vs = self.scales[layer]
-            kq, vq = fp8_encode(k, ks), fp8_encode(v, vs)
-            kc[rows], vc[rows] = kq, vq
-            k, v = fp8_decode(kq, ks, k.dtype), fp8_decode(vq, vs, v.dtype)
-        else:
-            kc[rows], vc[rows] = k, v
+        k, v = self.store(layer, rows, k, v)
+        kc, vc = self.k[i].view(-1, *k.shape[1:]), self.v[i].view(-1, *k.shape[1:])
         out = []
         for slot, cached, n, (a, b) in zip(ctx.slots, ctx.cached_lens, ctx.query_lens, spans, strict=True):
             self._len[(layer, slot)] = cached + n
@@ -144,6 +139,22 @@ class PagedKVCache:
             else:
                 out.append((kc[whole], vc[whole]))
         return out
+
+    def store(
+        self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v [n, Hkv, D] at flat page rows (page * page_size + offset) of a layer -> the k/v as
+        stored (through fp8 and back for an fp8 cache, with the layer's scales read from ``scale_t``, which
+        ``_set_scales`` fills in place: the tensor CUDA graphs read). Device work only."""
+        i = self.index[layer]
+        kc, vc = self.k[i].view(-1, *k.shape[1:]), self.v[i].view(-1, *k.shape[1:])
+        if not self.fp8:
+            kc[rows], vc[rows] = k, v
+            return k, v
+        ks, vs = self.scale_t[i, 0], self.scale_t[i, 1]
+        kq, vq = fp8_encode(k, ks), fp8_encode(v, vs)
+        kc[rows], vc[rows] = kq, vq
+        return fp8_decode(kq, ks, k.dtype), fp8_decode(vq, vs, v.dtype)
 
     def advance(self, slot: int, length: int, layers=None) -> None:
         """After a fused step wrote position length-1 of every layer (or of ``layers``)."""
