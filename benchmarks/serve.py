@@ -10,7 +10,8 @@ client, beside the engine's own decode-step rate and offline ``LLM.generate`` on
    random MTP head, whose drafts are all but never accepted). Its start-up time is recorded.
 2. ``fp4moe bench``'s client (streaming /v1/completions, usage from the server) runs the reference card's sweep:
    pp 512, tg 128 at concurrency ``--concurrency`` (1 4 8 16 32 48 64), then pp 8192 tg 128 at 1, and with
-   ``--sglang`` SGLang's shape (pp 8192, tg 1024 at 1 and 16). ``--profile C``: py-spy samples the server
+   ``--sglang`` SGLang's shape (pp 8192, tg 1024 at 1 and 16), with ``--decode-rows`` the decode-dominated
+   shape (pp 128, tg 1024) at every concurrency. ``--profile C``: py-spy samples the server
    process (all threads, 100 Hz) during the sweep's round at concurrency C; the top functions by own and
    inclusive samples go into the result. Before the server stops, its count of Triton kernels compiled
    after the warm-up (``/metrics``; each one a request that waited for the compiler) is recorded.
@@ -43,6 +44,7 @@ import httpx
 import torch
 
 HERE = Path(__file__).parent
+DECODE_SHAPE = (128, 1024)  # the issue's decode-dominated target shape (pp, tg)
 SPEC = {"off": ("0", None), "forced": ("2", "0.8"), "rejected": ("2", None)}
 
 
@@ -252,6 +254,11 @@ def main() -> int:
     p.add_argument("--tg", type=int, default=128)
     p.add_argument("--long-pp", type=int, default=8192, help="the single-stream long-prompt row (0: none)")
     p.add_argument("--sglang", action="store_true", help="also pp 8192 / tg 1024 at concurrency 1 and 16")
+    p.add_argument(
+        "--decode-rows", action="store_true",
+        help="also the decode-dominated shape (pp 128, tg 1024) at every --concurrency; --profile then samples "
+        "that shape's round (the serving path's cost per step, beside the engine's step)",
+    )  # fmt: skip
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--profile", type=int, default=None, help="py-spy the server at this concurrency")
     p.add_argument("--engine-rate", action="store_true", help="the engine's decode step at the same batches")
@@ -278,8 +285,14 @@ def main() -> int:
         log(f"  started in {startup:.1f} s")
         try:
             rows, profile = bench(
-                port, args.pp, args.tg, args.concurrency, args.runs, args.profile, proc.pid, args.out
-            )
+                port, args.pp, args.tg, args.concurrency, args.runs,
+                None if args.decode_rows else args.profile, proc.pid, args.out,
+            )  # fmt: skip
+            if args.decode_rows:
+                decode_rows, profile = bench(
+                    port, *DECODE_SHAPE, args.concurrency, args.runs, args.profile, proc.pid, args.out
+                )
+                rows += decode_rows
             if args.long_pp:
                 rows += bench(port, args.long_pp, args.tg, [1], args.runs, None, proc.pid, args.out)[0]
             if args.sglang:
@@ -314,7 +327,11 @@ def table(result: dict) -> None:
         for r in rows:
             c, tps = r["concurrency"], r["aggregate_tps_median"]
             same_shape = r["pp"] == result.get("pp", 512) and r["tg"] == result.get("tg", 128)
-            e, o = engine.get(c) if same_shape else None, offline_rows.get(c) if same_shape else None
+            # the engine's step at context pp + tg / 2 stands for both the card's and the decode shape's
+            # decode (576 vs 640 tokens of context: the step's cost barely moves)
+            decode_shape = (r["pp"], r["tg"]) == DECODE_SHAPE
+            e = engine.get(c) if same_shape or decode_shape else None
+            o = offline_rows.get(c) if same_shape else None
             cells = [spec, r["pp"], r["tg"], c, f"{tps:.0f}", f"{r['decode_tps_per_request_median']:.1f}",
                      f"{r['ttft_s_median'] * 1e3:.0f}", f"{r['spec_acceptance_rate']:.1%}" if "spec_acceptance_rate" in r else "-",
                      f"{e['engine_tok_s']:.0f}" if e else "-", f"{tps / e['engine_tok_s']:.2f}" if e else "-",
