@@ -368,6 +368,14 @@ def _add_engine_options(p, max_num_seqs: int, max_num_batched_tokens: int) -> No
         help="KV budget in tokens (default: what the cache holds in GPU memory, 2^20 on the CPU); beyond it "
         "sequences are preempted and recomputed",
     )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on the GPU: launch each decode-only step before the previous step's tokens are read back, so "
+        "detokenizing, stop checks and scheduling overlap the GPU's work (vLLM V1's async scheduling; a "
+        "sequence that ends on a token runs one extra row). Off: one step at a time (default on)",
+    )
     p.add_argument("--num-speculative-tokens", type=_spec_tokens, default="auto", help=SPEC_HELP)
     p.add_argument(
         "--speculative-disable-by-batch-size",
@@ -416,6 +424,7 @@ def engine_config(args):
         max_cached_tokens=args.max_cached_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         load_format=args.load_format,
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -8,6 +8,8 @@ ends that sequence's comparison, and each check says how many tokens it compared
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -397,7 +399,9 @@ def test_top_p_sequences_decode_plainly_next_to_speculating_ones(checkpoints):
     greedy_ref = LLM(path, dtype="bfloat16", device="cpu").generate(
         prompts[:1], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
     )
-    plain = LLM(path, dtype="bfloat16", device=DEV)
+    # synchronous steps: every sampling goes through sample_all, which records the logits (async scheduling
+    # samples decode-only steps on the device, past it)
+    plain = LLM(path, dtype="bfloat16", device=DEV, async_scheduling=False)
     if DEV == "cpu":
         _fused(plain)
     sampled_logits = {}  # run -> the top-p sequence's logits per step, as its sampler saw them
@@ -693,3 +697,82 @@ def test_no_kernel_is_compiled_after_the_warm_up(checkpoints):
         ]  # fmt: skip
         llm.generate(prompts, params)
     assert compiles.after_mark() == {}
+
+
+def test_async_scheduling_overlaps_decode_steps_and_keeps_the_tokens(checkpoints):
+    """Async scheduling (``EngineCore.step``): decode-only steps launch before the previous step's tokens
+    are read back, their inputs the device's sampled ids. Greedy tokens are the synchronous schedule's on
+    the same runner (up to near ties: a wasted row changes a step's batch); a sequence that a stop token ends while its next row is already in flight gets no extra
+    token; lengths hold for sampled (seeded) and penalized sequences (which keep steps synchronous while
+    they run); an arrival and an abort mid-chain fall back to the synchronous schedule; every page comes
+    back."""
+    from types import SimpleNamespace
+
+    from fp4moe.engine.core import EngineCore
+    from fp4moe.engine.scheduler import SchedulerConfig
+    from fp4moe.engine.sequence import FinishReason
+
+    path = checkpoints.bf16()
+    prompts = [[5, 17, 300, 2, 9], list(range(40, 70)), [7, 8], [11, 12, 13]]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    llm = LLM(path, dtype="bfloat16", device=DEV, async_scheduling=False)  # the reference: one step at a time
+    if DEV == "cpu":
+        _fused(llm)
+    first = llm.generate([{"prompt_token_ids": prompts[1]}], greedy)[0].outputs[0].token_ids
+    stop_token = first[2]
+    ref_params = [greedy, SamplingParams(**{**vars(greedy), "stop_token_ids": [stop_token]}),
+                  SamplingParams(**{**vars(greedy), "max_tokens": 3})]  # fmt: skip
+    ref = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], ref_params)
+    core = EngineCore(llm, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), async_scheduling=True)
+    params = [SamplingParams(**{**vars(p), "logprobs": None}) for p in ref_params] + [
+        SamplingParams(max_tokens=6, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
+    ]
+    seqs = [
+        core.make_sequences({"prompt_token_ids": p}, q)[0]
+        for p, q in zip(prompts[:3], params[:3], strict=True)
+    ]
+    sampled = core.make_sequences({"prompt_token_ids": prompts[3]}, params[3])[0]
+    penalized = core.make_sequences({"prompt_token_ids": [3, 3, 4]}, params[4])[0]
+    core.add(seqs + [penalized])
+    tokens = collections.Counter()  # tokens handed out per sequence
+
+    def step():
+        for out in core.step():
+            tokens[id(out.seq)] += out.new_tokens
+
+    for _ in range(200):  # the penalized sequence keeps every step synchronous until it ends
+        if penalized.finished:
+            break
+        assert core.stats.async_steps == 0
+        step()
+    step()
+    step()
+    assert core.stats.async_steps >= 1  # the chain started
+    core.add([sampled])  # an arrival mid-chain: the step in flight completes, the prompt is scheduled
+    for _ in range(200):
+        if not core.has_work():
+            break
+        step()
+    assert core.stats.async_steps >= 4
+    got = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=s.output_ids, logprobs=None)]) for s in seqs]
+    _agree(ref, got)
+    # the stop token ended it while its next row was in flight: nothing after the stop token
+    assert stop_token not in seqs[1].output_ids[:-1]
+    assert seqs[1].finish_reason == FinishReason.STOP or len(seqs[1].output_ids) == 8  # (or a near tie)
+    for s in seqs + [sampled, penalized]:
+        assert tokens[id(s)] == len(s.output_ids)  # every token handed out once, no wasted row's token
+    assert [len(s.output_ids) for s in (seqs[0], seqs[2], sampled, penalized)] == [8, 3, 6, 4]
+    assert _all_pages_back(llm.runner)
+
+    # an abort while a step is in flight: the sequence gets nothing more, its caches come back
+    a, b = (core.make_sequences({"prompt_token_ids": p}, params[0])[0] for p in prompts[:2])
+    core.add([a, b])
+    while core.stats.async_steps < 8 or core._inflight is None:
+        step()
+    before = len(a.output_ids)
+    core.abort(a)
+    while core.has_work():
+        step()
+    assert len(a.output_ids) == before and len(b.output_ids) == 8 and tokens[id(b)] == 8
+    assert _all_pages_back(llm.runner)

@@ -8,6 +8,7 @@ from itertools import accumulate
 import torch
 
 from fp4moe.engine.cache import DeltaNetStates, KVCache
+from fp4moe.engine.transfer import upload
 
 
 @dataclass
@@ -51,9 +52,7 @@ class StepContext:
                 torch.tensor(self.slots, dtype=torch.long), torch.tensor(self.cached_lens, dtype=torch.long), cu,
                 torch.repeat_interleave(torch.arange(n), lens),
             ])  # fmt: skip
-            if device.type == "cuda":
-                host = host.pin_memory()
-            dev = host.to(device, non_blocking=True)
+            dev = upload(host, device)
             slots, cached, cu_dev, token_seq = dev.split([n, n, n + 1, int(cu[-1])])
             self._tensors[device] = StepTensors(
                 slots, cached, cu_dev[:-1].int(), cu_dev[1:], token_seq.int(), cu_dev, cu
@@ -67,8 +66,5 @@ class StepContext:
         key = (torch.device(device), chunk)
         if key not in self._tensors:
             pairs = [(i, j) for i, n in enumerate(self.query_lens) for j in range(-(-n // chunk))]
-            host = torch.tensor(pairs, dtype=torch.long).view(-1, 2)
-            if key[0].type == "cuda":
-                host = host.pin_memory()
-            self._tensors[key] = host.to(key[0], non_blocking=True)
+            self._tensors[key] = upload(torch.tensor(pairs, dtype=torch.long).view(-1, 2), key[0])
         return self._tensors[key]

@@ -15,10 +15,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from fp4moe.engine.prefix_cache import PrefixCache
-from fp4moe.engine.sampler import SamplingParams
+from fp4moe.engine.sampler import SampleResult, SamplingParams, sample_tokens
 from fp4moe.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from fp4moe.engine.sequence import Sequence
+from fp4moe.engine.transfer import Readback, to_device
 
 if TYPE_CHECKING:
     from fp4moe.engine.llm import LLM
@@ -46,6 +49,7 @@ class EngineStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     steps: int = 0
+    async_steps: int = 0  # decode steps launched before the previous step's tokens were on the host
     # latency samples, drained by the metrics collector (bounded: unscraped samples are dropped)
     ttft: deque = field(default_factory=lambda: deque(maxlen=100_000))
     itl: deque = field(default_factory=lambda: deque(maxlen=100_000))
@@ -53,8 +57,16 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, llm: LLM, config: SchedulerConfig, prefix_cache: PrefixCache | None = None):
+    def __init__(
+        self,
+        llm: LLM,
+        config: SchedulerConfig,
+        prefix_cache: PrefixCache | None = None,
+        async_scheduling: bool = True,
+    ):
         self.llm = llm
+        self.async_scheduling = async_scheduling  # decode steps launched ahead of their read-back (``step``)
+        self._inflight: _InFlight | None = None
         self.prefix_cache = prefix_cache
         self.scheduler = Scheduler(config)
         self.kv, self.states = llm.runner.new_caches()
@@ -103,7 +115,25 @@ class EngineCore:
     def _spec_batch(self, batch) -> list[Sequence]:
         return run_spec_batch(self, batch)
 
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self._inflight is not None
+
+    def discard_inflight(self) -> None:
+        """Forget the step in flight (its sequences were aborted; the GPU finishes it on its own)."""
+        self._inflight = None
+
     def step(self) -> list[StepOutput]:
+        """One engine step: schedule, run, sample, hand out the new tokens. With async scheduling a
+        decode-only step is launched and its tokens are read back by the next ``step``, after that one has
+        launched its own step on the GPU: the host's per-step work (detokenizing, stop checks, the
+        scheduler, the next step's inputs) runs while the GPU computes, as in vLLM V1's async scheduling."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            ahead = self._ahead(prev)
+            if ahead:
+                self.stats.steps += 1
+                self._inflight = self._launch(ahead, prev)
+            return self._complete(prev)
         batch = self.scheduler.schedule(self._release, self._on_admit)
         outputs = [
             StepOutput(seq, seq.output_ids[-1] if seq.output_ids else -1, "", True, new_tokens=0)
@@ -113,6 +143,9 @@ class EngineCore:
         if not batch:
             return outputs
         self.stats.steps += 1
+        if self._overlappable(batch):
+            self._inflight = self._launch([seq for seq, _ in batch], None)
+            return outputs
         spec = self.llm.speculator
         if spec is None:
             results = self.llm.runner.run(batch, self.kv, self.states)
@@ -131,6 +164,78 @@ class EngineCore:
                     )
                     seq.stop_at = 0
         self.llm.sample_all(results)
+        return outputs + self._emit(progressed)
+
+    # ---- async scheduling ---------------------------------------------------------------------------
+
+    def _overlappable(self, batch: list[tuple[Sequence, int]]) -> bool:
+        """Whether a scheduled batch may run ahead of its tokens' read-back: decodes only, through the
+        runner's fused step, sampled on the device from what is known before the tokens come back (no
+        penalties, which read the history; no logprobs, read back with the token)."""
+        return (
+            self.async_scheduling
+            and self.llm.speculator is None
+            and self.llm.runner.fusable_decode(batch, self.kv)
+            and all(not s.params.penalized and s.params.logprobs is None for s, _ in batch)
+        )
+
+    def _ahead(self, prev: _InFlight) -> list[Sequence]:
+        """The sequences of the step in flight that decode again before its tokens reach the host: every
+        running sequence must be one of them and nothing may wait (an arrival or a preempted sequence gets
+        the synchronous schedule), and those that the in-flight token ends by length are left out. A
+        sequence the in-flight token ends otherwise (EOS, a stop string) runs one wasted row."""
+        sched = self.scheduler
+        if sched.waiting or not self.async_scheduling:
+            return []
+        rows = {id(s) for s in prev.seqs}
+        if any(id(s) not in rows for s in sched.running):
+            return []
+        running = {id(s) for s in sched.running}
+        limit = self.llm.max_model_len
+        ahead = [
+            s
+            for s in prev.seqs
+            if id(s) in running
+            and len(s.output_ids) + 1 < s.params.max_tokens
+            and s.num_tokens + 1 < limit
+            and s.num_cached == s.num_tokens  # its one token in flight, cached by the step that follows
+        ]
+        if sched.reserved_tokens() + 2 * len(ahead) > sched.config.max_cached_tokens:
+            return []  # the cache may not hold them: the synchronous schedule preempts
+        return ahead
+
+    def _launch(self, seqs: list[Sequence], prev: _InFlight | None) -> _InFlight:
+        """Run the fused decode step for ``seqs`` and sample on the device; the ids start their way to the
+        host. ``prev``: the step in flight, whose (device) tokens are this step's inputs."""
+        tokens = None
+        if prev is not None:
+            index = [prev.row[id(s)] for s in seqs]
+            tokens = (
+                prev.tokens[: len(seqs)]
+                if index == list(range(len(seqs)))
+                else prev.tokens.index_select(0, to_device(index, torch.long, prev.tokens.device))
+            )
+        logits, _ = self.llm.runner.decode_step(seqs, keep_hidden=False, host=False, tokens=tokens)
+        sampled = sample_tokens(logits, [s.sample_row() for s in seqs])
+        self.stats.async_steps += 1
+        return _InFlight(seqs, sampled, Readback(sampled), {id(s): i for i, s in enumerate(seqs)})
+
+    def _complete(self, prev: _InFlight) -> list[StepOutput]:
+        """The in-flight step's tokens, now on the host, appended as a synchronous step's would be; rows of
+        sequences that ended (or were aborted) meanwhile are dropped."""
+        running = {id(s) for s in self.scheduler.running}
+        progressed = []
+        for seq, token in zip(prev.seqs, prev.readback.tolist(), strict=True):
+            if id(seq) not in running or seq.finished:
+                continue
+            self.llm._accept(seq, SampleResult(token))
+            seq.new_tokens = 1
+            progressed.append(seq)
+        return self._emit(progressed)
+
+    def _emit(self, progressed: list[Sequence]) -> list[StepOutput]:
+        """Step outputs of the sequences that got tokens (timings, finished sequences released)."""
+        outputs = []
         for seq in progressed:
             now = time.monotonic()
             if seq.last_token_time is None:
@@ -148,6 +253,16 @@ class EngineCore:
                 self.stats.finished_requests += 1
                 self.stats.e2e.append(now - seq.arrival)
         return outputs
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched on the GPU whose tokens are not on the host yet (async scheduling)."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [b] the sampled ids on the device: the next step's inputs
+    readback: Readback  # the same ids on their way to the host
+    row: dict[int, int]  # id(sequence) -> its row
 
 
 def run_spec_batch(core: EngineCore, batch) -> list[Sequence]:
@@ -259,7 +374,7 @@ class AsyncEngine:
         while not self._stop:
             with self._lock:
                 self._drain_inbox()
-                busy = self.core.scheduler.has_work()
+                busy = self.core.has_work()
                 try:
                     outputs = self.core.step() if busy else []
                 except Exception as e:  # one bad step must not take the server down: fail what was running
@@ -267,6 +382,7 @@ class AsyncEngine:
                     failed = list(self.core.scheduler.running)
                     for seq in failed:
                         self.core.abort(seq)
+                    self.core.discard_inflight()
                     outputs = [
                         StepOutput(seq, -1, "", True, error=f"{type(e).__name__}: {e}") for seq in failed
                     ]
@@ -292,7 +408,7 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Finish in-flight requests (up to ``timeout`` seconds), then stop the thread."""
         deadline = time.monotonic() + timeout
-        while self._thread.is_alive() and self.core.scheduler.has_work() and time.monotonic() < deadline:
+        while self._thread.is_alive() and self.core.has_work() and time.monotonic() < deadline:
             time.sleep(0.02)
         with self._lock:
             for seq in list(self.core.scheduler.running) + list(self.core.scheduler.waiting):

@@ -32,6 +32,7 @@ from fp4moe.engine.context import StepTensors
 from fp4moe.engine.model_runner import ModelRunner
 from fp4moe.engine.paged_cache import PagedKVCache, SlotStates
 from fp4moe.engine.sequence import Sequence
+from fp4moe.engine.transfer import upload
 from fp4moe.layers.rope import Rotary
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -312,16 +313,24 @@ class CudaModelRunner(ModelRunner):
         return done + [(s, logits[i]) for i, (s, _) in enumerate(decode)]
 
     @torch.no_grad()
-    def decode_step(self, seqs: list[Sequence], keep_hidden: bool = True, host: bool = True):
+    def decode_step(
+        self,
+        seqs: list[Sequence],
+        keep_hidden: bool = True,
+        host: bool = True,
+        tokens: torch.Tensor | None = None,
+    ):
         """The fused step for ``seqs`` (each decoding its next token; ``fusable_decode`` holds) -> (logits
         [b, V] fp32 on the host (``host`` False: bf16 on the device, a copy), final-normed hidden states [b, H]
-        on the device -- a copy: the MTP head's inputs -- or None)."""
+        on the device -- a copy: the MTP head's inputs -- or None). ``tokens`` [b] on the device: the tokens
+        at the sequences' ``num_cached`` positions, sampled by the step before and not yet on the host (the
+        engine's async scheduling); None: read from the sequences."""
         rope = None  # rotary positions are the cache positions unless a prompt held images
         if any(s.prompt_positions is not None for s in seqs):
             rope = torch.cat([s.positions(s.num_cached, s.num_cached + 1) for s in seqs], dim=1)
-        logits = self.decode_logits(
-            [s.slot for s in seqs], [s.token(s.num_cached) for s in seqs], [s.num_cached for s in seqs], rope
-        )
+        if tokens is None:
+            tokens = [s.token(s.num_cached) for s in seqs]
+        logits = self.decode_logits([s.slot for s in seqs], tokens, [s.num_cached for s in seqs], rope)
         hidden = self.last_hidden.clone() if keep_hidden else None
         for s in seqs:
             s.num_cached += 1
@@ -447,9 +456,7 @@ class CudaModelRunner(ModelRunner):
         for i, (seq, n) in enumerate(batch):
             host[i * t : i * t + n] = torch.tensor(seq.tokens(0, n))
             host[b * t + i], host[b * t + b + i] = n, seq.slot
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
+        dev = upload(host, self.device)
         self.prompt_ids[: b * t].copy_(dev[: b * t])
         self.prompt_len[:b].copy_(dev[b * t : b * t + b])
         self.prompt_slot[:b].copy_(dev[b * t + b :])
@@ -574,9 +581,7 @@ class CudaModelRunner(ModelRunner):
         if not isinstance(tokens, torch.Tensor):
             host[2, :b] = torch.tensor(tokens)
         host[3:, :b] = host[1, :b] if rope_positions is None else torch.as_tensor(rope_positions)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
+        dev = upload(host, self.device)
         self.buf_slots.copy_(dev[0])
         self.buf_pos.copy_(dev[1])
         self.buf_ids.copy_(dev[2])

@@ -21,7 +21,7 @@ from fp4moe.engine.config import EngineConfig
 from fp4moe.engine.core import EngineCore, StepOutput
 from fp4moe.engine.loader import load_model
 from fp4moe.engine.model_runner import ModelRunner
-from fp4moe.engine.sampler import SampleResult, SampleRow, SamplingParams, sample_batch
+from fp4moe.engine.sampler import SampleResult, SamplingParams, sample_batch
 from fp4moe.engine.scheduler import SchedulerConfig
 from fp4moe.engine.sequence import FinishReason, Sequence
 
@@ -44,10 +44,6 @@ class RequestOutput:
 
 class PromptError(ValueError):
     pass
-
-
-def _row(seq: Sequence) -> SampleRow:
-    return SampleRow(seq.params, seq.prompt_ids, seq.output_ids, seq.generator)
 
 
 # num_speculative_tokens="auto" on the GPU engine with an MTP head (H200, full-size shapes: 1.32x at batch 1
@@ -255,7 +251,7 @@ class LLM:
             slots, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill, max_waiting, self.max_cached_tokens,
             whole_prompts=self.runner.whole_prompts(),
         )  # fmt: skip
-        return EngineCore(self, limits, prefix_cache)
+        return EngineCore(self, limits, prefix_cache, cfg.async_scheduling)
 
     def sample_all(self, results: list[tuple[Sequence, torch.Tensor]]) -> None:
         """Sample a token for each (sequence, logits [V], on the host or the device): one ``sample_batch``
@@ -264,7 +260,9 @@ class LLM:
         for device in {x.device for _, x in results}:
             rows = [(s, x) for s, x in results if x.device == device]
             logits = torch.stack([x for _, x in rows])
-            for (seq, _), result in zip(rows, sample_batch(logits, [_row(s) for s, _ in rows]), strict=True):
+            for (seq, _), result in zip(
+                rows, sample_batch(logits, [s.sample_row() for s, _ in rows]), strict=True
+            ):
                 self._accept(seq, result)
 
     def _accept(self, seq: Sequence, result: SampleResult) -> None:
@@ -282,12 +280,13 @@ class LLM:
             seq.arrival = now
         core.add(seqs)
         try:
-            while core.scheduler.has_work():
+            while core.has_work():
                 yield core.step()
         finally:  # everything the scheduler still holds, finished or not: a step that raised after marking a
             # sequence finished never released its slot, and the GPU runner's caches outlive this core
             for seq in list(core.scheduler.running) + list(core.scheduler.waiting):
                 core.abort(seq)
+            core.discard_inflight()
 
     def _make_sequences(
         self, prompts, params: list[SamplingParams]

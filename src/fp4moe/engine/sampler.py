@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fp4moe.engine.transfer import to_device, upload
+
 SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's rule: dividing by it would overflow)
 
 
@@ -175,30 +177,9 @@ class SampleRow:
 def sample_batch(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[SampleResult]:
     """One token for each row of ``logits`` [B, V] (on any device), ``sample``'s semantics, batched."""
     raw = logits.float()
-    device, vocab = raw.device, raw.shape[-1]
-    params = [r.params for r in rows]
-    penalized = [i for i, p in enumerate(params) if p.penalized]
-    x = _finite(_penalize(raw.clone(), rows, penalized) if penalized else raw)
-    tokens = torch.empty(len(rows), dtype=torch.long, device=device)
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    drawn = [i for i, p in enumerate(params) if not p.greedy]
-    if len(greedy) == len(rows):
-        tokens = x.argmax(-1)
-    elif greedy:
-        g = torch.tensor(greedy, device=device)
-        tokens[g] = x[g].argmax(-1)
-    if drawn:
-        d = torch.tensor(drawn, device=device)
-        temperature = (
-            torch.tensor([params[i].temperature for i in drawn], dtype=torch.float64).float().to(device)
-        )
-        probs = _finite(_filter_rows(x[d] / temperature[:, None], [params[i] for i in drawn])).softmax(-1)
-        q = torch.empty_like(probs).exponential_()
-        for j, i in enumerate(drawn):
-            if rows[i].generator is not None:  # seeded: its own noise, drawn on the host
-                q[j] = torch.empty(vocab).exponential_(generator=rows[i].generator).to(device)
-        tokens[d] = (probs / q).argmax(-1)
+    tokens = sample_tokens(raw, rows)
     ids = tokens.tolist()
+    params, device = [r.params for r in rows], raw.device
     out = [SampleResult(t) for t in ids]
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not want:
@@ -214,6 +195,34 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample
         top_dict = dict(zip(indices[j][:n], values[j][:n], strict=True)) if n else {}
         out[i] = SampleResult(ids[i], chosen[j], top_dict)
     return out
+
+
+def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """The ids ``sample_batch`` draws, left on the logits' device [B] (no read-back, and no copy that waits
+    for the GPU: the engine's async scheduling samples a step while the GPU may still run the one before).
+    Rows with penalties read their history (``output_ids``) now, so it must be complete."""
+    raw = logits.float()
+    device, vocab = raw.device, raw.shape[-1]
+    params = [r.params for r in rows]
+    penalized = [i for i, p in enumerate(params) if p.penalized]
+    x = _finite(_penalize(raw.clone(), rows, penalized) if penalized else raw)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=device)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if len(greedy) == len(rows):
+        return x.argmax(-1)
+    if greedy:
+        g = to_device(greedy, torch.long, device)
+        tokens[g] = x[g].argmax(-1)
+    d = to_device(drawn, torch.long, device)
+    temperature = to_device([params[i].temperature for i in drawn], torch.float64, device).float()
+    probs = _finite(_filter_rows(x[d] / temperature[:, None], [params[i] for i in drawn])).softmax(-1)
+    q = torch.empty_like(probs).exponential_()
+    for j, i in enumerate(drawn):
+        if rows[i].generator is not None:  # seeded: its own noise, drawn on the host
+            q[j] = upload(torch.empty(vocab).exponential_(generator=rows[i].generator), device)
+    tokens[d] = (probs / q).argmax(-1)
+    return tokens
 
 
 def _penalize(x: torch.Tensor, rows: Sequence[SampleRow], which: list[int]) -> torch.Tensor:
@@ -256,20 +265,20 @@ def _filter_rows(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     min_p = [p.min_p for p in params]
     if any(min_p):
         probs = x.softmax(-1)
-        floor = torch.tensor(min_p, device=device)[:, None] * probs.amax(-1, keepdim=True)
+        floor = to_device(min_p, torch.float32, device)[:, None] * probs.amax(-1, keepdim=True)
         x = x.masked_fill(probs < floor, inf)  # a row with min_p 0 drops nothing: no prob is below 0
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
-        k = torch.tensor(top_k, device=device)
+        k = to_device(top_k, torch.long, device)
         values = torch.topk(x, max(top_k)).values
         kth = values.gather(1, (k - 1).clamp(min=0)[:, None])
         x = x.masked_fill((x < kth) & (k > 0)[:, None], inf)
     top_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if top_p:
-        rows = torch.tensor(top_p, device=device)
+        rows = to_device(top_p, torch.long, device)
         sorted_x, order = torch.sort(x[rows], descending=True)
         probs = sorted_x.softmax(-1)
-        p = torch.tensor([params[i].top_p for i in top_p], device=device)[:, None]
+        p = to_device([params[i].top_p for i in top_p], torch.float32, device)[:, None]
         drop = (probs.cumsum(-1) - probs) >= p
         drop[:, 0] = False
         x[rows] = x[rows].masked_fill(torch.zeros_like(drop).scatter(1, order, drop), inf)

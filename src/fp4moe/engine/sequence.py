@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp4moe.engine.sampler import SampleResult, SamplingParams
+from fp4moe.engine.sampler import SampleResult, SampleRow, SamplingParams
 
 MAX_WINDOW = 16  # tokens an incremental decode may span before the whole text is decoded instead
 
@@ -58,6 +58,10 @@ class Sequence:
     def __post_init__(self):
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def sample_row(self) -> SampleRow:
+        """What the batched sampler needs of this sequence."""
+        return SampleRow(self.params, self.prompt_ids, self.output_ids, self.generator)
 
     @property
     def finished(self) -> bool:
