@@ -163,17 +163,20 @@ def bench(
     return rows, profile
 
 
-def compiles_after_warmup(port: int) -> dict[str, int]:
-    """The server's ``fp4moe:kernel_compiles_after_warmup`` counters by kernel (each one a request that
-    waited for Triton's compiler)."""
+def server_counters(port: int) -> dict:
+    """From the server's ``/metrics``: its ``fp4moe:kernel_compiles_after_warmup`` counters by kernel (each
+    one a request that waited for Triton's compiler), and its engine steps, all and async-scheduled."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    out = {}
+    compiles, steps = {}, {}
     for line in text.splitlines():
+        labels, _, value = line.rpartition(" ")
         if line.startswith("fp4moe:kernel_compiles_after_warmup_total{"):
-            labels, _, value = line.rpartition(" ")
             kernel = labels.split('kernel="', 1)[1].split('"', 1)[0]
-            out[kernel] = int(float(value))
-    return out
+            compiles[kernel] = int(float(value))
+        for name in ("engine_steps", "engine_async_steps"):
+            if line.startswith(f"fp4moe:{name}_total{{"):
+                steps[name] = int(float(value))
+    return {"compiles_after_warmup": compiles, **steps}
 
 
 def top_functions(raw: Path, top: int = 30) -> dict:
@@ -297,12 +300,14 @@ def main() -> int:
                 rows += bench(port, args.long_pp, args.tg, [1], args.runs, None, proc.pid, args.out)[0]
             if args.sglang:
                 rows += bench(port, 8192, 1024, [1, 16], 1, None, proc.pid, args.out)[0]
-            compiled = compiles_after_warmup(port) if args.engine == "fp4moe" else {}
+            counters = server_counters(port) if args.engine == "fp4moe" else {"compiles_after_warmup": {}}
         finally:
             stop_server(proc)
         result["served"][spec] = rows
+        compiled = counters.pop("compiles_after_warmup")
         result.setdefault("compiles_after_warmup", {})[spec] = compiled
-        log(f"  kernels compiled after the warm-up: {compiled or 'none'}")
+        result.setdefault("engine_steps", {})[spec] = counters
+        log(f"  kernels compiled after the warm-up: {compiled or 'none'}; engine steps: {counters}")
         if profile:
             result["profile"][spec] = profile
         (args.out / "serve.json").write_text(json.dumps(result, indent=2) + "\n")

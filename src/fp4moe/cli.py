@@ -857,7 +857,8 @@ def cmd_serve(args) -> int:
     print(
         f"fp4moe serve: device {llm.device}, {llm.model.embed_tokens.dtype} compute, KV cache "
         f"{args.kv_cache_dtype} for {llm.max_cached_tokens} tokens, at most {llm.engine_config.max_num_seqs} sequences running and "
-        f"{args.max_num_batched_tokens} tokens per step, context {llm.max_model_len}, speculative tokens {spec}",
+        f"{args.max_num_batched_tokens} tokens per step, context {llm.max_model_len}, speculative tokens {spec}, "
+        f"async scheduling {'on' if config.async_scheduling and not spec and llm.device.type == 'cuda' else 'off'}",
         file=sys.stderr,
         flush=True,
     )

@@ -51,6 +51,13 @@ class Metrics:
         self.aborted = Counter(
             "fp4moe:request_aborted", "Sequences aborted (client gone, shutdown).", labels, registry=r
         )
+        self.steps = Counter("fp4moe:engine_steps", "Engine steps launched.", labels, registry=r)
+        self.async_steps = Counter(
+            "fp4moe:engine_async_steps",
+            "Decode steps launched before the previous step's tokens were read back (async scheduling).",
+            labels,
+            registry=r,
+        )
         self.prefix_queries = Counter(
             "fp4moe:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r
         )
@@ -101,7 +108,9 @@ class Metrics:
             registry=r,
         )
         self.model_name = model_name
-        self._seen = {"prompt": 0, "generation": 0, "success": 0, "aborted": 0, "pq": 0, "ph": 0}
+        self._seen = dict.fromkeys(
+            ("prompt", "generation", "success", "aborted", "pq", "ph", "steps", "async"), 0
+        )
 
     def render(self, engine) -> bytes:
         """Fold the engine's counters and latency samples in, then render the text format."""
@@ -119,6 +128,8 @@ class Metrics:
                 ("generation", self.generation_tokens, stats.generation_tokens),
                 ("success", self.success, stats.finished_requests),
                 ("aborted", self.aborted, stats.aborted_requests),
+                ("steps", self.steps, stats.steps),
+                ("async", self.async_steps, stats.async_steps),
                 ("pq", self.prefix_queries, core.prefix_cache.queries if core.prefix_cache else 0),
                 ("ph", self.prefix_hits, core.prefix_cache.hits if core.prefix_cache else 0),
             ):
