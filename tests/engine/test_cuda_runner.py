@@ -776,3 +776,53 @@ def test_async_scheduling_overlaps_decode_steps_and_keeps_the_tokens(checkpoints
         step()
     assert len(a.output_ids) == before and len(b.output_ids) == 8 and tokens[id(b)] == 8
     assert _all_pages_back(llm.runner)
+
+
+def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeypatch):
+    """A sequence whose drafts are rejected (the tiny model's random MTP head) backs off after its probe
+    rounds; its plain steps then take async scheduling (they cost what plain decoding costs, issue 20's
+    "speculation that never loses"), keep the MTP head's inputs, and after the backoff it probes again
+    with the head caught up. Greedy tokens are plain decoding's (verification keeps the target's tokens
+    whatever the drafts; near ties excepted)."""
+    import fp4moe.engine.spec_decode as spec_decode
+    from fp4moe.engine.core import EngineCore
+    from fp4moe.engine.scheduler import SchedulerConfig
+
+    monkeypatch.setattr(spec_decode, "BACKOFF_STEPS", 6)
+    path = checkpoints.bf16()
+    n = 24
+    greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    plain = LLM(path, dtype="bfloat16", device=DEV, async_scheduling=False)
+    if DEV == "cpu":
+        _fused(plain)
+    ref = plain.generate(prompts, greedy)
+    llm = LLM(path, dtype="bfloat16", device=DEV, num_speculative_tokens=2)
+    if DEV == "cpu":
+        _fused(llm, spec_tokens=2)
+    spec, probes = llm.speculator, []
+    fused_round = spec.fused_round
+    monkeypatch.setattr(
+        spec,
+        "fused_round",
+        lambda seqs, kv, states: probes.append(len(seqs)) or fused_round(seqs, kv, states),
+    )
+    core = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=128), async_scheduling=True)
+    params = SamplingParams(**{**vars(greedy), "logprobs": None})
+    seqs = [core.make_sequences(p, params)[0] for p in prompts]
+    core.add(seqs)
+    rounds_before_async = None
+    while core.has_work():
+        core.step()
+        if core.stats.async_steps and rounds_before_async is None:
+            rounds_before_async = len(probes)
+    assert spec.stats.backed_off >= 2 and spec.stats.acceptance_rate < 0.3  # the random head
+    assert rounds_before_async >= 4 and len(probes) > rounds_before_async  # probed again after the chain
+    assert core.stats.async_steps >= 6
+    from types import SimpleNamespace
+
+    _agree(
+        ref, [SimpleNamespace(outputs=[SimpleNamespace(token_ids=s.output_ids, logprobs=None)]) for s in seqs]
+    )
+    assert all(len(s.output_ids) == n for s in seqs)
+    assert _all_pages_back(llm.runner)

@@ -174,10 +174,18 @@ class EngineCore:
         penalties, which read the history; no logprobs, read back with the token)."""
         return (
             self.async_scheduling
-            and self.llm.speculator is None
             and self.llm.runner.fusable_decode(batch, self.kv)
-            and all(not s.params.penalized and s.params.logprobs is None for s, _ in batch)
+            and all(not s.params.penalized and s.params.logprobs is None and self._plain(s) for s, _ in batch)
         )
+
+    def _plain(self, seq: Sequence) -> bool:
+        """Whether the sequence's next decode step is a plain one: no speculation, or speculation backed off
+        (its drafts did not pay lately) or never drafting (``MTPSpeculator.plain_only``) -- a rejected draft
+        head then costs nothing beyond its probes."""
+        spec = self.llm.speculator
+        if spec is None:
+            return True
+        return seq.hidden_tail is not None and (seq.spec_backoff > 0 or spec.plain_only(seq, self.kv))
 
     def _ahead(self, prev: _InFlight) -> list[Sequence]:
         """The sequences of the step in flight that decode again before its tokens reach the host: every
@@ -202,6 +210,8 @@ class EngineCore:
         ]
         if sched.reserved_tokens() + 2 * len(ahead) > sched.config.max_cached_tokens:
             return []  # the cache may not hold them: the synchronous schedule preempts
+        if not all(self._plain(s) for s in ahead):
+            return []  # a speculating sequence probes again: a synchronous round
         return ahead
 
     def _launch(self, seqs: list[Sequence], prev: _InFlight | None) -> _InFlight:
@@ -215,7 +225,14 @@ class EngineCore:
                 if index == list(range(len(seqs)))
                 else prev.tokens.index_select(0, to_device(index, torch.long, prev.tokens.device))
             )
-        logits, _ = self.llm.runner.decode_step(seqs, keep_hidden=False, host=False, tokens=tokens)
+        spec = self.llm.speculator
+        logits, hidden = self.llm.runner.decode_step(
+            seqs, keep_hidden=spec is not None, host=False, tokens=tokens
+        )
+        if spec is not None:  # the MTP head's inputs kept for its next probe, a plain step off the backoff
+            spec.keep_plain_step(seqs, hidden)
+            for s in seqs:
+                s.spec_backoff = max(0, s.spec_backoff - 1)
         sampled = sample_tokens(logits, [s.sample_row() for s in seqs])
         self.stats.async_steps += 1
         return _InFlight(seqs, sampled, Readback(sampled), {id(s): i for i, s in enumerate(seqs)})

@@ -376,10 +376,17 @@ class MTPSpeculator:
             logits = self.model.compute_logits(hidden).float().cpu()
             for seq in seqs:
                 seq.num_cached += 1
+        self.keep_plain_step(seqs, hidden, kv)
+        self.llm.sample_all([(seq, logits[i]) for i, seq in enumerate(seqs)])
+
+    def keep_plain_step(self, seqs: list[Sequence], hidden: torch.Tensor, kv=None) -> None:
+        """After a plain step of ``seqs`` (final-normed hidden states [b, H], row per sequence): drafts held
+        for a fused round are dropped, the MTP head's inputs grow by the step's position -- except for
+        sequences that never draft (``plain_only``), which drop them."""
+        kv = self.llm.runner.kv if kv is None else kv
         for i, seq in enumerate(seqs):
             seq.drafts = None
             if self.plain_only(seq, kv):
                 seq.hidden_tail, seq.mtp_cached = hidden[:0], seq.num_cached
             else:
                 seq.hidden_tail = torch.cat([seq.hidden_tail, hidden[i : i + 1]])
-        self.llm.sample_all([(seq, logits[i]) for i, seq in enumerate(seqs)])
