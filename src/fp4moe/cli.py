@@ -401,6 +401,12 @@ def _limit_mm(value: str) -> dict[str, int]:
     return limits
 
 
+def _async_state(config, spec: int, device) -> str:
+    if not config.async_scheduling or device.type != "cuda":
+        return "off"
+    return "on (plain and backed-off speculative steps)" if spec else "on"
+
+
 def engine_config(args):
     """The EngineConfig of the parsed engine options (``--device auto`` resolved)."""
     from fp4moe.engine.config import EngineConfig
@@ -858,7 +864,7 @@ def cmd_serve(args) -> int:
         f"fp4moe serve: device {llm.device}, {llm.model.embed_tokens.dtype} compute, KV cache "
         f"{args.kv_cache_dtype} for {llm.max_cached_tokens} tokens, at most {llm.engine_config.max_num_seqs} sequences running and "
         f"{args.max_num_batched_tokens} tokens per step, context {llm.max_model_len}, speculative tokens {spec}, "
-        f"async scheduling {'on' if config.async_scheduling and not spec and llm.device.type == 'cuda' else 'off'}",
+        f"async scheduling {_async_state(config, spec, llm.device)}",
         file=sys.stderr,
         flush=True,
     )

@@ -777,13 +777,26 @@ def test_async_scheduling_overlaps_decode_steps_and_keeps_the_tokens(checkpoints
     assert len(a.output_ids) == before and len(b.output_ids) == 8 and tokens[id(b)] == 8
     assert _all_pages_back(llm.runner)
 
+    # every slot taken and a request waiting: the steps keep overlapping until a slot frees
+    full = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), async_scheduling=True)
+    trio = [full.make_sequences({"prompt_token_ids": p}, params[0])[0] for p in prompts[:3]]
+    full.add(trio)
+    overlapped_while_waiting = 0
+    while full.has_work():
+        waiting, before = bool(full.scheduler.waiting), full.stats.async_steps
+        full.step()
+        overlapped_while_waiting += waiting and full.stats.async_steps > before
+    assert overlapped_while_waiting >= 3 and [len(s.output_ids) for s in trio] == [8, 8, 8]
+    assert _all_pages_back(llm.runner)
+
 
 def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeypatch):
     """A sequence whose drafts are rejected (the tiny model's random MTP head) backs off after its probe
     rounds; its plain steps then take async scheduling (they cost what plain decoding costs, issue 20's
     "speculation that never loses"), keep the MTP head's inputs, and after the backoff it probes again
     with the head caught up. Greedy tokens are plain decoding's (verification keeps the target's tokens
-    whatever the drafts; near ties excepted)."""
+    whatever the drafts; near ties excepted). A request that arrives while the head keeps failing starts
+    backed off."""
     import fp4moe.engine.spec_decode as spec_decode
     from fp4moe.engine.core import EngineCore
     from fp4moe.engine.scheduler import SchedulerConfig
@@ -826,3 +839,13 @@ def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeyp
     )
     assert all(len(s.output_ids) == n for s in seqs)
     assert _all_pages_back(llm.runner)
+    # a request arriving while the head keeps failing starts backed off: no probe rounds, async from its
+    # first decode step
+    assert not spec.head_pays()
+    late = core.make_sequences(prompts[0], SamplingParams(**{**vars(params), "max_tokens": 5}))[0]
+    core.add([late])
+    probed, overlapped = len(probes), core.stats.async_steps
+    while core.has_work():
+        core.step()
+    assert len(late.output_ids) == 5 and spec.stats.started_backed_off == 1
+    assert len(probes) == probed and core.stats.async_steps >= overlapped + 3

@@ -228,7 +228,7 @@ def test_the_fused_round_policy_backs_off_where_drafts_do_not_pay():
     from fp4moe.engine import spec_decode
     from fp4moe.engine.sequence import Sequence
 
-    spec = SimpleNamespace(stats=spec_decode.SpecStats(accepted_per_position=[0, 0]))
+    spec = SimpleNamespace(stats=spec_decode.SpecStats(accepted_per_position=[0, 0]), recent=[])
     judge = spec_decode.MTPSpeculator._judge
     good, bad = Sequence(0, [1], GREEDY, 0), Sequence(1, [1], GREEDY, 1)
     for _ in range(3 * spec_decode.PROBE_ROUNDS):
@@ -240,3 +240,10 @@ def test_the_fused_round_policy_backs_off_where_drafts_do_not_pay():
     judge(spec, bad, 1)  # 1 accepted in 4 rounds: 0.25 a round
     assert bad.spec_backoff == spec_decode.BACKOFF_STEPS and spec.stats.backed_off == 1
     assert (bad.spec_rounds, bad.spec_accepted) == (0, 0)  # a fresh window for the next probe
+    # the latest rounds of all sequences: whether a new request starts drafting or backed off
+    pays = spec_decode.MTPSpeculator.head_pays
+    assert spec.recent == [1] * 3 * spec_decode.PROBE_ROUNDS + [0, 0, 0, 1] and pays(spec)
+    spec.recent = [0, 1, 0, 0]
+    assert not pays(spec)  # 0.25 accepted a round
+    spec.recent = [0, 0]
+    assert pays(spec)  # too few rounds to judge

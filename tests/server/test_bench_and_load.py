@@ -260,9 +260,14 @@ def test_bench_reads_vllm_spec_decode_counters():
     assert row["spec_acceptance_per_position"] == [0.9, 0.6]
 
 
-def test_server_with_mtp_reports_spec_decode_and_bench_reads_it(checkpoints, tmp_path, capsys):
+def test_server_with_mtp_reports_spec_decode_and_bench_reads_it(checkpoints, tmp_path, capsys, monkeypatch):
     from conftest import start_server
+    from fp4moe.engine import spec_decode
     from fp4moe.models.tiny import CheckpointLayout
+
+    # every round pays: the bench's requests draft (after the first request's rejected rounds, the random
+    # head would start them backed off, with no drafts to report)
+    monkeypatch.setattr(spec_decode, "MIN_ACCEPTED", 0.0)
 
     srv = start_server(checkpoints.bf16(CheckpointLayout.QWEN3_6), num_speculative_tokens=2)
     try:

@@ -49,7 +49,7 @@ class EngineStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     steps: int = 0
-    async_steps: int = 0  # decode steps launched before the previous step's tokens were on the host
+    async_steps: int = 0  # decode steps launched without waiting for their tokens (async scheduling)
     # latency samples, drained by the metrics collector (bounded: unscraped samples are dropped)
     ttft: deque = field(default_factory=lambda: deque(maxlen=100_000))
     itl: deque = field(default_factory=lambda: deque(maxlen=100_000))
@@ -189,12 +189,13 @@ class EngineCore:
 
     def _ahead(self, prev: _InFlight) -> list[Sequence]:
         """The sequences of the step in flight that decode again before its tokens reach the host: every
-        running sequence must be one of them and nothing may wait (an arrival or a preempted sequence gets
-        the synchronous schedule), and those that the in-flight token ends by length are left out. A
+        running sequence must be one of them and nothing may wait for a free slot (such a sequence gets
+        the synchronous schedule; while every slot is taken the waiting ones wait for a sequence to end
+        either way), and those that the in-flight token ends by length are left out. A
         sequence the in-flight token ends otherwise (EOS, a stop string) runs one wasted row."""
         sched = self.scheduler
-        if sched.waiting or not self.async_scheduling:
-            return []
+        if not self.async_scheduling or (sched.waiting and sched.free_slots):
+            return []  # an arrival (or a preempted sequence) that a slot can take: the synchronous schedule
         rows = {id(s) for s in prev.seqs}
         if any(id(s) not in rows for s in sched.running):
             return []
@@ -231,8 +232,13 @@ class EngineCore:
         )
         if spec is not None:  # the MTP head's inputs kept for its next probe, a plain step off the backoff
             spec.keep_plain_step(seqs, hidden)
-            for s in seqs:
-                s.spec_backoff = max(0, s.spec_backoff - 1)
+            # a backoff counts the steps that could have drafted, as decode_round's does: not those of a
+            # never-drafting sequence, nor those of a batch over the speculation limit
+            limit = spec.disable_by_batch_size
+            if not limit or len(seqs) <= limit:
+                for s in seqs:
+                    if s.spec_backoff > 0 and not spec.plain_only(s, self.kv):
+                        s.spec_backoff -= 1
         sampled = sample_tokens(logits, [s.sample_row() for s in seqs])
         self.stats.async_steps += 1
         return _InFlight(seqs, sampled, Readback(sampled), {id(s): i for i, s in enumerate(seqs)})

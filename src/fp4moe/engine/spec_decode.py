@@ -20,6 +20,7 @@ GPU, by cache slot). Sequences with penalties or logprobs keep the module path's
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,7 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     disabled_steps: int = 0  # steps run without drafts because the batch was over the limit
     backed_off: int = 0  # times a sequence stopped drafting because its drafts were not accepted enough
+    started_backed_off: int = 0  # requests that started without drafts: the latest rounds did not pay
 
     def record(self, drafted: int, accepted: int) -> None:
         """One draft-and-verify round of one sequence."""
@@ -69,6 +71,11 @@ def _probs(logits: torch.Tensor, seq: Sequence, history: list[int]) -> torch.Ten
 PROBE_ROUNDS = 4
 MIN_ACCEPTED = 0.5
 BACKOFF_STEPS = 256
+# ... and a request that arrives while the last RECENT_ROUNDS rounds (of any sequence) accepted less than
+# MIN_ACCEPTED a round starts backed off: a head that keeps failing on this server costs new requests no
+# probe rounds (at one stream on the H200 they cost a 128-token request 12%), only the probes every
+# BACKOFF_STEPS steps, whose rounds keep the window current
+RECENT_ROUNDS = 64
 
 
 class MTPSpeculator:
@@ -80,6 +87,7 @@ class MTPSpeculator:
         self.llm, self.model, self.k = llm, llm.model, num_speculative_tokens
         self.drafter = drafter or self._mtp_drafts  # tests may force acceptance or rejection
         self.stats = SpecStats(accepted_per_position=[0] * num_speculative_tokens)
+        self.recent: deque[int] = deque(maxlen=RECENT_ROUNDS)  # accepted drafts of the latest rounds
         self.disable_by_batch_size = 0  # > 0: no drafts while more sequences than this are decoding
         # sampled sequences with top-k / top-p on the GPU runner decode without drafts unless this is set:
         # their fused round sorts every vocabulary row and measured 1.11x at 80% acceptance at batch 1,
@@ -107,6 +115,10 @@ class MTPSpeculator:
             if seq.num_cached == seq.num_tokens:
                 seq.new_tokens = 1
                 done.append((seq, end - 1))
+        for seq, _ in done:
+            if not seq.output_ids and not self.head_pays():  # a fresh request: no probes while the head fails
+                seq.spec_backoff = BACKOFF_STEPS
+                self.stats.started_backed_off += 1
         if done:
             rows = torch.tensor([i for _, i in done], device=hidden.device)
             logits = self.model.compute_logits(hidden[rows]).cpu()
@@ -212,11 +224,16 @@ class MTPSpeculator:
         """Count a fused round's accepted drafts; after PROBE_ROUNDS rounds, back off when they do not pay."""
         seq.spec_rounds += 1
         seq.spec_accepted += accepted
+        self.recent.append(accepted)
         if seq.spec_rounds >= PROBE_ROUNDS:
             if seq.spec_accepted < MIN_ACCEPTED * seq.spec_rounds:
                 seq.spec_backoff = BACKOFF_STEPS
                 self.stats.backed_off += 1
             seq.spec_rounds = seq.spec_accepted = 0
+
+    def head_pays(self) -> bool:
+        """Whether the latest rounds accepted enough drafts to pay (true until PROBE_ROUNDS rounds ran)."""
+        return len(self.recent) < PROBE_ROUNDS or sum(self.recent) >= MIN_ACCEPTED * len(self.recent)
 
     def plain_only(self, seq: Sequence, kv) -> bool:
         """Sampled with top-k or top-p on the GPU runner (unless ``speculate_sorted_sampling``): the sequence

@@ -36,7 +36,7 @@ class Readback:
             self._host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             self._host.copy_(x, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(x.device))
         else:
             self._host = x.clone()
 

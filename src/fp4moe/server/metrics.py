@@ -70,6 +70,11 @@ class Metrics:
                 ("drafts", "Draft-and-verify rounds."),
                 ("draft_tokens", "Tokens drafted by the MTP head."),
                 ("accepted_tokens", "Drafted tokens the target accepted."),
+                ("backoffs", "Times a sequence stopped drafting for a while: its drafts did not pay."),
+                (
+                    "started_backed_off",
+                    "Requests that started without drafts: the latest rounds did not pay.",
+                ),
             )
         }
         self.spec_per_pos = Counter(
@@ -141,6 +146,8 @@ class Metrics:
                     "drafts": spec.stats.drafts,
                     "draft_tokens": spec.stats.draft_tokens,
                     "accepted_tokens": spec.stats.accepted,
+                    "backoffs": spec.stats.backed_off,
+                    "started_backed_off": spec.stats.started_backed_off,
                 }
                 values |= {f"pos{i}": v for i, v in enumerate(spec.stats.accepted_per_position)}
                 for key, value in values.items():
