@@ -801,9 +801,9 @@ def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeyp
     from fp4moe.engine.core import EngineCore
     from fp4moe.engine.scheduler import SchedulerConfig
 
-    monkeypatch.setattr(spec_decode, "BACKOFF_STEPS", 6)
+    monkeypatch.setattr(spec_decode, "BACKOFF_STEPS", 4)
     path = checkpoints.bf16()
-    n = 24
+    n = 14  # the first token, 4 probe rounds, 4 backed-off steps, probes again
     greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
     plain = LLM(path, dtype="bfloat16", device=DEV, async_scheduling=False)
@@ -831,7 +831,7 @@ def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeyp
             rounds_before_async = len(probes)
     assert spec.stats.backed_off >= 2 and spec.stats.acceptance_rate < 0.3  # the random head
     assert rounds_before_async >= 4 and len(probes) > rounds_before_async  # probed again after the chain
-    assert core.stats.async_steps >= 6
+    assert core.stats.async_steps >= 4
     from types import SimpleNamespace
 
     _agree(
