@@ -196,10 +196,9 @@ class EngineCore:
         sched = self.scheduler
         if not self.async_scheduling or (sched.waiting and sched.free_slots):
             return []  # an arrival (or a preempted sequence) that a slot can take: the synchronous schedule
-        rows = {id(s) for s in prev.seqs}
-        if any(id(s) not in rows for s in sched.running):
-            return []
         running = {id(s) for s in sched.running}
+        if not running <= {id(s) for s in prev.seqs}:
+            return []
         limit = self.llm.max_model_len
         ahead = [
             s
@@ -220,7 +219,8 @@ class EngineCore:
         host. ``prev``: the step in flight, whose (device) tokens are this step's inputs."""
         tokens = None
         if prev is not None:
-            index = [prev.row[id(s)] for s in seqs]
+            row = {id(s): i for i, s in enumerate(prev.seqs)}
+            index = [row[id(s)] for s in seqs]
             tokens = (
                 prev.tokens[: len(seqs)]
                 if index == list(range(len(seqs)))
@@ -241,7 +241,7 @@ class EngineCore:
                         s.spec_backoff -= 1
         sampled = sample_tokens(logits, [s.sample_row() for s in seqs])
         self.stats.async_steps += 1
-        return _InFlight(seqs, sampled, Readback(sampled), {id(s): i for i, s in enumerate(seqs)})
+        return _InFlight(seqs, sampled, Readback(sampled))
 
     def _complete(self, prev: _InFlight) -> list[StepOutput]:
         """The in-flight step's tokens, now on the host, appended as a synchronous step's would be; rows of
@@ -285,7 +285,6 @@ class _InFlight:
     seqs: list[Sequence]
     tokens: torch.Tensor  # [b] the sampled ids on the device: the next step's inputs
     readback: Readback  # the same ids on their way to the host
-    row: dict[int, int]  # id(sequence) -> its row
 
 
 def run_spec_batch(core: EngineCore, batch) -> list[Sequence]:
