@@ -99,7 +99,10 @@ def _wait_for(cmd: list[str], env: dict, port: int, spec: str, args) -> tuple[su
     log("$", " ".join(cmd))
     t0 = time.monotonic()
     with open(args.out / f"server-{spec}.log", "w") as errors:  # the child keeps its own descriptor
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=errors)
+        # vLLM logs its settings (KV cache size, graph captures, compile times) to stdout; ours, an access
+        # line per request
+        stdout = errors if args.engine == "vllm" else subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=errors)
     while True:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:

@@ -96,3 +96,15 @@ def test_generate_with_a_full_size_name(tmp_path, monkeypatch, capsys):
     written = tmp_path / ".cache" / "fp4moe" / "full-size" / "qwen3.6-35b-a3b-nvfp4"
     assert json.loads((written / "config.json").read_text())["quantization_config"]["quant_algo"] == "NVFP4"
     assert capsys.readouterr().out.strip()
+
+
+def test_the_full_size_directory_has_what_vllm_loads(tmp_path):
+    """vLLM builds the model's processor at start-up (its first H200 run failed on a directory without
+    preprocessor_config.json): transformers' own loaders take the tokenizer and the image processor."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    path = full_size.write_full_size(tmp_path / "m")
+    processor = AutoImageProcessor.from_pretrained(str(path))
+    assert processor.patch_size == 16 and processor.merge_size == 2
+    assert processor.size["longest_edge"] == 16_777_216
+    assert len(AutoTokenizer.from_pretrained(str(path))) == full_size.REAL_TEXT_CONFIG["vocab_size"]

@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 
 from fp4moe.models.qwen3_5_moe import REAL_TEXT_CONFIG
+from fp4moe.models.tiny import PREPROCESSOR as TINY_PREPROCESSOR
 
 BASE_NAMES = ("qwen3.5-35b-a3b", "qwen3.6-35b-a3b")
 NAMES = BASE_NAMES + tuple(f"{n}-nvfp4" for n in BASE_NAMES)
@@ -180,9 +181,15 @@ def synthetic_tokenizer(vocab_size: int = REAL_TEXT_CONFIG["vocab_size"], traine
     return fast
 
 
+# the tiny models' image processor (Qwen3-VL's: patches of 16, 2 x 2 merged, mean/std 0.5) with the real model's
+# pixel bounds (Qwen3-VL's processor: 256 to 16,384 merged tokens of 32 x 32 pixels)
+PREPROCESSOR = {**TINY_PREPROCESSOR, "size": {"shortest_edge": 65_536, "longest_edge": 16_777_216}}
+
+
 def write_full_size(out: str | Path, name: str = "qwen3.6-35b-a3b-nvfp4", quantize_extra=()) -> Path:
-    """The directory ``--load-format dummy`` serves: config, tokenizer, chat template, generation config.
-    Written to a temporary name and renamed when complete."""
+    """The directory ``--load-format dummy`` serves: config, tokenizer, chat template, generation config and the
+    image processor's config (vLLM builds the model's processor at start-up and fails without it). Written to a
+    temporary name and renamed when complete."""
     import shutil
     import tempfile
 
@@ -193,22 +200,27 @@ def write_full_size(out: str | Path, name: str = "qwen3.6-35b-a3b-nvfp4", quanti
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
         synthetic_tokenizer().save_pretrained(tmp)
+        (tmp / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
         eos = [TOKEN_IDS["<|im_end|>"], TOKEN_IDS["<|endoftext|>"]]
         (tmp / "generation_config.json").write_text(
             json.dumps({"eos_token_id": eos, "do_sample": False}) + "\n"
         )
-        if out.exists() and not (out / "tokenizer.json").exists():
+        if out.exists() and not _complete(out):
             shutil.rmtree(out, ignore_errors=True)  # an incomplete directory (written by hand, say)
         try:
             tmp.rename(out)
         except OSError:  # another process finished it first: keep theirs
-            if not (out / "tokenizer.json").exists():
+            if not _complete(out):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _complete(path: Path) -> bool:
+    return all((path / f).exists() for f in ("tokenizer.json", "preprocessor_config.json"))
 
 
 def resolve(model: str, load_format: str, cache: Path | None = None) -> str:
@@ -218,6 +230,6 @@ def resolve(model: str, load_format: str, cache: Path | None = None) -> str:
         return model
     cache = cache or Path.home() / ".cache" / "fp4moe" / "full-size"
     path = cache / model
-    if not (path / "tokenizer.json").exists():
+    if not _complete(path):  # also a directory of an older fp4moe, written without the processor's config
         write_full_size(path, model)
     return str(path)
