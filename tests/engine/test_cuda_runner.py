@@ -170,9 +170,9 @@ def test_mixed_steps_keep_decodes_on_the_fused_step(checkpoints, monkeypatch):
     runner, mixed, module_rows = llm.runner, [], []
     real_module_run, real_decode = ModelRunner.run, runner.decode_step
 
-    def module_run(self, batch, kv, states):
+    def module_run(self, batch, kv, states, keep=None):
         module_rows.extend(n for _, n in batch)
-        return real_module_run(self, batch, kv, states)
+        return real_module_run(self, batch, kv, states, keep)
 
     def decode_step(seqs, **kw):
         mixed.append(len(module_rows) > 0)
@@ -424,7 +424,9 @@ def test_top_p_sequences_decode_plainly_next_to_speculating_ones(checkpoints):
         _fused(llm, spec_tokens=k)
     spec, runner = llm.speculator, llm.runner
     steps, decode_step = [], runner.decode_step
-    runner.decode_step = lambda seqs: steps.append([s.params.top_p for s in seqs]) or decode_step(seqs)
+    runner.decode_step = lambda seqs, **kw: (
+        steps.append([s.params.top_p for s in seqs]) or decode_step(seqs, **kw)
+    )
     seqs = []
     make = llm._make_sequences
 

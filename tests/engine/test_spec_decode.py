@@ -176,14 +176,33 @@ def test_speculation_with_prefix_caching_and_fp8_kv(path, reference):
     assert [o.outputs[0].token_ids for o in fp8_spec.generate(PROMPTS, GREEDY)] == fp8_plain
 
 
-def test_speculation_pauses_under_load_and_resumes(path, reference):
+def test_speculation_pauses_under_load_and_resumes(path, reference, monkeypatch):
     """More decoding sequences than --speculative-disable-by-batch-size: batched plain steps (no drafts);
-    once the batch shrinks, drafting resumes with the MTP head caught up -- tokens equal plain decoding."""
+    once the batch shrinks, drafting resumes with the MTP head caught up -- tokens equal plain decoding.
+    Prompts and plain steps take the runner's own step (``run``, one loop with plain decoding's): no
+    forward of the runner outside it."""
     from fp4moe.engine.core import EngineCore
     from fp4moe.engine.scheduler import SchedulerConfig
 
     llm = LLM(path, dtype="float32", num_speculative_tokens=2, speculative_disable_by_batch_size=1)
     llm.speculator.drafter = _oracle(llm, reference)
+    runner, depth, calls = llm.runner, [0], collections.Counter()
+    run, forward = runner.run, runner.forward
+
+    def counted_run(*args, **kwargs):
+        calls["run"] += 1
+        depth[0] += 1
+        try:
+            return run(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    def counted_forward(*args, **kwargs):
+        calls["forward outside run"] += depth[0] == 0
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run", counted_run)
+    monkeypatch.setattr(runner, "forward", counted_forward)
     core = EngineCore(llm, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64))
     seqs = [core.make_sequences(p, GREEDY)[0] for p in PROMPTS]
     core.add(seqs[:2])
@@ -197,6 +216,7 @@ def test_speculation_pauses_under_load_and_resumes(path, reference):
     stats = llm.speculator.stats
     assert [s.output_ids for s in seqs] == reference
     assert stats.disabled_steps > 0 and stats.accepted > 0  # paused under load, drafted when alone
+    assert calls["run"] >= stats.disabled_steps and calls["forward outside run"] == 0
 
 
 def test_batched_mtp_drafts_equal_per_sequence_drafts(path):

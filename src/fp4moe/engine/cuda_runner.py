@@ -299,18 +299,23 @@ class CudaModelRunner(ModelRunner):
         return decode and kv is self.kv
 
     @torch.no_grad()
-    def run(self, batch: list[tuple[Sequence, int]], kv, states):
+    def run(self, batch: list[tuple[Sequence, int]], kv, states, keep=None):
         """As ``ModelRunner.run``, the logits of decoding rows on the device (``LLM.sample_all`` takes the
         greedy ones' argmax there). A step that mixes prefill chunks with decodes runs the chunks through the
         module path and the decodes through the fused step (its graph): the decodes never pay for the
         module path (the served profile's largest share, issue 20)."""
         decode = [(s, n) for s, n in batch if self.fusable_decode([(s, n)], kv)]
         if not decode or len(decode) > self.max_num_seqs:
-            return super().run(batch, kv, states)
+            return super().run(batch, kv, states, keep)
         rest = [(s, n) for s, n in batch if not self.fusable_decode([(s, n)], kv)]
-        done = super().run(rest, kv, states) if rest else []
-        logits, _ = self.decode_step([s for s, _ in decode], keep_hidden=False, host=False)
-        return done + [(s, logits[i]) for i, (s, _) in enumerate(decode)]
+        done = super().run(rest, kv, states, keep) if rest else []
+        seqs = [s for s, _ in decode]
+        starts = [s.num_cached for s in seqs]
+        logits, hidden = self.decode_step(seqs, keep_hidden=keep is not None, host=False)
+        if keep is not None:
+            for i, (seq, start) in enumerate(zip(seqs, starts, strict=True)):
+                keep(seq, start, hidden[i : i + 1])
+        return done + [(s, logits[i]) for i, s in enumerate(seqs)]
 
     @torch.no_grad()
     def decode_step(

@@ -105,13 +105,17 @@ class ModelRunner:
 
     @torch.no_grad()
     def run(
-        self, batch: list[tuple[Sequence, int]], kv: KVCache, states: DeltaNetStates
+        self, batch: list[tuple[Sequence, int]], kv: KVCache, states: DeltaNetStates, keep=None
     ) -> list[tuple[Sequence, torch.Tensor]]:
         """Forward ``n`` uncached tokens of each (sequence, n); advances ``num_cached``; returns
-        (sequence, logits [V] on the CPU) for every sequence that now has all its tokens cached."""
+        (sequence, logits [V] on the CPU) for every sequence that now has all its tokens cached.
+        ``keep(seq, start, rows)``: called with each sequence's final-normed hidden states of this step
+        [n, H] and the position of the first (the MTP head's inputs, ``MTPSpeculator``)."""
         hidden, spans = self.forward(batch, kv, states)
         done = []
-        for (seq, n), (_, end) in zip(batch, spans, strict=True):
+        for (seq, n), (start, end) in zip(batch, spans, strict=True):
+            if keep is not None:
+                keep(seq, seq.num_cached, hidden[start:end])
             seq.num_cached += n
             if seq.num_cached == seq.num_tokens:
                 done.append((seq, end - 1))

@@ -101,29 +101,26 @@ class MTPSpeculator:
 
     @torch.no_grad()
     def prefill(self, batch: list[tuple[Sequence, int]], kv, states) -> list[Sequence]:
-        """Prompt chunks (sequence, tokens) in one flat target forward, their hidden states kept for the MTP
-        head; samples the first token of each sequence whose prompt is now all in. Returns those."""
-        hidden, spans = self.llm.runner.forward(batch, kv, states)
-        done = []
-        for (seq, n), (start, end) in zip(batch, spans, strict=True):
-            if seq.num_cached == 0 or seq.hidden_tail is None:
-                # fresh (or restored from a prefix snapshot: the MTP head starts after the restored part)
-                seq.hidden_tail, seq.mtp_cached = hidden[start:end][:0], seq.num_cached
-                seq.drafts = None
-            seq.hidden_tail = torch.cat([seq.hidden_tail, hidden[start:end]])
-            seq.num_cached += n
-            if seq.num_cached == seq.num_tokens:
-                seq.new_tokens = 1
-                done.append((seq, end - 1))
-        for seq, _ in done:
+        """Prompt chunks (sequence, tokens) through the runner's step (``ModelRunner.run``), their hidden
+        states kept for the MTP head; samples the first token of each sequence whose prompt is now all in.
+        Returns those."""
+        results = self.llm.runner.run(batch, kv, states, keep=self._keep_chunk)
+        for seq, _ in results:
+            seq.new_tokens = 1
             if not seq.output_ids and not self.head_pays():  # a fresh request: no probes while the head fails
                 seq.spec_backoff = BACKOFF_STEPS
                 self.stats.started_backed_off += 1
-        if done:
-            rows = torch.tensor([i for _, i in done], device=hidden.device)
-            logits = self.model.compute_logits(hidden[rows]).cpu()
-            self.llm.sample_all([(seq, logits[j]) for j, (seq, _) in enumerate(done)])
-        return [seq for seq, _ in done]
+        self.llm.sample_all(results)
+        return [seq for seq, _ in results]
+
+    @staticmethod
+    def _keep_chunk(seq: Sequence, start: int, rows: torch.Tensor) -> None:
+        """A chunk's hidden states [n, H] from position ``start`` join the MTP head's inputs."""
+        if start == 0 or seq.hidden_tail is None:
+            # fresh (or restored from a prefix snapshot: the MTP head starts after the restored part)
+            seq.hidden_tail, seq.mtp_cached = rows[:0], start
+            seq.drafts = None
+        seq.hidden_tail = torch.cat([seq.hidden_tail, rows])
 
     def _mtp_drafts(self, seq: Sequence, kv, states) -> tuple[list[int], list[torch.Tensor]]:
         """Catch the MTP head up on the accepted positions, then draft k tokens; returns drafts and the
@@ -381,29 +378,30 @@ class MTPSpeculator:
     @torch.no_grad()
     def plain_steps(self, seqs: list[Sequence], kv, states) -> None:
         """One ordinary decode step for each of ``seqs`` (near the end of the context, under load, or
-        sampled with a sort) -- on the GPU runner its fused, graph-captured step -- keeping the MTP head's
-        inputs, except for sequences that never draft (``plain_only``: they drop them; their sampling
-        parameters, and ``speculate_sorted_sampling``, do not change while they run)."""
-        runner = self.llm.runner
-        batch = [(s, 1) for s in seqs]
-        if runner.fusable_decode(batch, kv):
-            logits, hidden = runner.decode_step(seqs)
-        else:
-            hidden, _ = runner.forward(batch, kv, states)
-            logits = self.model.compute_logits(hidden).float().cpu()
-            for seq in seqs:
-                seq.num_cached += 1
-        self.keep_plain_step(seqs, hidden, kv)
-        self.llm.sample_all([(seq, logits[i]) for i, seq in enumerate(seqs)])
+        sampled with a sort) through the runner's step -- on the GPU runner its fused, graph-captured step --
+        keeping the MTP head's inputs, except for sequences that never draft (``plain_only``: they drop them;
+        their sampling parameters, and ``speculate_sorted_sampling``, do not change while they run)."""
+        results = self.llm.runner.run(
+            [(s, 1) for s in seqs],
+            kv,
+            states,
+            keep=lambda seq, start, rows: self._keep_plain(seq, start + len(rows), rows, kv),
+        )
+        self.llm.sample_all(results)
 
     def keep_plain_step(self, seqs: list[Sequence], hidden: torch.Tensor, kv=None) -> None:
-        """After a plain step of ``seqs`` (final-normed hidden states [b, H], row per sequence): drafts held
-        for a fused round are dropped, the MTP head's inputs grow by the step's position -- except for
-        sequences that never draft (``plain_only``), which drop them."""
+        """After a plain step of ``seqs`` (final-normed hidden states [b, H], row per sequence; the engine's
+        async steps): as ``plain_steps`` keeps them."""
         kv = self.llm.runner.kv if kv is None else kv
         for i, seq in enumerate(seqs):
-            seq.drafts = None
-            if self.plain_only(seq, kv):
-                seq.hidden_tail, seq.mtp_cached = hidden[:0], seq.num_cached
-            else:
-                seq.hidden_tail = torch.cat([seq.hidden_tail, hidden[i : i + 1]])
+            self._keep_plain(seq, seq.num_cached, hidden[i : i + 1], kv)
+
+    def _keep_plain(self, seq: Sequence, end: int, rows: torch.Tensor, kv) -> None:
+        """Drafts held for a fused round are dropped; the MTP head's inputs grow by the step's position
+        (``rows`` [1, H]), or are dropped for a sequence that never drafts (``plain_only``: the head's cache
+        then starts at ``end``, the position after this step)."""
+        seq.drafts = None
+        if self.plain_only(seq, kv):
+            seq.hidden_tail, seq.mtp_cached = rows[:0], end
+        else:
+            seq.hidden_tail = torch.cat([seq.hidden_tail, rows])
