@@ -206,3 +206,40 @@ def test_tensor_core_gemv_compiles_for_sm90():
         # expert (table entries through L2) and its first weights before the wait, and releases nothing
         assert (r["loads_before_wait"] > 0) == r["cg_before_wait"] == (not gated), r
         assert r["launch"] == (1 if gated else -1), r
+
+
+ATTENTION_SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fp4moe.kernels import attention
+
+fn = attention._decode_split_kernel
+results = []
+for fp8 in json.loads(sys.argv[1]):
+    # the full-size model's shapes: 16 q / 2 kv heads of 256, pages of 16 tokens
+    consts = dict(H=16, HKV=2, D=256, G=8, GP=16, PAGE=16, NSPLIT=8, FP8=fp8, DOT_F32=False, PDL=True)
+    pointers = {"q_ptr": "*bf16", "k_cache_ptr": "*u8" if fp8 else "*bf16", "v_cache_ptr": "*u8" if fp8 else "*bf16",
+                "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "kv_scale_ptr": "*fp32", "part_o_ptr": "*fp32",
+                "part_ml_ptr": "*fp32", "sm_scale": "fp32"}
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
+    try:
+        k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+        ptx = k.asm["ptx"]
+        results.append(dict(ok=bool(k.asm["cubin"]), error="", e4m3_cvt="e4m3x2" in ptx))
+    except Exception as exc:
+        results.append(dict(ok=False, error=f"{type(exc).__name__}: {exc}"[-2000:], e4m3_cvt=False))
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_decode_attention_compiles_for_sm90_with_both_cache_dtypes():
+    """The paged decode attention kernel for the H200, bf16 and fp8 caches: the fp8 one converts its bytes
+    with the hardware's e4m3 conversion (its scales multiply scores and output, not each element)."""
+    bf16, fp8 = _compile(ATTENTION_SCRIPT, [False, True])
+    assert bf16["ok"], bf16["error"]
+    assert fp8["ok"], fp8["error"]
+    assert fp8["e4m3_cvt"] and not bf16["e4m3_cvt"]
