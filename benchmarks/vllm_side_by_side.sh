@@ -11,7 +11,7 @@
 #   speed    benchmarks/serve.py --engine vllm (full-size dummy: pp 512 / tg 128 at 1-64, the decode-dominated
 #            pp 128 / tg 1024, pp 8192 at 1, SGLang's pp 8192 / tg 1024 at 1 and 16), then the same on fp4moe
 #            serve with its engine rate; 'speed vllm' / 'speed fp4moe' split it over two calls (each waits for
-#            the background warm-up to end first)
+#            the background warm-up to end first); 'speed fp4moe-8192': fp4moe with vLLM's step budget
 # Results go to $OUT. Make the parts here first: bash scripts/vllm_wheels.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ mkdir -p "$out"
 ours() { PYTHONPATH=/tmp/site:src${PYTHONPATH:+:$PYTHONPATH} python3 "$@"; }
 vllm_env() { (unset PYTHONPATH; . /tmp/vllm-site/vllm-env.sh; export PYTHONPATH=$PYTHONPATH:$PWD/src; "$@"); }
 status=0
-case ${1:?usage: $0 part N|ours|matrix|recipe|speed [vllm|fp4moe]} in
+case ${1:?usage: $0 part N|ours|matrix|recipe|speed [vllm|fp4moe|fp4moe-8192]} in
 part)
   bash scripts/vllm_join.sh ".vllm-whl/carry-${2:?part number}" 2>&1 | tail -5; status=${PIPESTATUS[0]}
   if [ -d .whl ]; then
@@ -56,7 +56,12 @@ speed)
   fi
   which=${2:-both} sweep=(--spec off --concurrency 1 4 8 16 32 48 64 --runs 1 --decode-rows --sglang)
   if [ "$which" != fp4moe ]; then ours benchmarks/serve.py --engine vllm "${sweep[@]}" --out "$out/vllm" || status=1; fi
-  if [ "$which" != vllm ]; then ours benchmarks/serve.py "${sweep[@]}" --engine-rate --out "$out/fp4moe" || status=1; fi
+  if [ "$which" = both ] || [ "$which" = fp4moe ]; then
+    ours benchmarks/serve.py "${sweep[@]}" --engine-rate --out "$out/fp4moe" || status=1
+  fi
+  if [ "$which" = fp4moe-8192 ]; then  # vLLM's default step budget on this GPU (ours served: 2,048)
+    ours benchmarks/serve.py "${sweep[@]}" --max-num-batched-tokens 8192 --out "$out/fp4moe-8192" || status=1
+  fi
   ;;
 esac
 exit $status

@@ -803,9 +803,10 @@ def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeyp
     from fp4moe.engine.core import EngineCore
     from fp4moe.engine.scheduler import SchedulerConfig
 
-    monkeypatch.setattr(spec_decode, "BACKOFF_STEPS", 4)
+    monkeypatch.setattr(spec_decode, "PROBE_ROUNDS", 2)  # short phases: every step runs Triton's interpreter
+    monkeypatch.setattr(spec_decode, "BACKOFF_STEPS", 2)
     path = checkpoints.bf16()
-    n = 14  # the first token, 4 probe rounds, 4 backed-off steps, probes again
+    n = 8  # the first token, 2 probe rounds, 2 backed-off steps, probes again
     greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
     plain = LLM(path, dtype="bfloat16", device=DEV, async_scheduling=False)
@@ -832,8 +833,8 @@ def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeyp
         if core.stats.async_steps and rounds_before_async is None:
             rounds_before_async = len(probes)
     assert spec.stats.backed_off >= 2 and spec.stats.acceptance_rate < 0.3  # the random head
-    assert rounds_before_async >= 4 and len(probes) > rounds_before_async  # probed again after the chain
-    assert core.stats.async_steps >= 4
+    assert rounds_before_async >= 2 and len(probes) > rounds_before_async  # probed again after the chain
+    assert core.stats.async_steps >= 2  # backed-off steps after the first (which follows a synchronous round)
     from types import SimpleNamespace
 
     _agree(
@@ -844,6 +845,7 @@ def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeyp
     # a request arriving while the head keeps failing starts backed off: no probe rounds, async from its
     # first decode step
     assert not spec.head_pays()
+    monkeypatch.setattr(spec_decode, "BACKOFF_STEPS", 4)  # its 4 steps after the first token, all backed off
     late = core.make_sequences(prompts[0], SamplingParams(**{**vars(params), "max_tokens": 5}))[0]
     core.add([late])
     probed, overlapped = len(probes), core.stats.async_steps
