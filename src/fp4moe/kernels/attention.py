@@ -114,7 +114,7 @@ def _decode_split_kernel(
     # values are exact in fp16, so K and V go from their bytes to the dots with one conversion (scaling and
     # rounding each element cost more than reading it: fp8 decode ran at 44% of its roofline, bf16 at 82%)
     qk_scale = sm_scale
-    if FP8:  # the dots in fp16, which e4m3 converts to in one instruction per pair and which holds q exactly
+    if FP8:  # the dots in fp16: e4m3 converts to it in one instruction per pair, and it holds q (above 2^-14)
         qk_scale = sm_scale * tl.load(kv_scale_ptr)
         q = q.to(tl.float16)
     offs = tl.arange(0, PAGE)
@@ -127,10 +127,7 @@ def _decode_split_kernel(
         if FP8:
             k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
             v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        if DOT_F32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) if DOT_F32 else tl.dot(q, tl.trans(k))
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
