@@ -24,7 +24,6 @@ import json
 from pathlib import Path
 
 from fp4moe.models.qwen3_5_moe import REAL_TEXT_CONFIG
-from fp4moe.models.tiny import PREPROCESSOR as TINY_PREPROCESSOR
 
 BASE_NAMES = ("qwen3.5-35b-a3b", "qwen3.6-35b-a3b")
 NAMES = BASE_NAMES + tuple(f"{n}-nvfp4" for n in BASE_NAMES)
@@ -181,11 +180,6 @@ def synthetic_tokenizer(vocab_size: int = REAL_TEXT_CONFIG["vocab_size"], traine
     return fast
 
 
-# the tiny models' image processor (Qwen3-VL's: patches of 16, 2 x 2 merged, mean/std 0.5) with the real model's
-# pixel bounds (Qwen3-VL's processor: 256 to 16,384 merged tokens of 32 x 32 pixels)
-PREPROCESSOR = {**TINY_PREPROCESSOR, "size": {"shortest_edge": 65_536, "longest_edge": 16_777_216}}
-
-
 def write_full_size(out: str | Path, name: str = "qwen3.6-35b-a3b-nvfp4", quantize_extra=()) -> Path:
     """The directory ``--load-format dummy`` serves: config, tokenizer, chat template, generation config and the
     image processor's config (vLLM builds the model's processor at start-up and fails without it). Written to a
@@ -200,7 +194,12 @@ def write_full_size(out: str | Path, name: str = "qwen3.6-35b-a3b-nvfp4", quanti
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
         synthetic_tokenizer().save_pretrained(tmp)
-        (tmp / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
+        from fp4moe.models.tiny import PREPROCESSOR  # only when writing, as synthetic_tokenizer imports it
+
+        # the tiny models' image processor (Qwen3-VL's: patches of 16, 2 x 2 merged, mean/std 0.5) with the
+        # real model's pixel bounds (Qwen3-VL's processor: 256 to 16,384 merged tokens of 32 x 32 pixels)
+        processor = {**PREPROCESSOR, "size": {"shortest_edge": 65_536, "longest_edge": 16_777_216}}
+        (tmp / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
         eos = [TOKEN_IDS["<|im_end|>"], TOKEN_IDS["<|endoftext|>"]]
         (tmp / "generation_config.json").write_text(
             json.dumps({"eos_token_id": eos, "do_sample": False}) + "\n"
