@@ -215,22 +215,29 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fp4moe.kernels import attention
 
-fn = attention._decode_split_kernel
 results = []
-for fp8 in json.loads(sys.argv[1]):
-    # the full-size model's shapes: 16 q / 2 kv heads of 256, pages of 16 tokens
-    consts = dict(H=16, HKV=2, D=256, G=8, GP=16, PAGE=16, NSPLIT=8, FP8=fp8, DOT_F32=False, PDL=True)
-    pointers = {"q_ptr": "*bf16", "k_cache_ptr": "*u8" if fp8 else "*bf16", "v_cache_ptr": "*u8" if fp8 else "*bf16",
-                "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "kv_scale_ptr": "*fp32", "part_o_ptr": "*fp32",
-                "part_ml_ptr": "*fp32", "sm_scale": "fp32"}
+for name, fp8 in json.loads(sys.argv[1]):
+    fn = getattr(attention, name)
+    cache = "*u8" if fp8 else "*bf16"
+    # the full-size model's shapes: 16 q / 2 kv heads of 256, pages of 16 (decode) or 64 (prefill) tokens
+    if name == "_decode_split_kernel":
+        consts = dict(H=16, HKV=2, D=256, G=8, GP=16, PAGE=16, NSPLIT=8, FP8=fp8, DOT_F32=False, PDL=True)
+        warps, stages = 4, 2
+    else:
+        rows, cols, warps, stages = attention.PREFILL_TILE
+        consts = dict(H=16, HKV=2, D=256, G=8, TOK=rows // 8, BM=rows, BN=cols, PAGE=64, FP8=fp8, DOT_F32=False)
+    pointers = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "block_table_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "kv_scale_ptr": "*fp32", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32",
+                "sm_scale": "fp32", "qk_scale": "fp32", "out_ptr": "*bf16", "blocks_ptr": "*i64",
+                "slots_ptr": "*i64", "cached_ptr": "*i64", "starts_ptr": "*i32", "ends_ptr": "*i64"}
     signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
     try:
         k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
-                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
         ptx = k.asm["ptx"]
-        results.append(dict(ok=bool(k.asm["cubin"]), error="", e4m3_cvt="e4m3x2" in ptx))
+        results.append(dict(ok=bool(k.asm["cubin"]), error="", e4m3_cvt="e4m3x2" in ptx, wgmma="wgmma" in ptx))
     except Exception as exc:
-        results.append(dict(ok=False, error=f"{type(exc).__name__}: {exc}"[-2000:], e4m3_cvt=False))
+        results.append(dict(ok=False, error=f"{type(exc).__name__}: {exc}"[-2000:], e4m3_cvt=False, wgmma=False))
 print(json.dumps(results))
 """
 
@@ -239,7 +246,21 @@ print(json.dumps(results))
 def test_decode_attention_compiles_for_sm90_with_both_cache_dtypes():
     """The paged decode attention kernel for the H200, bf16 and fp8 caches: the fp8 one converts its bytes
     with the hardware's e4m3 conversion (its scales multiply scores and output, not each element)."""
-    bf16, fp8 = _compile(ATTENTION_SCRIPT, [False, True])
+    bf16, fp8 = _compile(ATTENTION_SCRIPT, [["_decode_split_kernel", False], ["_decode_split_kernel", True]])
     assert bf16["ok"], bf16["error"]
     assert fp8["ok"], fp8["error"]
+    assert fp8["e4m3_cvt"] and not bf16["e4m3_cvt"]
+
+
+@pytest.mark.slow
+def test_paged_prefill_attention_compiles_for_sm90_with_both_cache_dtypes():
+    """The paged prefill attention kernel for the H200 at the full-size shapes and its default tile, bf16
+    and fp8 pages: its dots on Hopper's warpgroup tensor cores (wgmma), fp8 bytes through the hardware's
+    e4m3 conversion."""
+    bf16, fp8 = _compile(
+        ATTENTION_SCRIPT, [["_prefill_paged_kernel", False], ["_prefill_paged_kernel", True]]
+    )
+    assert bf16["ok"], bf16["error"]
+    assert fp8["ok"], fp8["error"]
+    assert bf16["wgmma"] and fp8["wgmma"], (bf16, fp8)
     assert fp8["e4m3_cvt"] and not bf16["e4m3_cvt"]

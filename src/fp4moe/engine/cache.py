@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from fp4moe.layers.attention import attend_each
+
 
 def fp8_scale(x: torch.Tensor) -> torch.Tensor:
     """Per-tensor fp8 KV scale from the first values written: amax with 2x headroom, over e4m3's 448."""
@@ -66,6 +68,11 @@ class KVCache:
             self.append(layer, slot, k[a:b], v[a:b])
             for slot, (a, b) in zip(ctx.slots, ctx.spans(), strict=True)
         ]
+
+    def attend_step(self, layer: int, ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The step's keys/values added (``append_step``), then its rows q [T, H, D] attending causally over
+        their sequences' caches -> [T, H, D]."""
+        return attend_each(q, self.append_step(layer, ctx, k, v), ctx)
 
     def truncate(self, layer: int, slot: int, length: int) -> None:
         """Keep the first ``length`` tokens of a slot's cache at one layer (speculative-decoding rollback)."""

@@ -16,6 +16,7 @@ import torch
 
 from fp4moe.engine.cache import fp8_decode, fp8_encode, fp8_scale
 from fp4moe.engine.transfer import to_device
+from fp4moe.layers.attention import attend_each
 
 
 class CacheFull(RuntimeError):
@@ -116,32 +117,59 @@ class PagedKVCache:
         a fresh prompt's are its own rows (as stored: through fp8 and back for an fp8 cache), so only a
         continuing chunk reads its pages. A prefill layer made ~20 small launches per sequence before."""
         spans = ctx.spans()
-        if any(self.length(layer, s) != c for s, c in zip(ctx.slots, ctx.cached_lens, strict=True)):
+        if not self._aligned(layer, ctx):
             return [self.append(layer, s, k[a:b], v[a:b]) for s, (a, b) in zip(ctx.slots, spans, strict=True)]
-        for slot, cached, n in zip(ctx.slots, ctx.cached_lens, ctx.query_lens, strict=True):
-            self.reserve(slot, cached + n)
-        t, i, page = ctx.tensors(self.device), self.index[layer], self.page_size
-        seq = t.token_seq.long()
-        pos = t.cached[seq] + torch.arange(k.shape[0], device=self.device) - t.starts[seq]
-        rows = self.block_table[t.slots[seq], pos // page].long() * page + pos % page
-        if self.fp8:
-            a, b = spans[0]
-            self._set_scales(layer, k[a:b], v[a:b])  # from the first sequence's rows, as append sets them
-        k, v = self.store(layer, rows, k, v)
+        k, v = self._store_step(layer, ctx, k, v)
+        i = self.index[layer]
         kc, vc = self.k[i].view(-1, *k.shape[1:]), self.v[i].view(-1, *k.shape[1:])
         out = []
-        for slot, cached, n, (a, b) in zip(ctx.slots, ctx.cached_lens, ctx.query_lens, spans, strict=True):
-            self._len[(layer, slot)] = cached + n
+        for slot, cached, (a, b) in zip(ctx.slots, ctx.cached_lens, spans, strict=True):
             if cached == 0:
                 out.append((k[a:b], v[a:b]))
                 continue
-            whole = self.rows(slot, 0, cached + n)
+            whole = self.rows(slot, 0, cached + b - a)
             if self.fp8:
                 ks, vs = self.scales[layer]
                 out.append((fp8_decode(kc[whole], ks, k.dtype), fp8_decode(vc[whole], vs, v.dtype)))
             else:
                 out.append((kc[whole], vc[whole]))
         return out
+
+    def _aligned(self, layer: int, ctx) -> bool:
+        """Whether every sequence of the step holds in this layer what the step says it has cached (where
+        not, ``append_step`` appends each at its own length)."""
+        return all(self.length(layer, s) == c for s, c in zip(ctx.slots, ctx.cached_lens, strict=True))
+
+    def _store_step(self, layer: int, ctx, k: torch.Tensor, v: torch.Tensor):
+        """Every row of the step written into its page at its position, in one scatter -> the k/v as stored."""
+        for slot, cached, n in zip(ctx.slots, ctx.cached_lens, ctx.query_lens, strict=True):
+            self.reserve(slot, cached + n)
+            self._len[(layer, slot)] = cached + n
+        t, page = ctx.tensors(self.device), self.page_size
+        seq = t.token_seq.long()
+        pos = t.cached[seq] + torch.arange(k.shape[0], device=self.device) - t.starts[seq]
+        rows = self.block_table[t.slots[seq], pos // page].long() * page + pos % page
+        if self.fp8:
+            a, b = ctx.spans()[0]
+            self._set_scales(layer, k[a:b], v[a:b])  # from the first sequence's rows, as append sets them
+        return self.store(layer, rows, k, v)
+
+    def attend_step(self, layer: int, ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``KVCache.attend_step`` on the pages: a step whose sequences all start fresh attends over its own
+        rows (flash attention, ``append_step``); one with cached tokens stores its rows and runs the paged
+        kernel over every row (``paged_prefill_attention``: no gather of the prefix, no mask, one launch;
+        gathering each chunk's whole prefix and masking it grew with the context and stopped at 32K)."""
+        if not any(ctx.cached_lens) or not self._aligned(layer, ctx):
+            return attend_each(q, self.append_step(layer, ctx, k, v), ctx)
+        from fp4moe.kernels.attention import paged_prefill_attention, prefill_tokens_per_program
+
+        self._store_step(layer, ctx, k, v)
+        i, (_, heads, dim), hkv = self.index[layer], q.shape, k.shape[1]
+        blocks = ctx.chunk_indices(self.device, prefill_tokens_per_program(heads // hkv))
+        return paged_prefill_attention(
+            q.contiguous(), self.k[i], self.v[i], self.block_table, ctx.tensors(self.device), blocks,
+            self.scale_t[i], (heads, hkv, dim),
+        )  # fmt: skip
 
     def store(
         self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -6,6 +6,10 @@
 - ``paged_decode_attention``: one query token per sequence over its pages, split along the sequence
   (flash-decoding) so that batch 1 fills the GPU; one program per (sequence, KV head, split) handles the
   whole GQA group. A second kernel merges the splits and applies the output gate sigmoid(gate).
+- ``paged_prefill_attention``: the rows of a step whose sequences continue (a prompt's later chunks, a
+  prefix-cache hit, mixed steps) over their pages, flash-attention style: one program per (TOK query tokens
+  of one sequence, KV head) holds the TOK x G rows of the GQA group, so each K/V tile read from the pages
+  serves every head that shares it; causal from each row's position, fp8 pages read as bytes.
 References: ``layers.attention`` (``attend``) and ``engine.cache.KVCache`` (fp8 encoding)."""
 
 from __future__ import annotations
@@ -86,6 +90,21 @@ def qk_norm_rope_store(
 
 
 @triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, DOT_F32: tl.constexpr):
+    """One key tile of flash attention: scaled scores s [rows, keys] (-inf where masked), values v
+    [keys, D] -> the running max, sum and output accumulator (rows x D, fp32) after it."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, stride_bt, seq_lens_ptr, kv_scale_ptr,
     part_o_ptr, part_ml_ptr, sm_scale, split_len,
@@ -129,15 +148,7 @@ def _decode_split_kernel(
             v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) if DOT_F32 else tl.dot(q, tl.trans(k))
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_F32)
     if FP8:
         acc = acc * tl.load(kv_scale_ptr + 1)
     part = (b.to(tl.int64) * H + heads) * NSPLIT + sp
@@ -224,5 +235,99 @@ def paged_decode_attention(
     _decode_merge_kernel[(b, h)](
         part_o, part_ml, qkv, qkv.stride(0), out, H=h, D=d, NSPLIT=nsplit, NSP=next_pow2(nsplit),
         **pdl_args("start"),  # the output projection's GEMV loads its first tile meanwhile
+    )  # fmt: skip
+    return out
+
+
+# the step's layout tensors are views at offsets that depend on its number of sequences, and the fp8
+# scales one layer's row of a table: not specializing on their alignment keeps it to one compile (issue 20)
+@triton.jit(
+    do_not_specialize_on_alignment=[
+        "blocks_ptr",
+        "slots_ptr",
+        "cached_ptr",
+        "starts_ptr",
+        "ends_ptr",
+        "kv_scale_ptr",
+    ]
+)
+def _prefill_paged_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, stride_bt, out_ptr, blocks_ptr, slots_ptr, cached_ptr,
+    starts_ptr, ends_ptr, kv_scale_ptr, qk_scale,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, TOK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    blk = tl.program_id(0)
+    kh = tl.program_id(1)
+    seq = tl.load(blocks_ptr + blk * 2)
+    t0 = tl.load(blocks_ptr + blk * 2 + 1) * TOK  # first query token of this program, within its sequence
+    slot = tl.load(slots_ptr + seq)
+    cached = tl.load(cached_ptr + seq)
+    first = tl.load(starts_ptr + seq).to(tl.int64)  # its first row in the flat batch
+    n = tl.load(ends_ptr + seq) - first
+    r = tl.arange(0, BM)
+    tok = t0 + r // G
+    head = kh * G + r % G
+    live = (r < TOK * G) & (tok < n)
+    pos = cached + tok  # each row's position: it sees keys 0..pos
+    d = tl.arange(0, D)
+    q_off = ((first + tok) * H + head)[:, None] * D + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=live[:, None], other=0.0)
+    if FP8:  # as in the decode kernel: e4m3 is exact in fp16, the scales go on the scores and the output
+        q = q.to(tl.float16)
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
+    m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BM,), dtype=tl.float32)
+    acc = tl.zeros((BM, D), dtype=tl.float32)
+    end = cached + tl.minimum(t0 + TOK, n)  # keys [0, end): up to this program's last row
+    bt = block_table_ptr + slot.to(tl.int64) * stride_bt
+    cols = tl.arange(0, BN)
+    for n0 in range(0, end, BN):
+        key = n0 + cols
+        inside = key < end
+        page = tl.load(bt + key // PAGE, mask=inside, other=0).to(tl.int64)
+        kv_off = ((page * PAGE + key % PAGE) * HKV + kh)[:, None] * D + d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=inside[:, None], other=0)
+        v = tl.load(v_cache_ptr + kv_off, mask=inside[:, None], other=0)
+        if FP8:
+            k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) if DOT_F32 else tl.dot(q, tl.trans(k))
+        s = tl.where(key[None, :] <= pos[:, None], s * qk_scale, float("-inf"))  # key 0: seen by every row
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_F32)
+    out = acc / l_i[:, None]
+    if FP8:
+        out = out * tl.load(kv_scale_ptr + 1)
+    tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+PREFILL_TILE = (64, 64, 4, 2)  # rows (query tokens x GQA group) and keys per tile, warps, stages
+
+
+def prefill_tokens_per_program(group: int, rows: int = PREFILL_TILE[0]) -> int:
+    """Query tokens per program: as many as fill ``rows`` rows with a whole GQA group each."""
+    return max(1, rows // group)
+
+
+def paged_prefill_attention(
+    q, k_cache, v_cache, block_table, step, blocks, kv_scales, dims, out=None, tile=PREFILL_TILE
+):
+    """q [T, H, D] (the step's rows, their k/v already in the pages); ``step``: the step's layout
+    (``StepTensors``: slots, cached, starts, ends); ``blocks`` [programs, 2]: (sequence, block of
+    ``prefill_tokens_per_program`` tokens within it), ``StepContext.chunk_indices`` -> [T, H, D], each row
+    attending causally to its sequence's keys 0..its position."""
+    h, hkv, d = dims
+    g = h // hkv
+    rows, cols, warps, stages = tile
+    tok = prefill_tokens_per_program(g, rows)
+    bm = max(16, next_pow2(tok * g))
+    if out is None:
+        out = torch.empty_like(q)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    _prefill_paged_kernel[(blocks.shape[0], hkv)](
+        q, uint8_view(k_cache), uint8_view(v_cache), block_table, block_table.stride(0), out, blocks,
+        step.slots, step.cached, step.starts, step.ends, kv_scales, d**-0.5,
+        H=h, HKV=hkv, D=d, G=g, TOK=tok, BM=bm, BN=cols, PAGE=k_cache.shape[1], FP8=fp8, DOT_F32=INTERPRET,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -29,11 +29,7 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         """x [T, hidden] (flat batch), cos/sin [T, rotary_dim] -> [T, hidden]."""
         q, gate, k, v = self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
-        out = torch.empty_like(q)
-        whole = ctx.kv.append_step(self.layer_id, ctx, k, v)  # each sequence's k/v [L, Hkv, D]
-        for seq, ((start, end), (k_all, v_all)) in enumerate(zip(ctx.spans(), whole, strict=True)):
-            out[start:end] = attend(q[start:end], k_all, v_all, ctx.cached_lens[seq])
-        return self.output(out, gate)
+        return self.output(ctx.kv.attend_step(self.layer_id, ctx, q, k, v), gate)
 
     def heads(self, q_gate, k, v, cos, sin):
         """The projections' outputs [T, ...] -> per head q (normed, rotated), gate [T, H, D] and k (normed,
@@ -48,6 +44,16 @@ class GatedAttention(nn.Module):
         """Attention output [T, H, D] * sigmoid(gate), then o_proj."""
         t = out.shape[0]
         return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
+
+
+def attend_each(q: torch.Tensor, whole: list, ctx) -> torch.Tensor:
+    """The step's rows q [T, H, D], each sequence's over its whole k/v (``whole``: [L, Hkv, D] pairs, as
+    the caches' ``append_step`` returns them) -> [T, H, D]: the caches' ``attend_step`` where no paged
+    kernel runs (the CPU; fresh prompts on the GPU)."""
+    out = torch.empty_like(q)
+    for cached, (a, b), (k, v) in zip(ctx.cached_lens, ctx.spans(), whole, strict=True):
+        out[a:b] = attend(q[a:b], k, v, cached)
+    return out
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -> torch.Tensor:
