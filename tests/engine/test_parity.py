@@ -279,20 +279,25 @@ def test_long_context_on_the_gpu_matches_the_cpu_path(checkpoints):
     positions, prefilled by the GPU engine in 8K chunks (the paged prefill kernel over the cached prefix,
     Gated DeltaNet states carried over 8 chunk boundaries), then 4 fused decode steps, against the CPU
     reference path (fp32, 2K chunks; itself held to transformers by the test above), both fed the
-    reference's greedy tokens. At the middle and end of every GPU chunk and at each decode step, the
-    log-probabilities of the reference's 8 most likely tokens agree within 0.2 nats with a bf16 cache
-    (bf16 noise: the decode gate measured up to 0.11) and 0.5 with fp8 (e4m3 keeps 3 mantissa bits: ~6%
-    per cached element)."""
+    reference's greedy tokens. Compared: the log-probabilities of the reference's 8 most likely tokens at
+    the middle and end of every GPU chunk and at each decode step.
+
+    Tolerance: the GPU engine computes in bf16 and its fused prefill sums each token's experts in fp32 (the
+    modules in bf16): on this random model a router near tie then picks another expert now and then, which
+    moves that position by up to ~1 nat (measured on the CPU under the interpreter: 0.32 at one of 5
+    positions, 0.02 elsewhere). A broken page, scale or state moves every later position. So: the median
+    position within 0.05 nats with a bf16 cache (0.15 fp8: e4m3 keeps 3 mantissa bits) and 90% of positions
+    within 0.2 (0.5 fp8)."""
     path = checkpoints.bf16()
     yarn = _yarn(16.0)
     n, steps = 65536 + 127, 4
     prompt = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(23)).tolist()
-    wanted = {p for start in range(0, n, 8192) for p in (start + 4095, min(start + 8192, n) - 1)}
+    wanted = {p for start in range(0, n, 8192) for p in (start + 4095, start + 8191) if p < n} | {n - 1}
     cpu = LLM(path, dtype="float32", hf_overrides={"text_config": yarn})
     want, seq = _chunked_logits(cpu, prompt, 2048, wanted, steps)
     del cpu
-    assert len(want) == len(wanted) + steps
-    worst = {}
+    assert len(want) == len(wanted) + steps == 21
+    diffs = {}
     for kv_dtype in ("auto", "fp8"):
         gpu = LLM(path, dtype="bfloat16", device="cuda", kv_cache_dtype=kv_dtype, max_num_seqs=1,
                   hf_overrides={"text_config": yarn}, max_model_len=n + 64)  # fmt: skip
@@ -300,9 +305,12 @@ def test_long_context_on_the_gpu_matches_the_cpu_path(checkpoints):
         del gpu
         torch.cuda.empty_cache()
         assert sorted(got) == sorted(want)
-        worst[kv_dtype] = max(
+        diffs[kv_dtype] = [
             float((got[p].log_softmax(-1) - want[p].log_softmax(-1))[want[p].topk(8).indices].abs().max())
-            for p in want
-        )
-    print(f"{len(want)} positions, largest log-probability differences (nats): {worst}")
-    assert worst["auto"] < 0.2 and worst["fp8"] < 0.5, worst
+            for p in sorted(want)
+        ]
+        print(f"{kv_dtype} cache, log-probability differences (nats) by position:",
+              ", ".join(f"{p}: {d:.3f}" for p, d in zip(sorted(want), diffs[kv_dtype], strict=True)))  # fmt: skip
+    for kv_dtype, median, tol in (("auto", 0.05, 0.2), ("fp8", 0.15, 0.5)):
+        d = torch.tensor(diffs[kv_dtype])
+        assert d.median() < median and (d < tol).float().mean() >= 0.9, (kv_dtype, diffs[kv_dtype])

@@ -91,17 +91,35 @@ def qk_norm_rope_store(
 
 @triton.jit
 def _online_softmax(s, v, m_i, l_i, acc, DOT_F32: tl.constexpr):
-    """One key tile of flash attention: scaled scores s [rows, keys] (-inf where masked), values v
-    [keys, D] -> the running max, sum and output accumulator (rows x D, fp32) after it."""
+    """One key tile of flash attention: scores s [rows, keys] scaled by softmax scale x log2(e) (-inf where
+    masked), values v [keys, D] -> the running max (log2 units), sum and output accumulator (rows x D,
+    fp32) after it."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if DOT_F32:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, kv_off, valid, FP8: tl.constexpr, MASKED: tl.constexpr = True):
+    """Keys and values at ``kv_off`` [keys, D] (rows not ``valid``: zeros; ``MASKED`` False: every row is);
+    an fp8 cache's bytes as fp16 (e4m3 is exact in it: one conversion, the scales go on the scores and
+    the output)."""
+    if MASKED:
+        k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0)
+        v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0)
+    else:
+        k = tl.load(k_cache_ptr + kv_off)
+        v = tl.load(v_cache_ptr + kv_off)
+    if FP8:
+        k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return k, v
 
 
 @triton.jit
@@ -141,11 +159,7 @@ def _decode_split_kernel(
         page = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + p0 // PAGE).to(tl.int64)
         valid = p0 + offs < end
         kv_off = ((page * PAGE + offs[:, None]) * HKV + kh) * D + d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0)
-        v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0)
-        if FP8:
-            k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, kv_off, valid, FP8)
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) if DOT_F32 else tl.dot(q, tl.trans(k))
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_F32)
@@ -172,7 +186,7 @@ def _decode_merge_kernel(
     m = tl.load(part_ml_ptr + (base + s) * 2, mask=s < NSPLIT, other=float("-inf"))
     l = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s < NSPLIT, other=0.0)
     m_max = tl.max(m, 0)
-    w = tl.where(l > 0, tl.exp(m - m_max), 0.0)
+    w = tl.where(l > 0, tl.exp2(m - m_max), 0.0)  # the splits' maxima are in log2 units
     o = tl.load(
         part_o_ptr + (base + s)[:, None] * D + d[None, :],
         mask=(s[:, None] < NSPLIT) & (l[:, None] > 0),
@@ -228,7 +242,7 @@ def paged_decode_attention(
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     _decode_split_kernel[(b, hkv, nsplit)](
         q, uint8_view(k_cache), uint8_view(v_cache), block_table, block_table.stride(0), seq_lens, kv_scales,
-        part_o, part_ml, d**-0.5, split,
+        part_o, part_ml, d**-0.5 * LOG2E, split,
         H=h, HKV=hkv, D=d, G=g, GP=max(16, next_pow2(g)), PAGE=page, NSPLIT=nsplit, FP8=fp8, DOT_F32=INTERPRET,
         num_warps=4, num_stages=2, **pdl_args(),
     )  # fmt: skip
@@ -279,19 +293,25 @@ def _prefill_paged_kernel(
     m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, D), dtype=tl.float32)
-    end = cached + tl.minimum(t0 + TOK, n)  # keys [0, end): up to this program's last row
     bt = block_table_ptr + slot.to(tl.int64) * stride_bt
     cols = tl.arange(0, BN)
-    for n0 in range(0, end, BN):
+    # keys every row of the program sees (below its first row's position), whole tiles: no mask
+    seen = (cached + t0 + 1) // BN * BN
+    for n0 in range(0, seen, BN):
+        key = n0 + cols
+        page = tl.load(bt + key // PAGE).to(tl.int64)
+        kv_off = ((page * PAGE + key % PAGE) * HKV + kh)[:, None] * D + d[None, :]
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, kv_off, key, FP8, False)
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) if DOT_F32 else tl.dot(q, tl.trans(k))
+        m_i, l_i, acc = _online_softmax(s * qk_scale, v, m_i, l_i, acc, DOT_F32)
+    # then the tiles up to the program's last row, causal per row
+    end = cached + tl.minimum(t0 + TOK, n)
+    for n0 in range(seen, end, BN):
         key = n0 + cols
         inside = key < end
         page = tl.load(bt + key // PAGE, mask=inside, other=0).to(tl.int64)
         kv_off = ((page * PAGE + key % PAGE) * HKV + kh)[:, None] * D + d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=inside[:, None], other=0)
-        v = tl.load(v_cache_ptr + kv_off, mask=inside[:, None], other=0)
-        if FP8:
-            k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, kv_off, inside, FP8)
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) if DOT_F32 else tl.dot(q, tl.trans(k))
         s = tl.where(key[None, :] <= pos[:, None], s * qk_scale, float("-inf"))  # key 0: seen by every row
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_F32)
@@ -301,7 +321,10 @@ def _prefill_paged_kernel(
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
-PREFILL_TILE = (64, 64, 4, 2)  # rows (query tokens x GQA group) and keys per tile, warps, stages
+LOG2E = 1.4426950408889634  # the kernels' softmax runs on exp2: scores carry the scale x log2(e)
+# rows, keys per tile, warps, stages: the H200's best of a sweep at a 512K prefix (benchmarks/long_context.py
+# --tiles; 296 TFLOP/s against 157 for 64 rows of 4 warps)
+PREFILL_TILE = (128, 64, 8, 2)  # rows (query tokens x GQA group) and keys per tile, warps, stages
 
 
 def prefill_tokens_per_program(group: int, rows: int = PREFILL_TILE[0]) -> int:
@@ -326,7 +349,7 @@ def paged_prefill_attention(
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     _prefill_paged_kernel[(blocks.shape[0], hkv)](
         q, uint8_view(k_cache), uint8_view(v_cache), block_table, block_table.stride(0), out, blocks,
-        step.slots, step.cached, step.starts, step.ends, kv_scales, d**-0.5,
+        step.slots, step.cached, step.starts, step.ends, kv_scales, d**-0.5 * LOG2E,
         H=h, HKV=hkv, D=d, G=g, TOK=tok, BM=bm, BN=cols, PAGE=k_cache.shape[1], FP8=fp8, DOT_F32=INTERPRET,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
