@@ -69,7 +69,7 @@ def kernel_rows(chunk: int, prefixes: list[int], peak: float, tiles: list[tuple]
             scales = torch.ones(2, device=dev)
             ctx = StepContext([chunk], [prefix], [0], None, None)
             step = ctx.tensors(dev)
-            for tile in tiles if (tiles and prefix == prefixes[-1]) else [attn.PREFILL_TILE]:
+            for tile in tiles if (tiles and prefix == prefixes[-1]) else [attn.PREFILL_TILES[kv == "fp8"]]:
                 blocks = ctx.chunk_indices(dev, attn.prefill_tokens_per_program(HEADS // KV_HEADS, tile[0]))
 
                 dims = (HEADS, KV_HEADS, HEAD_DIM)

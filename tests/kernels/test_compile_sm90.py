@@ -224,7 +224,7 @@ for name, fp8 in json.loads(sys.argv[1]):
         consts = dict(H=16, HKV=2, D=256, G=8, GP=16, PAGE=16, NSPLIT=8, FP8=fp8, DOT_F32=False, PDL=True)
         warps, stages = 4, 2
     else:
-        rows, cols, warps, stages = attention.PREFILL_TILE
+        rows, cols, warps, stages = attention.PREFILL_TILES[fp8]
         consts = dict(H=16, HKV=2, D=256, G=8, TOK=rows // 8, BM=rows, BN=cols, PAGE=64, FP8=fp8, DOT_F32=False)
     pointers = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "block_table_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "kv_scale_ptr": "*fp32", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32",

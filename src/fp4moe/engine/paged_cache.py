@@ -161,11 +161,16 @@ class PagedKVCache:
         gathering each chunk's whole prefix and masking it grew with the context and stopped at 32K)."""
         if not any(ctx.cached_lens) or not self._aligned(layer, ctx):
             return attend_each(q, self.append_step(layer, ctx, k, v), ctx)
-        from fp4moe.kernels.attention import paged_prefill_attention, prefill_tokens_per_program
+        from fp4moe.kernels.attention import (
+            PREFILL_TILES,
+            paged_prefill_attention,
+            prefill_tokens_per_program,
+        )
 
         self._store_step(layer, ctx, k, v)
         i, (_, heads, dim), hkv = self.index[layer], q.shape, k.shape[1]
-        blocks = ctx.chunk_indices(self.device, prefill_tokens_per_program(heads // hkv))
+        rows = PREFILL_TILES[self.fp8][0]  # the kernel's tile for this cache
+        blocks = ctx.chunk_indices(self.device, prefill_tokens_per_program(heads // hkv, rows))
         return paged_prefill_attention(
             q.contiguous(), self.k[i], self.v[i], self.block_table, ctx.tensors(self.device), blocks,
             self.scale_t[i], (heads, hkv, dim),

@@ -322,18 +322,19 @@ def _prefill_paged_kernel(
 
 
 LOG2E = 1.4426950408889634  # the kernels' softmax runs on exp2: scores carry the scale x log2(e)
-# rows, keys per tile, warps, stages: the H200's best of a sweep at a 512K prefix (benchmarks/long_context.py
-# --tiles; 296 TFLOP/s against 157 for 64 rows of 4 warps)
-PREFILL_TILE = (128, 64, 8, 2)  # rows (query tokens x GQA group) and keys per tile, warps, stages
+# rows (query tokens x GQA group), keys per tile, warps, stages: the H200's best of a sweep at a 512K prefix
+# (benchmarks/long_context.py --tiles): bf16 pages 443 TFLOP/s (157 with 64 rows of 4 warps), fp8 pages 388
+# with 128-key tiles unpipelined (305 with bf16's tile: the conversions want the registers)
+PREFILL_TILES = {False: (128, 64, 8, 2), True: (128, 128, 8, 1)}  # by fp8
 
 
-def prefill_tokens_per_program(group: int, rows: int = PREFILL_TILE[0]) -> int:
+def prefill_tokens_per_program(group: int, rows: int) -> int:
     """Query tokens per program: as many as fill ``rows`` rows with a whole GQA group each."""
     return max(1, rows // group)
 
 
 def paged_prefill_attention(
-    q, k_cache, v_cache, block_table, step, blocks, kv_scales, dims, out=None, tile=PREFILL_TILE
+    q, k_cache, v_cache, block_table, step, blocks, kv_scales, dims, out=None, tile=None
 ):
     """q [T, H, D] (the step's rows, their k/v already in the pages); ``step``: the step's layout
     (``StepTensors``: slots, cached, starts, ends); ``blocks`` [programs, 2]: (sequence, block of
@@ -341,12 +342,12 @@ def paged_prefill_attention(
     attending causally to its sequence's keys 0..its position."""
     h, hkv, d = dims
     g = h // hkv
-    rows, cols, warps, stages = tile
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    rows, cols, warps, stages = tile or PREFILL_TILES[fp8]
     tok = prefill_tokens_per_program(g, rows)
     bm = max(16, next_pow2(tok * g))
     if out is None:
         out = torch.empty_like(q)
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
     _prefill_paged_kernel[(blocks.shape[0], hkv)](
         q, uint8_view(k_cache), uint8_view(v_cache), block_table, block_table.stride(0), out, blocks,
         step.slots, step.cached, step.starts, step.ends, kv_scales, d**-0.5 * LOG2E,
