@@ -488,6 +488,13 @@ def _add_serve(sub) -> None:
         "--prefix-cache-entries", type=int, default=64, help="prefix snapshots kept, LRU (default 64)"
     )
     p.add_argument(
+        "--prefix-cache-gib",
+        type=float,
+        default=16.0,
+        help="host memory the prefix snapshots may hold, GiB, LRU (default 16; a 512K-token prompt's snapshot "
+        "of the full-size model takes 5.6 GB with an fp8 cache; a prompt whose snapshot alone is larger takes none)",
+    )
+    p.add_argument(
         "--max-n-sequences",
         type=_positive,
         default=16384,
@@ -869,7 +876,9 @@ def cmd_serve(args) -> int:
         flush=True,
     )
     prefix = (
-        PrefixCache(args.prefix_block_size, args.prefix_cache_entries) if args.enable_prefix_caching else None
+        PrefixCache(args.prefix_block_size, args.prefix_cache_entries, int(args.prefix_cache_gib * 2**30))
+        if args.enable_prefix_caching
+        else None
     )
     core = llm.new_core(args.max_waiting, prefix)
     app = build_app(

@@ -140,6 +140,46 @@ def test_prefix_cache_reuses_kv_and_deltanet_states(llm):
     assert core.kv._kv == {} and core.states._states == {}
 
 
+def test_prefix_cache_holds_at_most_its_bytes(llm):
+    """Snapshots are bounded in host bytes as well as in number (a long-context prompt's snapshot is
+    gigabytes): the oldest go first, and a prompt whose snapshot alone would pass the bound takes none (its
+    prefill is not split at a snapshot boundary either) and still decodes the same tokens."""
+    from fp4moe.engine.prefix_cache import PrefixCache
+
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [
+        "The Python tutorial explains data structures. " * 4,
+        "Modules, packages and the import system. " * 4,
+    ]
+
+    def run(core, prompt):
+        seq = core.make_sequences(prompt, p)[0]
+        core.add([seq])
+        split = seq.stop_at
+        while not seq.finished:
+            core.step()
+        return seq, split
+
+    probe = PrefixCache(block_size=16)
+    run(
+        EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), prefix_cache=probe),
+        prompts[0],
+    )
+    one = probe.bytes
+    assert one > 0 and len(probe._entries) == 1
+    pc = PrefixCache(block_size=16, max_entries=8, max_bytes=one * 3 // 2)
+    core = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), prefix_cache=pc)
+    run(core, prompts[0])
+    assert pc.bytes == one and len(pc._entries) == 1
+    second, _ = run(core, prompts[1])  # the first snapshot makes room for the second
+    ids = second.prompt_ids
+    assert 0 < pc.bytes <= pc.max_bytes and len(pc._entries) == 1 and pc.contains(ids, pc.boundary(len(ids)))
+    long = prompts[0] * 3
+    seq, split = run(core, long)
+    assert split == 0 and len(pc._entries) == 1 and pc.bytes <= pc.max_bytes
+    assert seq.output_ids == llm.generate([long], p)[0].outputs[0].token_ids
+
+
 def test_fp8_kv_cache_stays_close_to_exact(checkpoints):
     import torch
 

@@ -109,7 +109,7 @@ class EngineCore:
             pc.restore(snap, self.kv, self.states, seq.slot)
             seq.num_cached = snap.length
         boundary = pc.boundary(len(seq.prompt_ids))
-        if boundary > seq.num_cached and not pc.contains(seq.prompt_ids, boundary):
+        if boundary > seq.num_cached and not pc.contains(seq.prompt_ids, boundary) and pc.fits(boundary):
             seq.stop_at = boundary
 
     def _spec_batch(self, batch) -> list[Sequence]:

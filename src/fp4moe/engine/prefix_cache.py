@@ -6,8 +6,11 @@ p = floor((len - 1) / B) * B, and a snapshot is taken there: the keys/values of 
 attention layer and the conv + recurrent state of every DeltaNet layer at p, keyed by a hash of tokens
 [0, p). A new prompt restores the longest snapshot whose tokens are a prefix of it (checked at every block
 boundary, longest first) and prefills only the rest. Multi-turn chats hit: each turn's prompt extends the
-last. Prompts with images are not cached (their tokens do not identify the image). Snapshots live in a
-bounded LRU; each costs p x the KV bytes per token plus one DeltaNet state per layer.
+last. Prompts with images are not cached (their tokens do not identify the image). Snapshots live in host
+memory, in an LRU bounded by entries and by bytes; each costs p x the KV bytes per token plus one DeltaNet
+state per layer (a 512K-token prompt of the full-size model: 5.6 GB with an fp8 cache), so a prompt whose
+snapshot alone would pass the byte bound takes none (64 long-context snapshots bounded only by count
+would have asked for ~360 GB).
 """
 
 from __future__ import annotations
@@ -26,6 +29,17 @@ class Snapshot:
     states: object  # the DeltaNet states' ``export_slot`` at p
 
 
+def _nbytes(obj) -> int:
+    """Bytes of the tensors in a snapshot's nested tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
 def block_keys(tokens: list[int], block_size: int) -> list[str]:
     """Chained hashes of the block-aligned prefixes: keys[k] identifies tokens[: (k + 1) * block_size].
     One pass over the prompt (not one hash per prefix length)."""
@@ -39,11 +53,16 @@ def block_keys(tokens: list[int], block_size: int) -> list[str]:
 
 
 class PrefixCache:
-    def __init__(self, block_size: int = 16, max_entries: int = 64):
-        if block_size < 1 or max_entries < 1:
-            raise ValueError("prefix cache block size and entries must be positive")
-        self.block_size, self.max_entries = block_size, max_entries
+    def __init__(self, block_size: int = 16, max_entries: int = 64, max_bytes: int | None = None):
+        if block_size < 1 or max_entries < 1 or (max_bytes is not None and max_bytes < 1):
+            raise ValueError("prefix cache block size, entries and bytes must be positive")
+        self.block_size, self.max_entries, self.max_bytes = block_size, max_entries, max_bytes
         self._entries: OrderedDict[str, Snapshot] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+        self.bytes = 0  # host bytes the snapshots hold
+        self._cost: tuple[float, int] | None = (
+            None  # (KV bytes per token, state bytes), from the first snapshot
+        )
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # prompt tokens served from the cache
 
@@ -68,13 +87,36 @@ class PrefixCache:
     def contains(self, prompt: list[int], p: int) -> bool:
         return self._key(prompt, p) in self._entries
 
+    def fits(self, p: int) -> bool:
+        """Whether a snapshot of ``p`` tokens can be kept within the byte bound (before the first snapshot
+        its cost is unknown: yes)."""
+        if self.max_bytes is None or self._cost is None:
+            return True
+        per_token, state = self._cost
+        return p * per_token + state <= self.max_bytes
+
     def store(self, prompt: list[int], p: int, kv_cache, states, slot: int) -> None:
-        """Snapshot a slot that has consumed exactly ``p`` tokens of ``prompt`` (CPU or paged caches)."""
-        self._entries[self._key(prompt, p)] = Snapshot(
-            p, kv_cache.export_slot(slot, p), states.export_slot(slot)
-        )
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        """Snapshot a slot that has consumed exactly ``p`` tokens of ``prompt`` (CPU or paged caches); the
+        oldest snapshots go while more than ``max_entries`` or ``max_bytes`` are held. One that alone passes
+        the byte bound is not kept."""
+        if not self.fits(p):
+            return
+        snap = Snapshot(p, kv_cache.export_slot(slot, p), states.export_slot(slot))
+        kv_bytes, state_bytes = _nbytes(snap.kv), _nbytes(snap.states)
+        self._cost = (kv_bytes / p if p else 0.0, state_bytes)
+        size = kv_bytes + state_bytes
+        if self.max_bytes is not None and size > self.max_bytes:
+            return
+        key = self._key(prompt, p)
+        self.bytes -= self._sizes.pop(key, 0)
+        self._entries[key], self._sizes[key] = snap, size
+        self._entries.move_to_end(key)
+        self.bytes += size
+        while len(self._entries) > self.max_entries or (
+            self.max_bytes is not None and self.bytes > self.max_bytes
+        ):
+            old, _ = self._entries.popitem(last=False)
+            self.bytes -= self._sizes.pop(old)
 
     @staticmethod
     def restore(snap: Snapshot, kv_cache, states, slot: int) -> None:
