@@ -492,7 +492,7 @@ def _add_serve(sub) -> None:
         type=float,
         default=16.0,
         help="host memory the prefix snapshots may hold, GiB, LRU (default 16; a 512K-token prompt's snapshot "
-        "of the full-size model takes 5.6 GB with an fp8 cache; a prompt whose snapshot alone is larger takes none)",
+        "of the full-size model takes 5.5 GiB with an fp8 cache; a prompt whose snapshot alone is larger takes none)",
     )
     p.add_argument(
         "--max-n-sequences",

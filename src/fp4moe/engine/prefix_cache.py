@@ -8,9 +8,9 @@ attention layer and the conv + recurrent state of every DeltaNet layer at p, key
 boundary, longest first) and prefills only the rest. Multi-turn chats hit: each turn's prompt extends the
 last. Prompts with images are not cached (their tokens do not identify the image). Snapshots live in host
 memory, in an LRU bounded by entries and by bytes; each costs p x the KV bytes per token plus one DeltaNet
-state per layer (a 512K-token prompt of the full-size model: 5.6 GB with an fp8 cache), so a prompt whose
+state per layer (a 512K-token prompt of the full-size model: 5.5 GiB with an fp8 cache), so a prompt whose
 snapshot alone would pass the byte bound takes none (64 long-context snapshots bounded only by count
-would have asked for ~360 GB).
+would have asked for ~350 GiB).
 """
 
 from __future__ import annotations
