@@ -59,12 +59,14 @@ class StepContext:
             )
         return self._tensors[device]
 
-    def chunk_indices(self, device: torch.device, chunk: int) -> torch.Tensor:
+    def chunk_indices(self, device: torch.device, chunk: int, continuing: bool = False) -> torch.Tensor:
         """(sequence, chunk within it) of every ``chunk``-token chunk of the step's sequences [chunks, 2]
-        on ``device``, made once per step from pinned memory (fla's chunked rule plans the same from
-        cu_seqlens in each call, with a copy that waits for the GPU: a sync per layer)."""
-        key = (torch.device(device), chunk)
+        on ``device`` (``continuing``: of those with cached tokens only), made once per step from pinned
+        memory (fla's chunked rule plans the same from cu_seqlens in each call, with a copy that waits for
+        the GPU: a sync per layer)."""
+        key = (torch.device(device), chunk, continuing)
         if key not in self._tensors:
-            pairs = [(i, j) for i, n in enumerate(self.query_lens) for j in range(-(-n // chunk))]
+            pairs = [(i, j) for i, (n, c) in enumerate(zip(self.query_lens, self.cached_lens, strict=True))
+                     if c or not continuing for j in range(-(-n // chunk))]  # fmt: skip
             self._tensors[key] = upload(torch.tensor(pairs, dtype=torch.long).view(-1, 2), key[0])
         return self._tensors[key]

@@ -16,7 +16,7 @@ import torch
 
 from fp4moe.engine.cache import fp8_decode, fp8_encode, fp8_scale
 from fp4moe.engine.transfer import to_device
-from fp4moe.layers.attention import attend_each
+from fp4moe.layers.attention import attend, attend_each
 
 
 class CacheFull(RuntimeError):
@@ -155,10 +155,10 @@ class PagedKVCache:
         return self.store(layer, rows, k, v)
 
     def attend_step(self, layer: int, ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``KVCache.attend_step`` on the pages: a step whose sequences all start fresh attends over its own
-        rows (flash attention, ``append_step``); one with cached tokens stores its rows and runs the paged
-        kernel over every row (``paged_prefill_attention``: no gather of the prefix, no mask, one launch;
-        gathering each chunk's whole prefix and masking it grew with the context and stopped at 32K)."""
+        """``KVCache.attend_step`` on the pages: fresh prompts attend over their own rows (flash attention,
+        as ``append_step`` hands them out); sequences with cached tokens through the paged kernel, one launch
+        for all of them (``paged_prefill_attention``: no gather of the prefix, no mask; gathering each chunk's
+        whole prefix and masking it grew with the context and stopped at 32K)."""
         if not any(ctx.cached_lens) or not self._aligned(layer, ctx):
             return attend_each(q, self.append_step(layer, ctx, k, v), ctx)
         from fp4moe.kernels.attention import (
@@ -167,14 +167,20 @@ class PagedKVCache:
             prefill_tokens_per_program,
         )
 
-        self._store_step(layer, ctx, k, v)
+        k, v = self._store_step(layer, ctx, k, v)
         i, (_, heads, dim), hkv = self.index[layer], q.shape, k.shape[1]
         rows = PREFILL_TILES[self.fp8][0]  # the kernel's tile for this cache
-        blocks = ctx.chunk_indices(self.device, prefill_tokens_per_program(heads // hkv, rows))
-        return paged_prefill_attention(
+        blocks = ctx.chunk_indices(
+            self.device, prefill_tokens_per_program(heads // hkv, rows), continuing=True
+        )
+        out = paged_prefill_attention(
             q.contiguous(), self.k[i], self.v[i], self.block_table, ctx.tensors(self.device), blocks,
             self.scale_t[i], (heads, hkv, dim),
         )  # fmt: skip
+        for cached, (a, b) in zip(ctx.cached_lens, ctx.spans(), strict=True):
+            if cached == 0:  # a fresh prompt beside them: its own rows, as stored
+                out[a:b] = attend(q[a:b], k[a:b], v[a:b], 0)
+        return out
 
     def store(
         self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
