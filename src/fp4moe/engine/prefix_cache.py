@@ -27,6 +27,7 @@ class Snapshot:
     length: int
     kv: object  # the KV cache's ``export_slot`` of tokens [0, p)
     states: object  # the DeltaNet states' ``export_slot`` at p
+    nbytes: int = 0  # host bytes of both
 
 
 def _nbytes(obj) -> int:
@@ -58,11 +59,8 @@ class PrefixCache:
             raise ValueError("prefix cache block size, entries and bytes must be positive")
         self.block_size, self.max_entries, self.max_bytes = block_size, max_entries, max_bytes
         self._entries: OrderedDict[str, Snapshot] = OrderedDict()
-        self._sizes: dict[str, int] = {}
         self.bytes = 0  # host bytes the snapshots hold
-        self._cost: tuple[float, int] | None = (
-            None  # (KV bytes per token, state bytes), from the first snapshot
-        )
+        self._cost: tuple[float, int] | None = None  # (KV bytes per token, state bytes), from the first one
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # prompt tokens served from the cache
 
@@ -104,19 +102,18 @@ class PrefixCache:
         snap = Snapshot(p, kv_cache.export_slot(slot, p), states.export_slot(slot))
         kv_bytes, state_bytes = _nbytes(snap.kv), _nbytes(snap.states)
         self._cost = (kv_bytes / p if p else 0.0, state_bytes)
-        size = kv_bytes + state_bytes
-        if self.max_bytes is not None and size > self.max_bytes:
+        snap.nbytes = kv_bytes + state_bytes
+        if self.max_bytes is not None and snap.nbytes > self.max_bytes:
             return
         key = self._key(prompt, p)
-        self.bytes -= self._sizes.pop(key, 0)
-        self._entries[key], self._sizes[key] = snap, size
-        self._entries.move_to_end(key)
-        self.bytes += size
+        replaced = self._entries.pop(key, None)
+        self.bytes += snap.nbytes - (replaced.nbytes if replaced else 0)
+        self._entries[key] = snap
         while len(self._entries) > self.max_entries or (
             self.max_bytes is not None and self.bytes > self.max_bytes
         ):
-            old, _ = self._entries.popitem(last=False)
-            self.bytes -= self._sizes.pop(old)
+            _, oldest = self._entries.popitem(last=False)
+            self.bytes -= oldest.nbytes
 
     @staticmethod
     def restore(snap: Snapshot, kv_cache, states, slot: int) -> None:
