@@ -11,7 +11,10 @@ client, beside the engine's own decode-step rate and offline ``LLM.generate`` on
 2. ``fp4moe bench``'s client (streaming /v1/completions, usage from the server) runs the reference card's sweep:
    pp 512, tg 128 at concurrency ``--concurrency`` (1 4 8 16 32 48 64), then pp 8192 tg 128 at 1, and with
    ``--sglang`` SGLang's shape (pp 8192, tg 1024 at 1 and 16), with ``--decode-rows`` the decode-dominated
-   shape (pp 128, tg 1024) at every concurrency. ``--profile C``: py-spy samples the server
+   shape (pp 128, tg 1024) at every concurrency, with ``--context-rows L ...`` decode at context L
+   (pp L, tg ``--context-tg``) at ``--context-concurrency`` (1 16 64): each row's steady decode rate is the
+   batch's tokens/s while all its requests decode (``fp4moe bench``'s window), the served counterpart of the
+   engine's decode step at that batch and context. ``--profile C``: py-spy samples the server
    process (all threads, 100 Hz) during the sweep's round at concurrency C; the top functions by own and
    inclusive samples go into the result. Before the server stops, its count of Triton kernels compiled
    after the warm-up (``/metrics``; each one a request that waited for the compiler) is recorded.
@@ -92,6 +95,7 @@ def start_server(model: str, spec: str, args, port: int) -> tuple[subprocess.Pop
         str(args.max_model_len),
     ]
     cmd += ["--num-speculative-tokens", k, "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     return _wait_for(cmd, env, port, spec, args)
 
 
@@ -161,7 +165,8 @@ def bench(
             profile = top_functions(raw) if raw.exists() else {"error": spy.stderr.read().decode()[-2000:]}
         r = rows[-1]
         log(f"  pp {pp} tg {tg} c {c}: {r['aggregate_tps_median']:.1f} tok/s aggregate, "
-            f"{r['decode_tps_per_request_median']:.1f} per request, TTFT p50 {r['ttft_s_median'] * 1e3:.0f} ms, "
+            f"{r['decode_tps_per_request_median']:.1f} per request, steady {r['decode_steady_tps_median'] or 0:.0f}, "
+            f"TTFT p50 {r['ttft_s_median'] * 1e3:.0f} ms, "
             f"errors {r['errors']}" + (f", acceptance {r['spec_acceptance_rate']:.1%}" if "spec_acceptance_rate" in r else ""))  # fmt: skip
     return rows, profile
 
@@ -265,6 +270,16 @@ def main() -> int:
         help="also the decode-dominated shape (pp 128, tg 1024) at every --concurrency; --profile then samples "
         "that shape's round (the serving path's cost per step, beside the engine's step)",
     )  # fmt: skip
+    p.add_argument(
+        "--context-rows", type=int, nargs="*", default=[],
+        help="decode at these contexts (pp = context, tg = --context-tg) at --context-concurrency",
+    )  # fmt: skip
+    p.add_argument("--context-concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument(
+        "--context-tg", type=int, default=512,
+        help="tokens each context row generates: enough that its first request still decodes when its last "
+        "prefill ends (a steady window exists)",
+    )  # fmt: skip
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--profile", type=int, default=None, help="py-spy the server at this concurrency")
     p.add_argument("--engine-rate", action="store_true", help="the engine's decode step at the same batches")
@@ -272,6 +287,10 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=16384)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+        help="fp4moe's KV cache (vLLM's recipe always runs fp8)",
+    )  # fmt: skip
     p.add_argument("--device", default="cuda", help="cuda; cpu only to try the script on a tiny model")
     p.add_argument("--out", type=Path, default=Path("serve-results"))
     p.add_argument("--engine", choices=["fp4moe", "vllm"], default="fp4moe", help="whose server to measure")
@@ -299,8 +318,13 @@ def main() -> int:
                     port, *DECODE_SHAPE, args.concurrency, args.runs, args.profile, proc.pid, args.out
                 )
                 rows += decode_rows
-            if args.long_pp:
-                rows += bench(port, args.long_pp, args.tg, [1], args.runs, None, proc.pid, args.out)[0]
+            for ctx in args.context_rows:
+                rows += bench(
+                    port, ctx, args.context_tg, args.context_concurrency, 1, None, proc.pid, args.out
+                )[0]
+            if args.long_pp:  # the first long prompt of a server's life pays its first-sight costs: 3 runs
+                runs = max(3, args.runs)
+                rows += bench(port, args.long_pp, args.tg, [1], runs, None, proc.pid, args.out)[0]
             if args.sglang:
                 rows += bench(port, 8192, 1024, [1, 16], 1, None, proc.pid, args.out)[0]
             counters = server_counters(port) if args.engine == "fp4moe" else {"compiles_after_warmup": {}}
@@ -328,9 +352,9 @@ def main() -> int:
 def table(result: dict) -> None:
     engine = {r["batch"]: r for r in result.get("engine_rate", [])}
     offline_rows = {r["concurrency"]: r for r in result.get("offline", [])}
-    log("\n| spec | pp | tg | concurrency | served tok/s | per request tok/s | TTFT p50 ms | acceptance | "
-        "engine step tok/s | served ÷ engine | offline tok/s | served ÷ offline |")  # fmt: skip
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    log("\n| spec | pp | tg | concurrency | served tok/s | per request tok/s | steady decode tok/s | TTFT p50 ms | "
+        "acceptance | engine step tok/s | served ÷ engine | offline tok/s | served ÷ offline |")  # fmt: skip
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for spec, rows in result["served"].items():
         for r in rows:
             c, tps = r["concurrency"], r["aggregate_tps_median"]
@@ -340,7 +364,9 @@ def table(result: dict) -> None:
             decode_shape = (r["pp"], r["tg"]) == DECODE_SHAPE
             e = engine.get(c) if same_shape or decode_shape else None
             o = offline_rows.get(c) if same_shape else None
+            steady = r.get("decode_steady_tps_median")
             cells = [spec, r["pp"], r["tg"], c, f"{tps:.0f}", f"{r['decode_tps_per_request_median']:.1f}",
+                     f"{steady:.0f}" if steady else "-",
                      f"{r['ttft_s_median'] * 1e3:.0f}", f"{r['spec_acceptance_rate']:.1%}" if "spec_acceptance_rate" in r else "-",
                      f"{e['engine_tok_s']:.0f}" if e else "-", f"{tps / e['engine_tok_s']:.2f}" if e else "-",
                      f"{o['aggregate_tps_median']:.0f}" if o else "-", f"{tps / o['aggregate_tps_median']:.2f}" if o else "-"]  # fmt: skip

@@ -346,7 +346,9 @@ TOOLS = [
             "description": "Weather in a city",
             "parameters": {
                 "type": "object",
-                "properties": {"city": {"type": "string"}},
+                # an enum: the structured output that forces the named call then ends within max_tokens
+                # (a free string from a random model can run on past it, leaving the arguments unparsable)
+                "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},
                 "required": ["city"],
             },
         },
@@ -412,8 +414,9 @@ def _spec_metrics(client, model, base: str) -> dict:
     import httpx
 
     client.completions.create(
-        model=model, prompt="The Python language reference", max_tokens=512, temperature=0
-    )
+        model=model, prompt="The Python language reference", max_tokens=512, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
     metrics = httpx.get(f"{base}/metrics", timeout=10).text
     return {
         line.split(" ")[0]: float(line.split(" ")[-1])

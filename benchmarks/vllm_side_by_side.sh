@@ -7,11 +7,13 @@
 #            Carry part 6 first, so the warm-up overlaps the other parts.
 #   ours     transformers (fp32, dequantized) and fp4moe's GPU engine on each checkpoint (after part 1)
 #   matrix   each checkpoint in stock vLLM, then the compatibility table (vllm_side_by_side.py report)
-#   recipe   fp4moe serve --engine vllm --exec on the default checkpoint, asked through the openai client
-#   speed    benchmarks/serve.py --engine vllm (full-size dummy: pp 512 / tg 128 at 1-64, the decode-dominated
-#            pp 128 / tg 1024, pp 8192 at 1, SGLang's pp 8192 / tg 1024 at 1 and 16), then the same on fp4moe
-#            serve with its engine rate; 'speed vllm' / 'speed fp4moe' split it over two calls (each waits for
-#            the background warm-up to end first); 'speed fp4moe-8192': fp4moe with vLLM's step budget
+#   recipe   fp4moe serve --engine vllm --exec on the default checkpoint, asked through the openai client; then
+#            starts 'speed vllm' in the background (its own process session), for 'speed wait' to collect
+#   speed    benchmarks/serve.py on the full-size dummy model (pp 512 / tg 128 at 1-64, decode at 1K and 32K
+#            context at 1, 16, 64 with its steady rate, pp 8192 at 1, SGLang's pp 8192 / tg 1024 at 1 and 16):
+#            'speed vllm' (stock vLLM through fp4moe's recipe: fp8 KV, its 8,192-token step budget),
+#            'speed wait' (waits up to ~9.5 min for the background 'speed vllm' and collects it),
+#            'speed fp4moe' (fp4moe serve with the same KV dtype and step budget, then its engine rate)
 # Results go to $OUT. Make the parts here first: bash scripts/vllm_wheels.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,8 +21,16 @@ out=${OUT:-/tmp/vllm-out} dir=/tmp/vsbs
 mkdir -p "$out"
 ours() { PYTHONPATH=/tmp/site:src${PYTHONPATH:+:$PYTHONPATH} python3 "$@"; }
 vllm_env() { (unset PYTHONPATH; . /tmp/vllm-site/vllm-env.sh; export PYTHONPATH=$PYTHONPATH:$PWD/src; "$@"); }
+# the same sweep on both servers; fp4moe with vLLM's KV dtype and step budget on this GPU
+sweep=(--spec off --concurrency 1 4 8 16 32 48 64 --runs 1 --sglang --context-rows 1024 32768 --max-model-len 36864)
+fp4moe_flags=(--kv-cache-dtype fp8 --max-num-batched-tokens 8192)
+wait_pid() {  # a background job by its pid file (never pgrep: it matched the waiting shell itself), <= $2 s
+  [ -f "$1" ] || return 0
+  for _ in $(seq $(($2 / 2))); do kill -0 "$(cat "$1")" 2>/dev/null || return 0; sleep 2; done
+  return 1
+}
 status=0
-case ${1:?usage: $0 part N|ours|matrix|recipe|speed [vllm|fp4moe|fp4moe-8192]} in
+case ${1:?usage: $0 part N|ours|matrix|recipe|speed vllm|wait|fp4moe} in
 part)
   bash scripts/vllm_join.sh ".vllm-whl/carry-${2:?part number}" 2>&1 | tail -5; status=${PIPESTATUS[0]}
   if [ -d .whl ]; then
@@ -28,7 +38,8 @@ part)
     if [ ! -f /tmp/warm/pid ]; then  # its own process session: it outlives this call (the device notes)
       mkdir -p /tmp/warm
       PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 setsid nohup python3 benchmarks/serve.py --spec off \
-        --concurrency 1 --pp 16 --tg 4 --runs 1 --long-pp 0 --out /tmp/warm >/tmp/warm/log 2>&1 </dev/null &
+        --concurrency 1 --pp 16 --tg 4 --runs 1 --long-pp 0 --max-model-len 36864 "${fp4moe_flags[@]}" \
+        --out /tmp/warm >/tmp/warm/log 2>&1 </dev/null &
       echo $! >/tmp/warm/pid
       echo "fp4moe warm-up started in the background (pid $!, log /tmp/warm/log)"
     fi
@@ -46,22 +57,27 @@ matrix)
   cp "$dir/matrix.json" "$out/"
   ;;
 recipe)
+  wait_pid /tmp/warm/pid 300 || echo "fp4moe's warm-up still runs"
   vllm_env python3 benchmarks/vllm_side_by_side.py recipe "$dir/default" || status=1
   cp "$dir/default/recipe.json" "$dir/default/recipe-server.log" "$out/" 2>/dev/null
+  mkdir -p /tmp/speed-vllm
+  PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 setsid nohup python3 benchmarks/serve.py --engine vllm "${sweep[@]}" \
+    --out /tmp/speed-vllm >/tmp/speed-vllm/log 2>&1 </dev/null &
+  echo $! >/tmp/speed-vllm/pid
+  echo "speed vllm started in the background (pid $!): collect it with 'speed wait'"
   ;;
 speed)
-  if [ -f /tmp/warm/pid ]; then  # the background warm-up holds the GPU until it ends (by its pid: never pgrep)
-    for _ in $(seq 300); do kill -0 "$(cat /tmp/warm/pid)" 2>/dev/null || break; sleep 2; done
-    grep -h "started in\|warm-up took" /tmp/warm/log /tmp/warm/server-off.log 2>/dev/null | sed 's/^/warm-up: /'
-  fi
-  which=${2:-both} sweep=(--spec off --concurrency 1 4 8 16 32 48 64 --runs 1 --decode-rows --sglang)
-  if [ "$which" != fp4moe ]; then ours benchmarks/serve.py --engine vllm "${sweep[@]}" --out "$out/vllm" || status=1; fi
-  if [ "$which" = both ] || [ "$which" = fp4moe ]; then
-    ours benchmarks/serve.py "${sweep[@]}" --engine-rate --out "$out/fp4moe" || status=1
-  fi
-  if [ "$which" = fp4moe-8192 ]; then  # vLLM's default step budget on this GPU (ours served: 2,048)
-    ours benchmarks/serve.py "${sweep[@]}" --max-num-batched-tokens 8192 --out "$out/fp4moe-8192" || status=1
-  fi
+  if ! wait_pid /tmp/warm/pid 600; then echo "fp4moe's warm-up still runs"; exit 1; fi
+  grep -h "started in\|warm-up took" /tmp/warm/log /tmp/warm/server-off.log 2>/dev/null | sed 's/^/warm-up: /'
+  case ${2:?speed vllm|wait|fp4moe} in
+  vllm) ours benchmarks/serve.py --engine vllm "${sweep[@]}" --out "$out/vllm" || status=1 ;;
+  wait)
+    wait_pid /tmp/speed-vllm/pid "${WAIT_S:-570}" || { echo "still running"; status=3; }
+    mkdir -p "$out/vllm" && cp -r /tmp/speed-vllm/. "$out/vllm/"
+    tail -40 /tmp/speed-vllm/log
+    ;;
+  fp4moe) ours benchmarks/serve.py "${sweep[@]}" "${fp4moe_flags[@]}" --engine-rate --out "$out/fp4moe" || status=1 ;;
+  esac
   ;;
 esac
 exit $status

@@ -545,7 +545,8 @@ def _add_bench(sub) -> None:
         help="measure any OpenAI-compatible server: throughput vs concurrency, TTFT, spec-decode acceptance",
         description=(
             "Drive an OpenAI-compatible server (fp4moe, vLLM, SGLang, llama.cpp) with concurrent streaming "
-            "requests of real text and report TTFT, prefill tok/s, per-request and aggregate decode tok/s, latency "
+            "requests of real text and report TTFT, prefill tok/s, per-request, aggregate and steady (while the "
+            "whole round decodes) decode tok/s, latency "
             "percentiles and speculative-decoding acceptance (from /metrics): a markdown table, JSON and a PNG."
         ),
     )

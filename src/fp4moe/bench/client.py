@@ -64,6 +64,9 @@ class RequestResult:
     ttft_content: float = 0.0  # first chunk carrying text
     e2e: float = 0.0
     decode_tps: float = 0.0
+    # perf_counter() of each chunk that carried text (not in the JSON: one float per token): the round's
+    # steady decode window is read from them
+    chunk_times: list[float] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -115,8 +118,9 @@ async def _one(
                     break
                 chunk = json.loads(data)
                 res.ttft = res.ttft or now
-                if not res.ttft_content and any(c.get("text") for c in chunk.get("choices", [])):
-                    res.ttft_content = now
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    res.ttft_content = res.ttft_content or now
+                    res.chunk_times.append(t0 + now)
                 if chunk.get("usage"):
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     res.completion_tokens = chunk["usage"]["completion_tokens"]
@@ -196,6 +200,24 @@ async def run_bench(cfg: BenchConfig, progress=None) -> list[RoundResult]:
     return rounds
 
 
+def steady_decode(requests: list[RequestResult]) -> tuple[float, float] | None:
+    """(tokens/s, seconds) of one round while every one of its requests was decoding: from the last first
+    token to the first last token, the text chunks in that window, each worth its request's tokens per chunk
+    (speculation sends several). This is the batch's decode rate at its context, free of the prefills and
+    the stragglers around it; None when the window is empty (a request ended before the last one started)."""
+    reqs = [q for q in requests if q.ok and len(q.chunk_times) > 1]
+    if not reqs or len(reqs) < len(requests):
+        return None
+    lo, hi = max(q.chunk_times[0] for q in reqs), min(q.chunk_times[-1] for q in reqs)
+    if hi <= lo:
+        return None
+    tokens = 0.0
+    for q in reqs:
+        per_chunk = q.completion_tokens / len(q.chunk_times)
+        tokens += per_chunk * sum(lo < t <= hi for t in q.chunk_times)
+    return tokens / (hi - lo), hi - lo
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -215,6 +237,7 @@ def summarize(rounds: list[RoundResult]) -> list[dict]:
         aggregate = [sum(q.completion_tokens for q in r.requests if q.ok) / r.wall for r in rs if r.wall > 0]
         keys = {k for r in rs for k in r.spec}
         spec = {k: sum(r.spec.get(k, 0.0) for r in rs) for k in keys | {"drafts", "draft_tokens", "accepted"}}
+        steady = [w for w in (steady_decode(r.requests) for r in rs) if w is not None]
         row = {
             "pp": pp,
             "tg": tg,
@@ -233,6 +256,9 @@ def summarize(rounds: list[RoundResult]) -> list[dict]:
             else 0,
             "decode_tps_per_request_median": statistics.median([q.decode_tps for q in reqs]) if reqs else 0,
             "aggregate_tps_median": statistics.median(aggregate) if aggregate else 0,
+            # the batch's decode rate while all of it decoded (None: no such window in any round)
+            "decode_steady_tps_median": statistics.median([w[0] for w in steady]) if steady else None,
+            "steady_window_s_median": statistics.median([w[1] for w in steady]) if steady else None,
             "e2e_s_p50": _pct([q.e2e for q in reqs], 0.5),
             "e2e_s_p90": _pct([q.e2e for q in reqs], 0.9),
             "e2e_s_p99": _pct([q.e2e for q in reqs], 0.99),
@@ -248,4 +274,8 @@ def summarize(rounds: list[RoundResult]) -> list[dict]:
 
 
 def rounds_json(rounds: list[RoundResult]) -> list[dict]:
-    return [asdict(r) for r in rounds]
+    out = [asdict(r) for r in rounds]
+    for r in out:
+        for q in r["requests"]:
+            del q["chunk_times"]
+    return out

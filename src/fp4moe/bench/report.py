@@ -12,6 +12,7 @@ COLUMNS = [
     ("concurrency", "conc", "{:d}"),
     ("aggregate_tps_median", "aggregate tok/s", "{:.1f}"),
     ("decode_tps_per_request_median", "per-request tok/s", "{:.1f}"),
+    ("decode_steady_tps_median", "steady decode tok/s", "{:.1f}"),
     ("ttft_s_median", "TTFT p50 (s)", "{:.3f}"),
     ("ttft_s_p90", "TTFT p90 (s)", "{:.3f}"),
     ("ttft_content_s_median", "first text p50 (s)", "{:.3f}"),
