@@ -276,7 +276,7 @@ def main() -> int:
     )  # fmt: skip
     p.add_argument("--context-concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument(
-        "--context-tg", type=int, default=512,
+        "--context-tg", type=int, default=1024,
         help="tokens each context row generates: enough that its first request still decodes when its last "
         "prefill ends (a steady window exists)",
     )  # fmt: skip

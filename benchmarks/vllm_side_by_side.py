@@ -375,6 +375,9 @@ def _tool_stream(client, model) -> dict:
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True, max_tokens=64, temperature=0,
+        # thinking off: with it on, vLLM forces the call's JSON only after </think>, which the random model never
+        # writes (2026-12-02: 62 chunks, all reasoning, no call)
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )  # fmt: skip
     for chunk in stream:
         chunks += 1

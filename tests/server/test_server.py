@@ -134,6 +134,18 @@ def test_reasoning_split(client, scripted):
     assert parts == {"reasoning": "First I think about it.\n", "content": "The answer is 42."}
 
 
+def test_thinking_off_answers_in_content(client, scripted):
+    """chat_template_kwargs enable_thinking=false (Qwen3.5's switch, which vLLM's parser reads too): the template
+    closes an empty reasoning block, so the whole answer is content."""
+    scripted("The answer is 42.")
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "?"}], max_tokens=64,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    msg = r.choices[0].message
+    assert msg.content == "The answer is 42." and not getattr(msg, "reasoning_content", None)
+
+
 def test_tool_call_round_trip(client, scripted):
     call_text = (
         "</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"

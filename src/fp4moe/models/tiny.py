@@ -58,7 +58,10 @@ CHAT_TEMPLATE = (
     "{{- '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    # Qwen3.5's rule: enable_thinking=false closes an empty reasoning block, else it is left open
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
 )
 
 
