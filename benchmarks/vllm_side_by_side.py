@@ -17,6 +17,12 @@ Stages (each a subcommand; ``benchmarks/vllm_side_by_side.sh`` runs them on the 
 ``vllm DIR``      (vLLM's environment) each checkpoint in a fresh ``vllm.LLM`` (eager, bf16 activations,
                   ``enable_weights_track`` so a parameter that received no tensor fails the load): prompt
                   log-probs of the same windows and the same greedy continuations.
+``train DIR``     (fp4moe's environment, the GPU) the MTP check's model: the trained reference recipe with
+                  experts 128 wide (Marlin's tiles), ``fp4moe quantize``-d -> DIR/trained.
+``mtp-vllm CKPT`` (vLLM's environment) MTP speculation (k = 2) in vLLM on held-out prompts: its greedy tokens
+                  and its speculative-decoding counters.
+``mtp-ours CKPT`` (fp4moe's environment) our eval's predicted first-draft acceptance on vLLM's own tokens
+                  against vLLM's measured one (within MTP_SLACK), and fp4moe's own speculation beside them.
 ``report DIR``    the matrix: loads, greedy agreement (first split accepted only at a near tie of the
                   reference, ``engine.compare``), chosen-token |Δ logprob| of vLLM and of fp4moe against
                   transformers (median and p99 over every teacher-forced position) and the top-1 agreement.
@@ -55,6 +61,10 @@ VARIANTS = {  # name -> fp4moe quantize options (QuantizeOptions fields); "conve
     "converted": None,
 }
 WINDOWS, WINDOW_LEN, GEN_PROMPT_LEN, GEN_TOKENS = 4, 256, 64, 32
+# the MTP check: greedy continuations of held-out prompts with k drafts per round; vLLM's first-draft acceptance
+# must lie within MTP_SLACK of the rate our eval predicts on the same tokens (teacher-forced). Its spread: ~1,500
+# first drafts give a binomial standard error of ~1.3 points; bf16 near ties move a few drafts either way.
+MTP_PROMPTS, MTP_PROMPT_LEN, MTP_TOKENS, MTP_K, MTP_SLACK = 16, 64, 256, 2, 0.05
 NOISE_FACTOR, NOISE_SLACK, TOP1_SLACK, TIE = 1.5, 0.02, 0.03, 0.05
 
 
@@ -539,6 +549,122 @@ def _q(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(math.ceil(q * len(xs))) - 1)] if xs else float("nan")
 
 
+def cmd_train(args) -> None:
+    """The MTP check's model (fp4moe's environment, the GPU): ``scripts/train_reference.py``'s reference model
+    (8 layers, an MTP head trained jointly for token t+2) with experts of width 128 (Marlin's tiles; the
+    reference's 96 is not a multiple of 64), trained for ``--minutes`` on the packaged calibration text,
+    then ``fp4moe quantize`` with its defaults -> DIR/trained. A random MTP head accepts nothing in either
+    engine, which proves only that it loads; a trained one accepts at a rate the two can disagree on."""
+    import fp4moe.data
+    from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+
+    root = Path(args.dir)
+    src, corpus = root / "trained-bf16", Path(fp4moe.data.__file__).parent / "pydocs-calib.txt.gz"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_reference.py"
+    subprocess.run(
+        [sys.executable, str(script), "--out", str(src), "--minutes", str(args.minutes),
+         "--moe-intermediate-size", "128", "--corpus", str(corpus)],
+        check=True,
+    )  # fmt: skip
+    quantize(
+        src, root / "trained", QuantizeOptions(num_samples=32, seq_len=256, progress=False, overwrite=True)
+    )
+    log(f"trained and quantized: {root / 'trained'}")
+
+
+def mtp_prompts(path: Path) -> list[list[int]]:
+    """MTP_PROMPTS prompts of MTP_PROMPT_LEN held-out tokens, spread over the held-out text."""
+    from transformers import AutoTokenizer
+
+    from fp4moe.data import corpus_text
+
+    ids = AutoTokenizer.from_pretrained(path)(corpus_text("heldout"))["input_ids"]
+    step = len(ids) // MTP_PROMPTS
+    return [ids[i * step : i * step + MTP_PROMPT_LEN] for i in range(MTP_PROMPTS)]
+
+
+def cmd_mtp_vllm(args) -> None:
+    """(vLLM's environment) the trained checkpoint with MTP speculation (k = MTP_K): greedy continuations of
+    the held-out prompts and vLLM's speculative-decoding counters -> CKPT/mtp-vllm.json."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    path = Path(args.ckpt)
+    prompts = mtp_prompts(path)
+    llm = LLM(
+        model=str(path), max_model_len=2048, max_num_seqs=MTP_PROMPTS, gpu_memory_utilization=0.3,
+        enable_prefix_caching=False, seed=0, gdn_prefill_backend=args.gdn_prefill_backend,
+        speculative_config={"method": "mtp", "num_speculative_tokens": MTP_K},
+        limit_mm_per_prompt={"image": 0, "video": 0}, disable_log_stats=False, enforce_eager=True,
+    )  # fmt: skip
+    res = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MTP_TOKENS, ignore_eos=True),
+    )
+    counters = {}
+    for m in llm.get_metrics():
+        if "spec_decode" in m.name:
+            counters[m.name] = getattr(m, "values", None) or getattr(m, "value", None)
+    out = {"prompts": prompts, "generated": [list(r.outputs[0].token_ids) for r in res], "counters": counters}
+    (path / "mtp-vllm.json").write_text(json.dumps(out))
+    log(f"vLLM MTP counters: {counters}")
+
+
+def _accepted_first(counters: dict) -> tuple[float, float]:
+    """(drafts, first drafts accepted) from vLLM's counters (names with or without _total)."""
+
+    def get(suffix: str):
+        return next((v for k, v in counters.items() if k.removesuffix("_total").endswith(suffix)), None)
+
+    drafts, per_pos = get("num_drafts"), get("num_accepted_tokens_per_pos")
+    first = per_pos[0] if isinstance(per_pos, list) else per_pos
+    return float(drafts or 0), float(first or 0)
+
+
+def cmd_mtp_ours(args) -> None:
+    """(fp4moe's environment) on the tokens vLLM generated: our eval's predicted first-draft acceptance
+    (teacher-forced MTP argmax against the next-but-one token, ``window_outputs``; the generated tokens are
+    vLLM's greedy choices, so a match is exactly a draft vLLM's verifier would accept), fp4moe's own MTP
+    speculation on the same prompts, and the verdict -> CKPT/mtp.json."""
+
+    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.eval.quality import window_outputs
+
+    path = Path(args.ckpt)
+    v = json.loads((path / "mtp-vllm.json").read_text())
+    # the CPU, as `fp4moe eval` runs by default (a 30M-parameter model: seconds; no kernels to compile)
+    llm = LLM(path, device="cpu", max_model_len=2048, max_num_seqs=MTP_PROMPTS, num_speculative_tokens=MTP_K,
+              gpu_memory_utilization=0.3)  # fmt: skip
+    hits = total = 0
+    for prompt, gen in zip(v["prompts"], v["generated"], strict=True):
+        ids = prompt + gen
+        _, drafts = window_outputs(llm, ids)
+        # drafts[i] predicts ids[i + 2]; score the generated part (the prompt is text, not greedy choices)
+        scored = range(len(prompt) - 2, len(ids) - 2)
+        hits += sum(int(drafts[i]) == ids[i + 2] for i in scored)
+        total += len(scored)
+    predicted = hits / total
+    drafts, first = _accepted_first(v["counters"])
+    vllm_rate = first / drafts if drafts else None
+    ours = llm.generate(v["prompts"], SamplingParams(temperature=0, max_tokens=MTP_TOKENS, ignore_eos=True))
+    st = llm.speculator.stats  # ours backs off a sequence whose drafts stop paying: its rate is over fewer
+    stats = {"drafts": st.drafts, "first_draft_acceptance": st.accepted_per_position[0] / max(1, st.drafts),
+             "backed_off": st.backed_off}  # fmt: skip
+    same = sum(list(o.outputs[0].token_ids) == g for o, g in zip(ours, v["generated"], strict=True))
+    out = {
+        "predicted_first_draft_acceptance": predicted,
+        "vllm_first_draft_acceptance": vllm_rate,
+        "vllm_drafts": drafts,
+        "ours_spec_stats": stats,
+        "greedy_continuations_equal": f"{same} of {len(ours)}",
+        "slack": MTP_SLACK,
+        "ok": vllm_rate is not None and abs(vllm_rate - predicted) <= MTP_SLACK,
+    }
+    (path / "mtp.json").write_text(json.dumps(out, indent=2))
+    log(json.dumps(out))
+
+
 def cmd_report(args) -> dict:
     root = Path(args.dir)
     rows = []
@@ -629,6 +755,14 @@ def main(argv=None) -> None:
     p = sub.add_parser("vllm-one")
     p.add_argument("ckpt")
     p.add_argument("--gdn-prefill-backend", default="triton")
+    p = sub.add_parser("train")
+    p.add_argument("dir")
+    p.add_argument("--minutes", type=float, default=3.0, help="training time (default 3)")
+    p = sub.add_parser("mtp-vllm")
+    p.add_argument("ckpt")
+    p.add_argument("--gdn-prefill-backend", default="triton")
+    p = sub.add_parser("mtp-ours")
+    p.add_argument("ckpt")
     args = ap.parse_args(argv)
     ONLY[:] = getattr(args, "only", [])
     {
@@ -638,6 +772,9 @@ def main(argv=None) -> None:
         "vllm-one": cmd_vllm_one,
         "report": cmd_report,
         "recipe": cmd_recipe,
+        "train": cmd_train,
+        "mtp-vllm": cmd_mtp_vllm,
+        "mtp-ours": cmd_mtp_ours,
     }[args.cmd](args)
 
 

@@ -5,6 +5,9 @@
 #            background (a full-size dummy server started and stopped once: Triton's cache is then warm, and
 #            fp4moe's served sweep starts in ~1 min instead of ~4); part 1 also builds the checkpoints (the GPU).
 #            Carry part 6 first, so the warm-up overlaps the other parts.
+#   mtp      'mtp train': a small model with a trained MTP head (the reference recipe, experts 128 wide for
+#            Marlin) quantized by fp4moe (~5 min, GPU; after 'part 6'); 'mtp check' (after the vLLM install):
+#            vLLM's MTP speculation on it against our eval's predicted acceptance on vLLM's own tokens
 #   ours     transformers (fp32, dequantized) and fp4moe's GPU engine on each checkpoint (after part 1)
 #   matrix   each checkpoint in stock vLLM, then the compatibility table (vllm_side_by_side.py report)
 #   recipe   fp4moe serve --engine vllm --exec on the default checkpoint, asked through the openai client; then
@@ -30,12 +33,12 @@ wait_pid() {  # a background job by its pid file (never pgrep: it matched the wa
   return 1
 }
 status=0
-case ${1:?usage: $0 part N|ours|matrix|recipe|speed vllm|wait|fp4moe} in
+case ${1:?usage: $0 part N|mtp train|check|ours|matrix|recipe|speed vllm|wait|fp4moe} in
 part)
   bash scripts/vllm_join.sh ".vllm-whl/carry-${2:?part number}" 2>&1 | tail -5; status=${PIPESTATUS[0]}
   if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    if [ ! -f /tmp/warm/pid ]; then  # its own process session: it outlives this call (the device notes)
+    if [ "${WARM:-1}" = 1 ] && [ ! -f /tmp/warm/pid ]; then  # its own process session: outlives this call
       mkdir -p /tmp/warm
       PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 setsid nohup python3 benchmarks/serve.py --spec off \
         --concurrency 1 --pp 16 --tg 4 --runs 1 --long-pp 0 --max-model-len 36864 "${fp4moe_flags[@]}" \
@@ -45,6 +48,17 @@ part)
     fi
   fi
   if [ "$2" = 1 ]; then ours benchmarks/vllm_side_by_side.py make "$dir" 2>&1 | grep -v Warning | tail -12; fi
+  ;;
+mtp)
+  case ${2:?mtp train|check} in
+  train) ours benchmarks/vllm_side_by_side.py train "$dir" 2>&1 | grep -v Warning | tail -8 ;;
+  check)
+    vllm_env python3 benchmarks/vllm_side_by_side.py mtp-vllm "$dir/trained" > "$out/mtp-vllm.log" 2>&1 || status=1
+    tail -3 "$out/mtp-vllm.log"
+    ours benchmarks/vllm_side_by_side.py mtp-ours "$dir/trained" 2>&1 | tail -3
+    cp "$dir/trained/mtp.json" "$dir/trained/mtp-vllm.json" "$out/" 2>/dev/null
+    ;;
+  esac
   ;;
 ours)
   ours benchmarks/vllm_side_by_side.py ours "$dir" 2>&1 | grep -v "Loading weights\|falling back" | tail -12

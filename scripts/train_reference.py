@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gzip
 import hashlib
 import inspect
@@ -230,6 +231,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--tiny", action="store_true", help="the tiny test spec and the packaged corpus (smoke run)"
     )
+    ap.add_argument(
+        "--moe-intermediate-size", type=int, default=None,
+        help="routed and shared experts' width instead of the reference's 96 (128 fits vLLM's Marlin tiles, "
+        "which need multiples of 64: benchmarks/vllm_side_by_side.py trains its MTP check model with it)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
 
     # flash-linear-attention's backward of the gated delta rule is wrong on Hopper with Triton < 3.7.1 (fla
@@ -241,6 +247,9 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     spec = TINY_SPEC if args.tiny else REFERENCE_SPEC
+    if args.moe_intermediate_size:
+        i = args.moe_intermediate_size
+        spec = dataclasses.replace(spec, moe_intermediate_size=i, shared_expert_intermediate_size=i)
     text = corpus_text("calib") if args.tiny else load_corpus(args.corpus)
     t0 = time.time()
     tokenizer = train_tokenizer(spec.tokenizer_vocab, text)
