@@ -95,7 +95,7 @@ def start_server(model: str, spec: str, args, port: int) -> tuple[subprocess.Pop
         str(args.max_model_len),
     ]
     cmd += ["--num-speculative-tokens", k, "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
+    cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--prefill-graph-tokens", str(args.prefill_graph_tokens)]
     return _wait_for(cmd, env, port, spec, args)
 
 
@@ -287,6 +287,9 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=16384)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--prefill-graph-tokens", type=int, default=2048, help="fp4moe's rows per prefill graph at most"
+    )
     p.add_argument(
         "--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
         help="fp4moe's KV cache (vLLM's recipe always runs fp8)",

@@ -356,6 +356,14 @@ def _add_engine_options(p, max_num_seqs: int, max_num_batched_tokens: int) -> No
         help=f"tokens one step runs at most, prompt chunks and decodes (default {max_num_batched_tokens})",
     )
     p.add_argument(
+        "--prefill-graph-tokens",
+        type=_positive,
+        default=2048,
+        help="with --device cuda: rows one prefill graph holds at most (fresh prompts x their length padded to "
+        "a bucket); a step's fresh prompts replay as many graphs as they need. Larger graphs (up to "
+        "--max-num-batched-tokens) run more rows per expert and capture more graphs at start-up (default 2048)",
+    )
+    p.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -431,6 +439,7 @@ def engine_config(args):
         gpu_memory_utilization=args.gpu_memory_utilization,
         load_format=args.load_format,
         async_scheduling=args.async_scheduling,
+        prefill_graph_tokens=args.prefill_graph_tokens,
     )
 
 

@@ -613,6 +613,21 @@ def test_plain_steps_under_load_leave_the_mtp_cache_to_the_head(checkpoints):
     _agree(truth, [s.output_ids for s in seqs])
 
 
+@pytest.mark.parametrize("limit", [2048, 8192])
+def test_prefill_graphs_hold_up_to_their_row_limit(checkpoints, limit):
+    """--prefill-graph-tokens: sixteen 500-token prompts (an 8,192-token step) take one 16 x 512 graph when a
+    graph may hold 8,192 rows, none at the default 2,048 (four 4 x 512 groups then); the graphs' inputs are
+    sized for the limit before any capture reads them."""
+    llm = LLM(checkpoints.bf16(), dtype="bfloat16", device=DEV)
+    runner = CudaModelRunner(
+        llm.model, None, llm.device, max_num_seqs=16, max_model_len=1024, num_pages=20, page_size=16,
+        cuda_graphs=True, prefill_graph_tokens=limit,
+    )  # fmt: skip
+    assert runner.prompt_ids.numel() == runner.prompt_rows.numel() == limit
+    assert runner.prompt_bucket([500] * 16) == ((16, 512) if limit >= 8192 else None)
+    assert runner.prompt_bucket([500] * 4) == (4, 512)
+
+
 def test_fresh_prompts_through_their_prefill_graph(checkpoints):
     """A step of four fresh prompts (66 tokens in a 1 x 96-row graph, whose padding runs past the last page
     of the CPU runner's 72-token context; 20 tokens alone in 1 x 32 rows; 12 and 9 tokens in 2 x 16 rows:

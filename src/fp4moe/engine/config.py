@@ -26,6 +26,9 @@ class EngineConfig:
     max_cached_tokens: int | None = None  # KV budget in tokens; None: what the caches (GPU memory) hold
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights and caches (sizes the KV cache)
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs on the GPU
+    # rows one prefill graph holds at most (its prompts x their padded length): a step's fresh prompts replay
+    # as many graphs as their rows need; larger graphs give the expert GEMMs more rows per expert
+    prefill_graph_tokens: int = 2048
     # launch a decode-only step before the previous step's tokens are on the host (EngineCore.step): the
     # host's per-step work overlaps the GPU's (the GPU runner; no effect on the CPU's module path)
     async_scheduling: bool = True

@@ -168,6 +168,7 @@ class CudaModelRunner(ModelRunner):
         gpu_memory_utilization: float = 0.9,
         cuda_graphs: bool = True,
         spec_tokens: int = 0,
+        prefill_graph_tokens: int = PROMPT_GRAPH_TOKENS[-1],
     ):
         super().__init__(model, image_token_id, device, kv_cache_dtype)
         # prefill attention through flash attention, never cuDNN's: cuDNN builds (runtime-compiles) a plan for
@@ -221,11 +222,11 @@ class CudaModelRunner(ModelRunner):
         self.fused_prefill = True  # prefill chunks with the fused pieces (``hidden_states``)
         self._side: torch.cuda.Stream | None = None
         # fresh prompts through captured graphs (``prompt_forward``): inputs, and the graphs by padded length
-        self.max_prompt_graph_tokens = PROMPT_GRAPH_TOKENS[-1]
+        # (rows of one graph at most: its inputs below are sized once, before any capture reads them)
+        self.max_prompt_graph_tokens = top = prefill_graph_tokens
         self.use_prompt_graphs = True  # off: fresh prompts take the module path too (the warm-up compiles it)
         self.prompt_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prompt_pool = None
-        top = PROMPT_GRAPH_TOKENS[-1]
         self.prompt_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.prompt_rows = torch.arange(top, device=device)
         self.prompt_len = torch.zeros(PROMPT_GRAPH_SEQS[-1], dtype=torch.long, device=device)
