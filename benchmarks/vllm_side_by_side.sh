@@ -27,6 +27,15 @@ vllm_env() { (unset PYTHONPATH; . /tmp/vllm-site/vllm-env.sh; export PYTHONPATH=
 # the same sweep on both servers; fp4moe with vLLM's KV dtype and step budget on this GPU
 sweep=(--spec off --concurrency 1 4 8 16 32 48 64 --runs 1 --sglang --context-rows 1024 32768 --max-model-len 36864)
 fp4moe_flags=(--kv-cache-dtype fp8 --max-num-batched-tokens 8192)
+background() {  # DIR ARGS...: benchmarks/serve.py ARGS --out DIR in its own process session (it outlives the
+  # device call that starts it), its log and pid in DIR
+  local d=$1; shift
+  mkdir -p "$d"
+  PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 setsid nohup python3 benchmarks/serve.py "$@" --out "$d" \
+    >"$d/log" 2>&1 </dev/null &
+  echo $! >"$d/pid"
+  echo "started in the background: serve.py $* (pid $!, log $d/log)"
+}
 wait_pid() {  # a background job by its pid file (never pgrep: it matched the waiting shell itself), <= $2 s
   [ -f "$1" ] || return 0
   for _ in $(seq $(($2 / 2))); do kill -0 "$(cat "$1")" 2>/dev/null || return 0; sleep 2; done
@@ -38,13 +47,9 @@ part)
   bash scripts/vllm_join.sh ".vllm-whl/carry-${2:?part number}" 2>&1 | tail -5; status=${PIPESTATUS[0]}
   if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    if [ "${WARM:-1}" = 1 ] && [ ! -f /tmp/warm/pid ]; then  # its own process session: outlives this call
-      mkdir -p /tmp/warm
-      PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 setsid nohup python3 benchmarks/serve.py --spec off \
-        --concurrency 1 --pp 16 --tg 4 --runs 1 --long-pp 0 --max-model-len 36864 "${fp4moe_flags[@]}" \
-        --out /tmp/warm >/tmp/warm/log 2>&1 </dev/null &
-      echo $! >/tmp/warm/pid
-      echo "fp4moe warm-up started in the background (pid $!, log /tmp/warm/log)"
+    if [ "${WARM:-1}" = 1 ] && [ ! -f /tmp/warm/pid ]; then  # fp4moe's warm-up
+      background /tmp/warm --spec off --concurrency 1 --pp 16 --tg 4 --runs 1 --long-pp 0 --max-model-len 36864 \
+        "${fp4moe_flags[@]}"
     fi
   fi
   if [ "$2" = 1 ]; then ours benchmarks/vllm_side_by_side.py make "$dir" 2>&1 | grep -v Warning | tail -12; fi
@@ -74,11 +79,7 @@ recipe)
   wait_pid /tmp/warm/pid 300 || echo "fp4moe's warm-up still runs"
   vllm_env python3 benchmarks/vllm_side_by_side.py recipe "$dir/default" || status=1
   cp "$dir/default/recipe.json" "$dir/default/recipe-server.log" "$out/" 2>/dev/null
-  mkdir -p /tmp/speed-vllm
-  PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 setsid nohup python3 benchmarks/serve.py --engine vllm "${sweep[@]}" \
-    --out /tmp/speed-vllm >/tmp/speed-vllm/log 2>&1 </dev/null &
-  echo $! >/tmp/speed-vllm/pid
-  echo "speed vllm started in the background (pid $!): collect it with 'speed wait'"
+  background /tmp/speed-vllm --engine vllm "${sweep[@]}"  # collected by 'speed wait'
   ;;
 speed)
   if ! wait_pid /tmp/warm/pid 600; then echo "fp4moe's warm-up still runs"; exit 1; fi
