@@ -94,8 +94,12 @@ def start_server(model: str, spec: str, args, port: int) -> tuple[subprocess.Pop
         "--max-model-len",
         str(args.max_model_len),
     ]
-    cmd += ["--num-speculative-tokens", k, "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--prefill-graph-tokens", str(args.prefill_graph_tokens)]
+    cmd += ["--num-speculative-tokens", k]
+    if args.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if args.prefill_graph_tokens:
+        cmd += ["--prefill-graph-tokens", str(args.prefill_graph_tokens)]
     return _wait_for(cmd, env, port, spec, args)
 
 
@@ -234,7 +238,8 @@ def offline(model_dir: str, concurrency: list[int], pp: int, tg: int, args) -> l
     from fp4moe.engine.sampler import SamplingParams
 
     llm = LLM(model_dir, device=args.device, load_format="dummy", max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, num_speculative_tokens=0)  # fmt: skip
+              max_model_len=args.max_model_len, num_speculative_tokens=0,
+              **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}))  # fmt: skip
     gen, vocab = torch.Generator().manual_seed(0), min(llm.model.args.vocab_size, 200_000)  # below the markup
     params = SamplingParams(max_tokens=tg, temperature=0, ignore_eos=True)
     llm.generate([torch.randint(0, vocab, (pp,), generator=gen).tolist()], SamplingParams(max_tokens=8))
@@ -286,9 +291,17 @@ def main() -> int:
     p.add_argument("--offline", action="store_true", help="LLM.generate on the same shapes")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=16384)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument(
-        "--prefill-graph-tokens", type=int, default=2048, help="fp4moe's rows per prefill graph at most"
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="step budget (default: fp4moe's, 8192 on the GPU)",
+    )
+    p.add_argument(
+        "--prefill-graph-tokens",
+        type=int,
+        default=None,
+        help="fp4moe's rows per prefill graph at most (default: fp4moe's, the step budget up to 8192)",
     )
     p.add_argument(
         "--kv-cache-dtype", choices=["auto", "fp8"], default="auto",

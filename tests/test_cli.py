@@ -85,7 +85,34 @@ def test_generate_and_serve_declare_the_engine_options_once():
     assert build_parser().parse_args(["generate", "m", "hi"]).max_num_seqs == 64  # offline: LLM's default
     assert build_parser().parse_args(["serve", "m"]).max_num_seqs == "auto"  # 16 on the CPU, memory on a GPU
     assert build_parser().parse_args(["generate", "m", "hi"]).max_num_batched_tokens == 8192
-    assert build_parser().parse_args(["serve", "m"]).max_num_batched_tokens == 2048
+
+    # serve's step budget: vLLM's 8,192 on the GPU, 2,048 on the CPU; a prefill graph holds a whole step by
+    # default, up to 8,192 rows; set values stand
+    def config(*argv):
+        return engine_config(build_parser().parse_args(list(argv)))
+
+    def budget_and_rows(*argv):
+        c = config(*argv)
+        return c.max_num_batched_tokens, c.graph_rows
+
+    assert build_parser().parse_args(["serve", "m"]).max_num_batched_tokens == "auto"
+    assert budget_and_rows("serve", "m", "--device", "cpu") == (2048, 2048)
+    assert budget_and_rows("serve", "m", "--device", "cuda") == (8192, 8192)
+    assert budget_and_rows("generate", "m", "hi", "--device", "cpu") == (8192, 8192)
+    assert budget_and_rows("serve", "m", "--max-num-batched-tokens", "16384") == (16384, 8192)
+    argv = [
+        "serve",
+        "m",
+        "--device",
+        "cuda",
+        "--max-num-batched-tokens",
+        "1024",
+        "--prefill-graph-tokens",
+        "4096",
+    ]
+    assert budget_and_rows(*argv) == (1024, 4096)
+    with pytest.raises(SystemExit):  # argparse's usage error
+        build_parser().parse_args(["serve", "m", "--max-num-batched-tokens", "0"])
 
 
 def test_llm_takes_an_engine_config_and_keyword_overrides(checkpoints):

@@ -262,7 +262,7 @@ def _add_generate(sub) -> None:
 
 
 def _seqs(value: str) -> int | str:
-    """--max-num-seqs: a positive count or auto."""
+    """--max-num-seqs, --max-num-batched-tokens: a positive count or auto."""
     return "auto" if value == "auto" else _positive(value)
 
 
@@ -308,8 +308,10 @@ SPEC_HELP = (
 )
 
 
-def _add_engine_options(p, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+def _add_engine_options(p, max_num_seqs: int | str, max_num_batched_tokens: int | str) -> None:
     """The options of every command that runs fp4moe's engine (generate, serve): one EngineConfig."""
+    from fp4moe.engine.config import AUTO_CPU_BATCHED_TOKENS, AUTO_GPU_BATCHED_TOKENS
+
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument(
         "--dtype",
@@ -351,17 +353,19 @@ def _add_engine_options(p, max_num_seqs: int, max_num_batched_tokens: int) -> No
     )
     p.add_argument(
         "--max-num-batched-tokens",
-        type=_positive,
+        type=_seqs,
         default=max_num_batched_tokens,
-        help=f"tokens one step runs at most, prompt chunks and decodes (default {max_num_batched_tokens})",
+        help=f"tokens one step runs at most, prompt chunks and decodes, or auto: {AUTO_GPU_BATCHED_TOKENS} on the "
+        f"GPU (vLLM's server default there; 64 prompts of 512 tokens prefill in 4 steps, not 16), "
+        f"{AUTO_CPU_BATCHED_TOKENS} on the CPU (default {max_num_batched_tokens})",
     )
     p.add_argument(
         "--prefill-graph-tokens",
         type=_positive,
-        default=2048,
+        default=None,
         help="with --device cuda: rows one prefill graph holds at most (fresh prompts x their length padded to "
-        "a bucket); a step's fresh prompts replay as many graphs as they need. Larger graphs (up to "
-        "--max-num-batched-tokens) run more rows per expert and capture more graphs at start-up (default 2048)",
+        "a bucket); a step's fresh prompts replay as many graphs as they need. Larger graphs run more rows per "
+        "expert and capture more graphs at start-up (default: --max-num-batched-tokens, at most 8192)",
     )
     p.add_argument(
         "--enable-chunked-prefill",
@@ -417,15 +421,19 @@ def _async_state(config, spec: int, device) -> str:
 
 def engine_config(args):
     """The EngineConfig of the parsed engine options (``--device auto`` resolved)."""
-    from fp4moe.engine.config import EngineConfig
+    from fp4moe.engine.config import AUTO_CPU_BATCHED_TOKENS, AUTO_GPU_BATCHED_TOKENS, EngineConfig
 
     try:
         overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
     except json.JSONDecodeError as e:
         raise ValueError(f"--hf-overrides is not valid JSON: {e}") from None
+    device = _device(args.device)
+    tokens = args.max_num_batched_tokens
+    if tokens == "auto":
+        tokens = AUTO_GPU_BATCHED_TOKENS if device.startswith("cuda") else AUTO_CPU_BATCHED_TOKENS
     return EngineConfig(
         dtype=args.dtype,
-        device=_device(args.device),
+        device=device,
         hf_overrides=overrides,
         max_model_len=args.max_model_len,
         limit_mm_per_prompt=_limit_mm(args.limit_mm_per_prompt),
@@ -433,7 +441,7 @@ def engine_config(args):
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
         max_cached_tokens=args.max_cached_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -542,7 +550,7 @@ def _add_serve(sub) -> None:
     )
     p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None, help="parse tool calls")
     p.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"')
-    _add_engine_options(p, max_num_seqs="auto", max_num_batched_tokens=2048)
+    _add_engine_options(p, max_num_seqs="auto", max_num_batched_tokens="auto")
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="with --engine vllm: GPUs to shard over"
     )
@@ -875,12 +883,12 @@ def cmd_serve(args) -> int:
     llm = LLM(args.model, config)
     if llm.device.type == "cuda" and args.warmup:
         print("warming up: compiling kernels, capturing CUDA graphs ...", file=sys.stderr, flush=True)
-        print(f"warm-up took {llm.warmup(args.max_num_batched_tokens):.1f} s", file=sys.stderr, flush=True)
+        print(f"warm-up took {llm.warmup(config.max_num_batched_tokens):.1f} s", file=sys.stderr, flush=True)
     spec = llm.speculator.k if llm.speculator is not None else 0
     print(
         f"fp4moe serve: device {llm.device}, {llm.model.embed_tokens.dtype} compute, KV cache "
         f"{args.kv_cache_dtype} for {llm.max_cached_tokens} tokens, at most {llm.engine_config.max_num_seqs} sequences running and "
-        f"{args.max_num_batched_tokens} tokens per step, context {llm.max_model_len}, speculative tokens {spec}, "
+        f"{config.max_num_batched_tokens} tokens per step, context {llm.max_model_len}, speculative tokens {spec}, "
         f"async scheduling {_async_state(config, spec, llm.device)}",
         file=sys.stderr,
         flush=True,

@@ -4,8 +4,10 @@ share (the CLI declares its options once, ``cli._add_engine_options``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -27,12 +29,27 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights and caches (sizes the KV cache)
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs on the GPU
     # rows one prefill graph holds at most (its prompts x their padded length): a step's fresh prompts replay
-    # as many graphs as their rows need; larger graphs give the expert GEMMs more rows per expert
-    prefill_graph_tokens: int = 2048
+    # as many graphs as their rows need; larger graphs give the expert GEMMs more rows per expert. None: the
+    # step budget, at most AUTO_PREFILL_GRAPH_TOKENS (``graph_rows``)
+    prefill_graph_tokens: int | None = None
     # launch a decode-only step before the previous step's tokens are on the host (EngineCore.step): the
     # host's per-step work overlaps the GPU's (the GPU runner; no effect on the CPU's module path)
     async_scheduling: bool = True
     load_format: str = "auto"  # auto/safetensors: the checkpoint's weights; dummy: random, from config.json
 
+    @property
+    def graph_rows(self) -> int:
+        """Rows one prefill graph holds: the set value, else a whole step's budget up to
+        AUTO_PREFILL_GRAPH_TOKENS. On the H100, 64 prompts of 512 tokens in 8,192-token steps prefilled in
+        graphs of 8,192 rows gave 2,611 tok/s and TTFT 0.98 s, in graphs of 2,048 rows 2,257 tok/s and 1.27 s
+        (BENCHMARKS.md, "Prefill graphs as large as the step")."""
+        if self.prefill_graph_tokens is not None:
+            return self.prefill_graph_tokens
+        return min(self.max_num_batched_tokens, AUTO_PREFILL_GRAPH_TOKENS)
+
 
 AUTO_CPU_SEQS = 16  # --max-num-seqs auto on the CPU
+# serve's --max-num-batched-tokens auto: vLLM's server default on GPUs of this class; smaller CPU steps
+AUTO_GPU_BATCHED_TOKENS, AUTO_CPU_BATCHED_TOKENS = 8192, 2048
+# prefill graphs' rows at most by default: their inputs and the graph pool grow with it (8,192 measured)
+AUTO_PREFILL_GRAPH_TOKENS = 8192

@@ -101,7 +101,7 @@ class LLM:
                 self.model, image_token, self.device, config.kv_cache_dtype, max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len, gpu_memory_utilization=config.gpu_memory_utilization,
                 cuda_graphs=config.cuda_graphs, spec_tokens=k if self.model.mtp is not None else 0,
-                prefill_graph_tokens=config.prefill_graph_tokens,
+                prefill_graph_tokens=config.graph_rows,
             )  # fmt: skip
         else:
             self.runner = ModelRunner(self.model, image_token, self.device, config.kv_cache_dtype)
