@@ -198,12 +198,21 @@ def _decode_merge_kernel(
     tl.store(out_ptr + (b.to(tl.int64) * H + h) * D + d, y.to(out_ptr.dtype.element_ty))
 
 
+# programs the decode split kernel aims for: the H200's 132 SMs about twice; under Triton's interpreter (CI)
+# every program costs host time and there is no GPU to fill, so one split per sequence and head there
+# (tests/kernels checks several splits against the reference with target_programs given)
+DECODE_TARGET_PROGRAMS = 1 if INTERPRET else 264
+
+
 def split_len_for(
-    max_len: int, page: int, programs: int, min_split: int | None = None, max_splits: int = 128
-) -> int:
-    """Tokens per split, whole pages: enough splits that (sequences x KV heads x splits) covers the GPU
-    about twice (264 programs), at most ``max_splits`` (the merge holds them all in registers)."""
-    want = min(max_splits, max(1, -(-264 // programs)))
+    max_len: int, page: int, programs: int, min_split: int | None = None, max_splits: int = 128,
+    target_programs: int | None = None,
+) -> int:  # fmt: skip
+    """Tokens per split, whole pages: enough splits that (sequences x KV heads x splits) reaches
+    ``target_programs`` (default DECODE_TARGET_PROGRAMS), at most ``max_splits`` (the merge holds them all
+    in registers)."""
+    target = DECODE_TARGET_PROGRAMS if target_programs is None else target_programs
+    want = min(max_splits, max(1, -(-target // programs)))
     split = max(min_split or page, -(-max_len // want))
     return -(-split // page) * page
 
@@ -221,6 +230,7 @@ def paged_decode_attention(
     out=None,
     buffers=None,
     min_split: int | None = None,
+    target_programs: int | None = None,
 ):
     """q [B, H, D] (one token per sequence, already in the cache), qkv [B, ...] (its gate half),
     block_table [B, pages], seq_lens [B] (tokens incl. this one) -> [B, H*D] = attn * sigmoid(gate).
@@ -228,7 +238,7 @@ def paged_decode_attention(
     h, hkv, d = dims
     b = q.shape[0]
     page = k_cache.shape[1]
-    split = split_len_for(max_len, page, b * hkv, min_split)
+    split = split_len_for(max_len, page, b * hkv, min_split, target_programs=target_programs)
     nsplit = -(-max_len // split)
     if buffers is None:
         buffers = (
