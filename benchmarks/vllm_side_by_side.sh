@@ -19,7 +19,8 @@
 #            'speed wait' (waits up to ~9.5 min for the background 'speed vllm' and collects it),
 #            'speed fp4moe' (fp4moe serve with the same KV dtype and step budget, then its engine rate)
 #   graphs   fp4moe serve's pp 512 / tg 128 at 16, 32, 64 streams with prefill graphs of at most 2,048 rows
-#            (the default) and of 8,192 (--prefill-graph-tokens), same KV dtype and step budget as 'speed'
+#            and of 8,192 (--prefill-graph-tokens; the default is the step budget), same KV dtype and step
+#            budget as 'speed'
 # Results go to $OUT. Make the parts here first: bash scripts/vllm_wheels.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -102,7 +103,7 @@ speed)
 graphs)
   if ! wait_pid /tmp/warm/pid 300; then echo "fp4moe's warm-up still runs"; exit 1; fi
   for rows in 2048 8192; do
-    ours benchmarks/serve.py --spec off --concurrency 16 32 64 --runs 2 --long-pp 0 --max-model-len 36864 \
+    ours benchmarks/serve.py --spec off --concurrency 16 32 64 --runs 1 --long-pp 0 --max-model-len 36864 \
       "${fp4moe_flags[@]}" --prefill-graph-tokens $rows --out "$out/graphs-$rows" 2>&1 | tail -8 || status=1
   done
   ;;

@@ -88,11 +88,8 @@ def test_generate_and_serve_declare_the_engine_options_once():
 
     # serve's step budget: vLLM's 8,192 on the GPU, 2,048 on the CPU; a prefill graph holds a whole step by
     # default, up to 8,192 rows; set values stand
-    def config(*argv):
-        return engine_config(build_parser().parse_args(list(argv)))
-
     def budget_and_rows(*argv):
-        c = config(*argv)
+        c = engine_config(build_parser().parse_args(list(argv)))
         return c.max_num_batched_tokens, c.graph_rows
 
     assert build_parser().parse_args(["serve", "m"]).max_num_batched_tokens == "auto"
