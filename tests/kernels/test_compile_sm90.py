@@ -264,3 +264,47 @@ def test_paged_prefill_attention_compiles_for_sm90_with_both_cache_dtypes():
     assert fp8["ok"], fp8["error"]
     assert bf16["wgmma"] and fp8["wgmma"], (bf16, fp8)
     assert fp8["e4m3_cvt"] and not bf16["e4m3_cvt"]
+
+
+PREFILL_SCRIPT = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fp4moe.kernels import nvfp4_gemm as gemm
+from fp4moe.kernels import nvfp4_moe_prefill as prefill
+
+fn = prefill._prefill_kernel
+pointers = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "d_ptr": "*fp32", "out_ptr": "*bf16",
+            "order_ptr": "*i32", "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_count_ptr": "*i32",
+            "nblk_ptr": "*i32", "topw_ptr": "*fp32"}
+results = []
+for epilogue, bm in json.loads(sys.argv[1]):  # the default plan's tiles at this block size
+    t = gemm.plan(bm, 8192 if bm == 128 else 2048)[epilogue - 1]
+    consts = dict(MODE=7, EPILOGUE=epilogue, BM=bm, BN=t.bn, BK=t.bk, EVEN_N=True, DOT_F32=False, PDL=True)
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and n not in ("TOPK", "stride_de")}
+    try:
+        k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.warps, num_stages=t.stages))
+        ttgir = k.asm["ttgir"]
+        results.append(dict(ok=bool(k.asm["cubin"]), error="", weights_first=t.weights_first,
+                            # the MMA's first operand in registers (wgmma with A from registers)
+                            a_in_registers=bool(re.search(r"warp_group_dot %\S+, %\S+.*tensor<\d+x\d+xbf16, "
+                                                          r"#ttg.dot_op<\{opIdx = 0", ttgir)),
+                            prmt="prmt.b32" in k.asm["ptx"]))
+    except Exception as exc:
+        results.append(dict(ok=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_weights_first_prefill_experts_compile_for_sm90():
+    """nvfp4_moe_prefill's kernel at the default plan's prefill tiles (64- and 128-pair blocks, gate/up and
+    down): warpgroup MMAs whose first operand, the dequantized weights, stays in registers."""
+    variants = [[1, 64], [2, 64], [1, 128], [2, 128]]
+    for variant, r in zip(variants, _compile(PREFILL_SCRIPT, variants), strict=True):
+        assert r["ok"], (variant, r["error"])
+        assert r["weights_first"] and r["a_in_registers"] and r["prmt"], (variant, r)

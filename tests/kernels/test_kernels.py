@@ -101,6 +101,35 @@ def test_moe_experts_match_the_dequantized_reference(tokens, inter, split, mode,
     assert rel(out, ref) < RTOL
 
 
+@pytest.mark.parametrize("tokens,inter,kernel_launches", [(150, 32, 2), (350, 32, 2), (150, 48, 1)])
+def test_weights_first_prefill_experts_match_the_reference(tokens, inter, kernel_launches, monkeypatch):
+    """Prefill-sized row blocks (64 pairs; 128 where every expert gets 128) run nvfp4_moe_prefill's kernel:
+    the weights as the MMA's first operand, N masked where the tile is wider than the projection. A K that
+    is no multiple of its tile (down with I = 48) falls back to the row kernel for that launch."""
+    from fp4moe.kernels import nvfp4_moe_prefill as prefill
+
+    launches = []
+    real = prefill.launch
+    monkeypatch.setattr(prefill, "launch", lambda *a, **kw: launches.append(a[10]) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(tokens + inter)
+    e, h, k = 8, 64, 3
+    gp, gs, gd = quantized((e * 2, inter, h), gen)
+    gp, gs, gd = gp.view(e, 2 * inter, h // 2), gs.view(e, 2 * inter, h // 16), gd.view(e, 2).contiguous()
+    dp, ds, dd = quantized((e, h, inter), gen)
+    x = torch.randn(tokens, h, generator=gen).to(BF16).to(DEV)
+    ids, w = moe_router.router_reference(torch.randn(tokens, e, generator=gen).to(DEV), k)
+    bm = gemm.block_m(tokens, k, e, mode=gemm.DEQUANT_MODE)
+    assert bm == (128 if tokens * k / e >= 128 else 64)
+    routing = gemm.align(ids, e, bm)
+    act = gemm.moe_gate_up(x, gp, gs, gd, routing, k)
+    out = gemm.moe_down(act, dp, ds, dd, routing, w.float()).view(tokens, k, h).sum(1)
+    assert launches == [gemm.GATED, gemm.WEIGHTED][:kernel_launches]
+    ref = gemm.moe_reference(x.double(), gp, gs, gd.double(), dp, ds, dd.double(), ids, w.double())
+    assert rel(out, ref) < RTOL
+    row = gemm.moe_gate_up(x, gp, gs, gd, routing, k, tiles=gemm.Tiles(64, 128, 4, 3))
+    assert rel(act, row) < RTOL  # the row kernel on the same blocks
+
+
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_pair_routing_gives_the_sorted_routings_outputs(tokens):
     """A few tokens skip the sort: each (token, expert) pair is its own row block. Rows of a tile do not

@@ -9,7 +9,9 @@ tiles; mode 4: the same bits through Triton ops; mode 1, the interpreter's: code
 the block scale -> bf16), multiplies it with up to BM activation rows on the tensor cores, and applies the
 decode scale once to the fp32 accumulator. BK divides K where a power of two >= 32 does, else the last K
 tile is masked. Rows are (token, expert) pairs sorted by expert; a block table says which expert and which
-run of sorted pairs each program row-block covers (``align``).
+run of sorted pairs each program row-block covers (``align``). Prefill-sized blocks (64 or 128 pairs) go to
+``nvfp4_moe_prefill``'s kernel, which takes the weights as the MMA's first operand (``Tiles.weights_first``,
+``plan``); this row kernel keeps decode-sized blocks, bf16 and FP8 weights, split K and ragged K.
 
 Gate/up programs compute the gate rows n and the up rows I + n of one expert together and store
 silu(gate) * up; down programs multiply by the pair's routing weight. Optionally (``Tiles.split``) the
@@ -30,96 +32,9 @@ import triton.language as tl
 
 from fp4moe.formats import nvfp4
 from fp4moe.kernels import INTERPRET, next_pow2, pdl_args, uint8_view
+from fp4moe.kernels import nvfp4_moe_prefill as prefill
+from fp4moe.kernels.nvfp4_dequant import dequant_asm, dequant_bf16, dequant_bf16_bits
 from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
-
-
-@triton.jit
-def _dequant_bf16(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.constexpr):
-    """MODE 1: packed codes [BN, BK/2] and block scales [BN, BK/16] -> interleaved [BN, BK] bf16 tile
-    (code -> fp16 bits with the exponent 14 too small -> fp32, times scale * 2^14 -> bf16, exact)."""
-    return _dequant_bf16_of(
-        tl.load(w_ptrs, mask=w_mask, other=0), tl.load(s_ptrs, mask=s_mask, other=0), BN, BK
-    )
-
-
-@triton.jit
-def _dequant_bf16_of(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr):
-    """``_dequant_bf16`` of codes and scale bytes already loaded."""
-    packed = packed.to(tl.uint16)
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK))  # even k from the low nibble
-    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
-    vals = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
-    w = tl.reshape(vals, (BN, BK // 16, 16)) * scales[:, :, None]
-    return tl.reshape(w, (BN, BK)).to(tl.bfloat16)
-
-
-@triton.jit
-def _dequant_bf16_bits(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.constexpr):
-    """MODE 4: packed codes [BN, BK/2] -> interleaved [BN, BK] bf16 tile of value * block scale * 2^-8,
-    exact, with no conversion instruction per element: the code's e1 e0 m bits go into the low exponent
-    bits and the top mantissa bit of a bf16 (that is the E2M1 value times 2^-126), and one bf16 multiply
-    by scale * 2^118 (the 2^8 left over goes on the accumulator)."""
-    packed, sbytes = tl.load(w_ptrs, mask=w_mask, other=0), tl.load(s_ptrs, mask=s_mask, other=0)
-    return _dequant_bf16_bits_of(packed, sbytes, BN, BK)
-
-
-@triton.jit
-def _dequant_bf16_bits_of(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr):
-    """``_dequant_bf16_bits`` of codes and scale bytes already loaded."""
-    packed = packed.to(tl.uint16)
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK))  # even k from the low nibble
-    vals = (((codes & 8) << 12) | ((codes & 7) << 6)).to(tl.bfloat16, bitcast=True)
-    scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    scales = (scales * 3.3230699894622794e35).to(tl.bfloat16)  # * 2^118: exact
-    w = tl.reshape(vals, (BN, BK // 16, 16)) * scales[:, :, None]
-    return tl.reshape(w, (BN, BK))
-
-
-# E2M1 nibbles -> bf16 bits of value * 2^-126 (as in mode 4), four bytes per 32-bit register, two values
-# per instruction: spread bytes 0,1 (2,3) to the low bytes of the two halves of a register (prmt), keep one
-# nibble per half, and one multiply by 2^6 + 2^12 (low nibble; 2^2 + 2^8 for the high one) puts copies of
-# the nibble at bits 6-9 and 12-15 of each half (they cannot overlap); the mask keeps e1 e0 m under the
-# bf16's low exponent bits / top mantissa bit (6-8) and the sign at bit 15. Outputs $0,$1: the low nibbles
-# of bytes 0,1 and 2,3; $2,$3: the high nibbles
-_E2M1_BOTH = tl.constexpr("""{
-.reg .b32 r<4>;
-prmt.b32 r0, $4, 0, 0x4140;
-prmt.b32 r1, $4, 0, 0x4342;
-and.b32 r2, r0, 0x000F000F;
-and.b32 r3, r1, 0x000F000F;
-mul.lo.u32 r2, r2, 0x1040;
-mul.lo.u32 r3, r3, 0x1040;
-and.b32 $0, r2, 0x81C081C0;
-and.b32 $1, r3, 0x81C081C0;
-and.b32 r2, r0, 0x00F000F0;
-and.b32 r3, r1, 0x00F000F0;
-mul.lo.u32 r2, r2, 0x104;
-mul.lo.u32 r3, r3, 0x104;
-and.b32 $2, r2, 0x81C081C0;
-and.b32 $3, r3, 0x81C081C0;
-}""")
-
-
-@triton.jit
-def _dequant_asm(w_ptrs, s_ptrs, w_mask, s_mask, BN: tl.constexpr, BK: tl.constexpr):
-    """MODE 7: packed codes [BN, BK/2] -> (even k, odd k) tiles [BN, BK/2] bf16 of value * block scale *
-    2^-8, exactly mode 4's values, with the nibbles converted two at a time by inline PTX (GPU only)."""
-    return _dequant_asm_of(
-        tl.load(w_ptrs, mask=w_mask, other=0), tl.load(s_ptrs, mask=s_mask, other=0), BN, BK
-    )
-
-
-@triton.jit
-def _dequant_asm_of(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr):
-    """``_dequant_asm`` of codes and scale bytes already loaded."""
-    lo, hi = tl.inline_asm_elementwise(
-        _E2M1_BOTH, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
-    )
-    scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    scales = (scales * 3.3230699894622794e35).to(tl.bfloat16)  # * 2^118: exact
-    scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (BN, BK // 16, 8)), (BN, BK // 2))
-    return lo * scales, hi * scales
 
 
 @triton.jit
@@ -166,7 +81,7 @@ def _tile_dot(a, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, offs_ks,
     w_mask = mask_n[:, None] & kh_ok[None, :]
     s_mask = mask_n[:, None] & ks_ok[None, :]
     if MODE == 7:  # even and odd k apart: two dots over half tiles
-        lo, hi = _dequant_asm(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
+        lo, hi = dequant_asm(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
         a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
         out = tl.dot(a_odd, tl.trans(hi), acc=tl.dot(a_even, tl.trans(lo)))
     else:
@@ -178,9 +93,9 @@ def _tile_dot(a, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, offs_ks,
             w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0)
             w = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
         elif MODE == 4:
-            w = _dequant_bf16_bits(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
+            w = dequant_bf16_bits(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
         else:
-            w = _dequant_bf16(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
+            w = dequant_bf16(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
         out = _dot(a, w, DOT_F32)
     return out
 
@@ -443,15 +358,19 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routin
 # bf16 dots through Triton ops were measured slower and removed.)
 DEQUANT_MODE = int(os.environ.get("FP4MOE_DEQUANT_MODE", "1" if INTERPRET else "7"))
 GATED, WEIGHTED, PARTIAL = 1, 2, 3  # the kernel's EPILOGUE (0: dense)
+WEIGHTS_FIRST_MODES = (1, 7)  # the dequantizations nvfp4_moe_prefill's kernel has
 
 
 def _mode(packed: torch.Tensor) -> int:
     return 0 if packed.dtype == torch.bfloat16 else DEQUANT_MODE
 
 
-def block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """Rows per expert block: 16 (the smallest tensor-core tile) for decode, up to 64 for prefill."""
+def block_m(num_tokens: int, top_k: int, num_experts: int, mode: int | None = None) -> int:
+    """Rows per expert block: 16 (the smallest tensor-core tile) for decode, up to 64 for prefill; 128 where
+    experts get at least 128 pairs each and the weights-first kernel runs (``plan``)."""
     per_expert = num_tokens * top_k / num_experts
+    if per_expert >= 128 and (DEQUANT_MODE if mode is None else mode) in WEIGHTS_FIRST_MODES:
+        return 128
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
 
@@ -470,26 +389,40 @@ class Tiles:
     """Launch settings of one expert GEMM: output tile width BN, K tile BK (a cap: the largest power of
     two dividing the K range), warps, pipeline stages, and the number of K splits (gate/up only: 0 fuses
     silu(gate) * up into the launch; s >= 1 writes fp32 partial sums of s K ranges, gate and up rows in
-    separate programs, and the down launch computes the activation from them)."""
+    separate programs, and the down launch computes the activation from them). ``weights_first``: the
+    launch runs ``nvfp4_moe_prefill``'s kernel (weights as the MMA's first operand; no split, K a multiple
+    of BK, dequantization mode 1 or 7), else it falls back to the row kernel with the same tiles."""
 
-    def __init__(self, bn: int, bk: int, warps: int, stages: int, split: int = 0):
+    def __init__(
+        self, bn: int, bk: int, warps: int, stages: int, split: int = 0, weights_first: bool = False
+    ):
         self.bn, self.bk, self.warps, self.stages, self.split = bn, bk, warps, stages, split
+        self.weights_first = weights_first
 
     def __repr__(self) -> str:
         return (
-            f"Tiles(bn={self.bn}, bk={self.bk}, warps={self.warps}, stages={self.stages}, split={self.split})"
+            f"Tiles(bn={self.bn}, bk={self.bk}, warps={self.warps}, stages={self.stages}, split={self.split}, "
+            f"weights_first={self.weights_first})"
         )
 
 
-def plan(bm: int, tokens: int) -> tuple[Tiles, Tiles]:
+def plan(bm: int, tokens: int, mode: int | None = None) -> tuple[Tiles, Tiles]:
     """(gate/up, down) launch settings for a row block of ``bm`` and ``tokens`` tokens in the launch (H200
-    sweep, benchmarks/tune_experts.py: graph-replayed launches over 40 layers' experts)."""
+    sweep, benchmarks/tune_experts.py: graph-replayed launches over 40 layers' experts; prefill blocks:
+    benchmarks/tune_prefill_experts.py), for dequantization ``mode`` (default ``DEQUANT_MODE``)."""
     if bm <= 16 and tokens <= 1:
         return Tiles(32, 256, 4, 3), Tiles(32, 128, 2, 3)
     if bm <= 16 and tokens <= 4:
         return Tiles(64, 256, 4, 3), Tiles(64, 128, 4, 2)
     if bm <= 16:
         return Tiles(64, 256, 4, 3), Tiles(64, 128, 4, 3)
+    if bm >= 64 and (DEQUANT_MODE if mode is None else mode) in WEIGHTS_FIRST_MODES:
+        # H200, 8,192 tokens (bm 128): gate/up 1.02 ms, down 0.78 ms per layer against the row kernel's best
+        # 1.37 and 0.86; 2,048 tokens (bm 64): 0.45 and 0.27 against 0.47 and 0.28
+        down = (
+            Tiles(64, 128, 4, 3, weights_first=True) if bm >= 128 else Tiles(64, 64, 4, 3, weights_first=True)
+        )
+        return Tiles(64, 128, 4, 2, weights_first=True), down
     if bm >= 64:  # prefill (8K tokens: down 1.02 ms per layer against 1.32 with the gate/up's tiles)
         return Tiles(64, 128, 4, 3), Tiles(128, 64, 4, 3)
     return Tiles(64, 128, 4, 3), Tiles(64, 128, 4, 3)
@@ -497,9 +430,14 @@ def plan(bm: int, tokens: int) -> tuple[Tiles, Tiles]:
 
 def _launch(a, a_strides, act_splits, w, s, stride_sn, decode, out, routing, topw, n, k, top_k, epilogue,
             mode, t: Tiles, split: int = 1, dense_m: int = 0):  # fmt: skip
-    """One ``_w4a16_kernel`` launch: grid (row blocks, N / BN, K splits)."""
+    """One ``_w4a16_kernel`` launch: grid (row blocks, N / BN, K splits); or with ``t.weights_first``, where
+    it applies, ``nvfp4_moe_prefill``'s kernel over the same row blocks."""
     k_split = k // split
     bk = _block_k(k_split, t.bk)
+    weights_first = t.weights_first and mode in WEIGHTS_FIRST_MODES and k % bk == 0
+    if weights_first and split == 1 and not (dense_m or act_splits):
+        return prefill.launch(a, w, s, decode, out, routing, topw, n, k, top_k, epilogue, mode, t.bn, bk,
+                              t.warps, t.stages, INTERPRET)  # fmt: skip
     if split > 1 and k_split % bk:
         raise ValueError(f"K = {k} does not split into {split} ranges of whole {bk}-wide tiles")
     if dense_m:
@@ -528,7 +466,7 @@ def moe_gate_up(
     [T*k, I] bf16 (rows = pair index), or with ``tiles.split`` = s >= 1 the gate/up partial sums
     [s, T*k, 2I] fp32 that ``moe_down`` finishes."""
     two_i, hidden = packed.shape[1], x.shape[1]
-    t = tiles or plan(routing.bm, x.shape[0])[0]
+    t = tiles or plan(routing.bm, x.shape[0], _mode(packed))[0]
     tk = x.shape[0] * top_k
     s = uint8_view(scales)
     if t.split:
@@ -556,7 +494,7 @@ def moe_down(
     splits = act.shape[0] if act.ndim == 3 else 0
     pairs = act.shape[-2]
     inter = act.shape[-1] // 2 if splits else act.shape[-1]
-    t = tiles or plan(routing.bm, pairs // max(1, topk_weights.shape[-1]))[1]
+    t = tiles or plan(routing.bm, pairs // max(1, topk_weights.shape[-1]), _mode(packed))[1]
     if out is None:
         out = torch.empty(pairs, hidden, dtype=torch.bfloat16, device=act.device)
     s = uint8_view(scales)
@@ -735,7 +673,7 @@ def moe_pairs(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
             return mma.mma_down(act, *dn, pairs, topk_weights, tiles=mma.ONE_TOKEN_DOWN_TILES)
         return gemv.gemv_down(act, *dn, topk_ids, topk_weights)
-    bm = block_m(t, k, experts.num_experts)
+    bm = block_m(t, k, experts.num_experts, _mode(gu[0]))
     if t <= PAIR_ROUTING_MAX_TOKENS and bm == 16:
         routing = pair_routing(topk_ids, bm)
     else:

@@ -3,7 +3,7 @@
 At a few tokens per step every (token, expert) pair is its own one-row product. The grouped GEMM
 (``nvfp4_gemm``) runs those on the tensor cores in 16-row tiles (15 rows of zeros) and passes each
 dequantized tile through shared memory into the MMA; here a program dequantizes a [BN, BK] weight tile in
-registers exactly as the GEMM does (same modes, same values: ``nvfp4_gemm._dequant_*``), multiplies it by the
+registers exactly as the GEMM does (same modes, same values: ``nvfp4_dequant``), multiplies it by the
 pair's activation row on the CUDA cores and keeps [BN, BK] fp32 partial sums, reduced once after the K
 loop. Nothing is sorted: the program's expert is the router's own output (``topk_ids``).
 
@@ -20,13 +20,8 @@ import triton
 import triton.language as tl
 
 from fp4moe.kernels import pdl_args, uint8_view
-from fp4moe.kernels.nvfp4_gemm import (
-    _block_k,
-    _dequant_asm_of,
-    _dequant_bf16_bits_of,
-    _dequant_bf16_of,
-    _mode,
-)
+from fp4moe.kernels.nvfp4_dequant import dequant_asm_of, dequant_bf16_bits_of, dequant_bf16_of
+from fp4moe.kernels.nvfp4_gemm import _block_k, _mode
 from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 
 
@@ -60,15 +55,15 @@ def _partial(acc, a_row, k0, w, s, MODE: tl.constexpr, BN: tl.constexpr, BK: tl.
     in mode 7), or (SUM_EACH) summed along K into acc [BN, 1]."""
     if MODE == 7:  # even and odd k as two half tiles, as the GEMM's mode 7
         offs_kh = tl.arange(0, BK // 2)
-        lo, hi = _dequant_asm_of(w, s, BN, BK)
+        lo, hi = dequant_asm_of(w, s, BN, BK)
         a_even = tl.load(a_row + k0 + 2 * offs_kh).to(tl.float32)
         a_odd = tl.load(a_row + k0 + 2 * offs_kh + 1).to(tl.float32)
         prod = lo.to(tl.float32) * a_even[None, :] + hi.to(tl.float32) * a_odd[None, :]
     else:
         if MODE == 4:
-            w = _dequant_bf16_bits_of(w, s, BN, BK)
+            w = dequant_bf16_bits_of(w, s, BN, BK)
         elif MODE != 0:
-            w = _dequant_bf16_of(w, s, BN, BK)
+            w = dequant_bf16_of(w, s, BN, BK)
         prod = w.to(tl.float32) * tl.load(a_row + k0 + tl.arange(0, BK)).to(tl.float32)[None, :]
     # (one return statement: the compiler wants every return of one type)
     acc = acc + tl.sum(prod, 1, keep_dims=True) if SUM_EACH else acc + prod

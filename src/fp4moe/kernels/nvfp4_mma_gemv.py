@@ -32,7 +32,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from fp4moe.kernels import pdl_args, uint8_view
-from fp4moe.kernels.nvfp4_gemm import _E2M1_BOTH, Routing, _mode
+from fp4moe.kernels.nvfp4_dequant import E2M1_BOTH
+from fp4moe.kernels.nvfp4_gemm import Routing, _mode
 
 TOKENS = 8  # the MMA's N: tokens of one expert per row block
 
@@ -105,7 +106,7 @@ def _dequant(packed, sb, SA: gl.constexpr, S4: gl.constexpr):
     s, _ = gl.broadcast(gl.expand_dims(s, 3), gl.zeros([s.shape[0], s.shape[1], s.shape[2], 8], gl.int8, S4))
     s = gl.convert_layout(gl.reshape(s, packed.shape), SA, assert_trivial=True)
     lo, hi = gl.inline_asm_elementwise(
-        _E2M1_BOTH, "=r,=r,=r,=r,r", [packed], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
+        E2M1_BOTH, "=r,=r,=r,=r,r", [packed], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
     )
     return lo * s, hi * s
 

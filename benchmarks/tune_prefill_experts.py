@@ -1,0 +1,124 @@
+# ruff: noqa: B023  (each closure is called inside the loop iteration that defines it)
+"""Tiles of the grouped NVFP4 expert GEMMs at prefill token counts: the row kernel (``nvfp4_gemm``, activations
+as the MMA's first operand) against the weights-first kernel (``nvfp4_moe_prefill``), full-size experts
+(hidden 2048, 256 experts top-8, I = 512), random routing per layer, each launch over LAYERS layers' experts in
+one CUDA graph, median of replays. Each candidate is checked against the default plan's output on the first
+layer (max |difference| over max |value|: a bf16 ulp is 3.9e-3).
+
+    python3 benchmarks/tune_prefill_experts.py --tokens 8192,2048,16384 --out tune-prefill-experts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from fp4moe.kernels import nvfp4_gemm as gemm
+
+E, H, I, K = 256, 2048, 512, 8
+LAYERS = 6
+# (block rows, Tiles): the row kernel's default, then weights-first candidates
+GATE_UP = [(64, gemm.Tiles(64, 128, 4, 3))] + [
+    (bm, gemm.Tiles(bn, bk, w, s, weights_first=True))
+    for bm, bn, bk, w, s in ((64, 64, 128, 4, 2), (128, 64, 128, 4, 2), (128, 64, 128, 4, 3), (128, 128, 128, 8, 3),
+                             (64, 64, 256, 4, 2), (128, 128, 256, 8, 2))
+]  # fmt: skip
+DOWN = [(64, gemm.Tiles(128, 64, 4, 3))] + [
+    (bm, gemm.Tiles(bn, bk, w, s, weights_first=True))
+    for bm, bn, bk, w, s in ((64, 64, 64, 4, 3), (128, 64, 128, 4, 3), (64, 128, 64, 8, 4), (128, 128, 128, 8, 3),
+                             (256, 64, 64, 4, 3))
+]  # fmt: skip
+
+
+def weights(dev):
+    def fp8(*shape):
+        return (torch.rand(*shape, device=dev) + 0.5).to(torch.float8_e4m3fn)
+
+    def nvfp4(n, k, decode_shape):
+        packed = torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8, device=dev)
+        return packed, fp8(E, n, k // 16), torch.full(decode_shape, 2e-3, device=dev)
+
+    return [dict(gu=nvfp4(2 * I, H, (E, 2)), dn=nvfp4(H, I, (E,))) for _ in range(LAYERS)]
+
+
+def graph_seconds(fn, reps: int = 15) -> float:
+    """Seconds per layer of ``fn`` (LAYERS launches), replayed from a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    return statistics.median(times) / LAYERS
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="8192,2048,16384", help="tokens per launch")
+    ap.add_argument("--budget", type=float, default=400, help="seconds of sweeping before it stops early")
+    ap.add_argument("--out", default="", help="write every timing to this JSON file")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    start = time.time()
+    ws = weights(dev)
+    out = dict(device=torch.cuda.get_device_name(), rows=[])
+    for t in [int(v) for v in args.tokens.split(",")]:
+        gen = torch.Generator(device=dev).manual_seed(t)
+        x = torch.randn(t, H, device=dev, dtype=torch.bfloat16)
+        ids = [
+            torch.rand(t, E, device=dev, generator=gen).topk(K, dim=1).indices.int() for _ in range(LAYERS)
+        ]
+        topw = torch.rand(t, K, device=dev)
+        routes = {}
+
+        def routing(bm):
+            return routes.setdefault(bm, [gemm.align(i, E, bm) for i in ids])
+
+        rd = routing(gemm.block_m(t, K, E))
+        ref_act = gemm.moe_gate_up(x, *ws[0]["gu"], rd[0], K)
+        ref_y = gemm.moe_down(ref_act, *ws[0]["dn"], rd[0], topw)
+        act = torch.empty(t * K, I, dtype=torch.bfloat16, device=dev)
+        y = torch.empty(t * K, H, dtype=torch.bfloat16, device=dev)
+        row = dict(tokens=t, default_block=gemm.block_m(t, K, E), gate_up=[], down=[])
+        for kind, configs, flops in (
+            ("gate_up", GATE_UP, 4 * t * K * I * H),
+            ("down", DOWN, 2 * t * K * H * I),
+        ):
+            for bm, tiles in configs:
+                if time.time() - start > args.budget:
+                    break
+                rs = routing(bm)
+                if kind == "gate_up":
+                    sec = graph_seconds(lambda: [gemm.moe_gate_up(x, *w["gu"], r, K, out=act, tiles=tiles)
+                                                 for w, r in zip(ws, rs, strict=True)])  # fmt: skip
+                    got, ref = gemm.moe_gate_up(x, *ws[0]["gu"], rs[0], K, tiles=tiles), ref_act
+                else:
+                    sec = graph_seconds(lambda: [gemm.moe_down(ref_act, *w["dn"], r, topw, out=y, tiles=tiles)
+                                                 for w, r in zip(ws, rs, strict=True)])  # fmt: skip
+                    got, ref = gemm.moe_down(ref_act, *ws[0]["dn"], rs[0], topw, tiles=tiles), ref_y
+                err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+                row[kind].append(
+                    dict(block=bm, tiles=repr(tiles), ms=sec * 1e3, tflops=flops / sec / 1e12, err=err)
+                )
+                print(f"T={t} {kind} bm={bm} {tiles}: {sec * 1e3:.3f} ms, {flops / sec / 1e12:.0f} TFLOP/s, "
+                      f"err {err:.1e}", flush=True)  # fmt: skip
+        out["rows"].append(row)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
