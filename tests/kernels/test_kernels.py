@@ -242,7 +242,7 @@ def _gdn_layer(gen, hk=2, hv=4, dk=16, dv=32, hidden=64):
     return layer.to(DEV)
 
 
-@pytest.mark.parametrize("n", [2, 3, 37])
+@pytest.mark.parametrize("n", [2, 3, 37, 100])
 def test_causal_conv_matches_the_layers_conv(n):
     """The prefill conv kernel against the layer's torch path (on the CPU): the output exactly (both round
     the fp32 sum to bf16 before and after the SiLU; single elements may differ by a bf16 ulp where the
@@ -464,7 +464,7 @@ def test_causal_conv_varlen_is_each_sequence_alone():
     gen = torch.Generator().manual_seed(11)
     layer = GatedDeltaNet(64, 2, 4, 16, 16, 4, 1e-6, 0)
     layer.conv1d_weight.data = (torch.randn(layer.conv_dim, 1, 4, generator=gen) * 0.5).to(BF16)
-    lengths = [2, 1, 5, 37, 1, 3]  # short ones after others: their new state reaches into their old
+    lengths = [2, 1, 5, 37, 1, 3, 70]  # short ones after others: their new state reaches into their old
     x, ctx = _varlen_rows(gen, lengths, layer.conv_dim)
     states = torch.randn(len(lengths), layer.conv_dim, 3, generator=gen).to(BF16)
     t = ctx.tensors(DEV)

@@ -32,24 +32,37 @@ def _causal_conv_kernel(
         s = tl.zeros((BT,), dtype=tl.int32)
         first = tl.zeros((BT,), dtype=tl.int32)
     acc = tl.zeros((BT, BC), dtype=tl.float32)
-    for i in tl.static_range(KC):  # tap i reads the input KC - 1 - i positions back
-        src = t - (KC - 1) + i
-        inside = src >= first
-        x = tl.load(
-            x_ptr + src[:, None].to(tl.int64) * stride_x + c[None, :],
-            mask=inside[:, None] & t_ok[:, None] & c_ok[None, :],
-            other=0.0,
-        )
-        st = tl.load(  # state [N, C, KC-1]: the sequence's inputs at positions -(KC-1) .. -1
-            state_ptr
-            + s[:, None].to(tl.int64) * C * (KC - 1)
-            + c[None, :] * (KC - 1)
-            + (KC - 1 + src - first)[:, None],
-            mask=(~inside)[:, None] & t_ok[:, None] & c_ok[None, :],
-            other=0.0,
-        )
-        w = tl.load(w_ptr + c * KC + i, mask=c_ok, other=0.0).to(tl.float32)
-        acc += (x.to(tl.float32) + st.to(tl.float32)) * w[None, :]
+    # every row of the block reads only rows of x (no position before its sequence's first row): one load
+    # per tap, with no state addresses (most blocks of a long prompt)
+    inside_x = tl.min(tl.where(t_ok, t - (KC - 1) - first, 0)) >= 0
+    if inside_x:
+        for i in tl.static_range(KC):
+            x = tl.load(
+                x_ptr + (t - (KC - 1) + i)[:, None].to(tl.int64) * stride_x + c[None, :],
+                mask=t_ok[:, None] & c_ok[None, :],
+                other=0.0,
+            )
+            w = tl.load(w_ptr + c * KC + i, mask=c_ok, other=0.0).to(tl.float32)
+            acc += x.to(tl.float32) * w[None, :]
+    else:
+        for i in tl.static_range(KC):  # tap i reads the input KC - 1 - i positions back
+            src = t - (KC - 1) + i
+            inside = src >= first
+            x = tl.load(
+                x_ptr + src[:, None].to(tl.int64) * stride_x + c[None, :],
+                mask=inside[:, None] & t_ok[:, None] & c_ok[None, :],
+                other=0.0,
+            )
+            st = tl.load(  # state [N, C, KC-1]: the sequence's inputs at positions -(KC-1) .. -1
+                state_ptr
+                + s[:, None].to(tl.int64) * C * (KC - 1)
+                + c[None, :] * (KC - 1)
+                + (KC - 1 + src - first)[:, None],
+                mask=(~inside)[:, None] & t_ok[:, None] & c_ok[None, :],
+                other=0.0,
+            )
+            w = tl.load(w_ptr + c * KC + i, mask=c_ok, other=0.0).to(tl.float32)
+            acc += (x.to(tl.float32) + st.to(tl.float32)) * w[None, :]
     y = round_bf16(acc)
     y = round_bf16(y * tl.sigmoid(y))
     tl.store(

@@ -358,7 +358,9 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routin
 # bf16 dots through Triton ops were measured slower and removed.)
 DEQUANT_MODE = int(os.environ.get("FP4MOE_DEQUANT_MODE", "1" if INTERPRET else "7"))
 GATED, WEIGHTED, PARTIAL = 1, 2, 3  # the kernel's EPILOGUE (0: dense)
-WEIGHTS_FIRST_MODES = (1, 7)  # the dequantizations nvfp4_moe_prefill's kernel has
+# the dequantizations nvfp4_moe_prefill's kernel has (FP4MOE_WEIGHTS_FIRST=0: none, every prefill block on the
+# row kernel, for comparisons)
+WEIGHTS_FIRST_MODES = (1, 7) if os.environ.get("FP4MOE_WEIGHTS_FIRST", "1") != "0" else ()
 
 
 def _mode(packed: torch.Tensor) -> int:

@@ -1,0 +1,38 @@
+"""Where one prefill's time goes on the GPU: the full-size model with random weights (decode.py's
+``build_model``; NVFP4 routed experts, bf16 rest), one ``--tokens`` prompt through the runner's fused
+prefill, timed (median of 3), then one more under torch's profiler: device time per kernel, grouped.
+
+    python3 benchmarks/prefill_profile.py --tokens 8192 --out prefill-profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from decode import build_model, matmul_peak, time_prefill
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192, help="prompt length")
+    ap.add_argument("--top", type=int, default=25, help="kernels to list")
+    ap.add_argument("--out", default="", help="write the result to this JSON file")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    peak = matmul_peak(dev)
+    model = build_model(True, dev)
+    p = time_prefill(model, args.tokens, breakdown=True)
+    p["pct_peak"], p["peak"] = p["flops"] / p["seconds"] / peak, peak
+    print(f"{args.tokens} tokens: {p['seconds'] * 1e3:.1f} ms, {p['tokens_per_s']:.0f} tok/s, "
+          f"{p['pct_peak']:.1%} of {peak / 1e12:.0f} TFLOP/s; kernels {p['kernel_s'] * 1e3:.1f} ms")  # fmt: skip
+    for r in p["kernels"][: args.top]:
+        print(f"{r['us'] / 1e3:8.2f} ms  x{r['calls']:4d}  {r['kernel']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(p, f, indent=1, default=float)
+
+
+if __name__ == "__main__":
+    main()
