@@ -38,8 +38,11 @@ from fp4moe.layers.rope import Rotary
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # prompt lengths with a captured prefill graph (a fresh prompt pads up to the next one): one eager 512-token
 # prefill enqueued for 177 ms on the H200 against 28 ms of kernels (benchmarks/prefill_batch.py): a served
-# single stream's time to first token was that host work
-PROMPT_GRAPH_TOKENS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+# single stream's time to first token was that host work. From 256 rows on, each length is at most 25% above
+# the one before, so a prompt pads by less than a quarter (it was up to a half: 64 prompts of ~520 tokens ran in
+# 768-row slots, two-thirds of each prefill graph's rows real)
+PROMPT_GRAPH_TOKENS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 576, 640, 768, 896, 1024, 1280, 1536,
+                       1792, 2048)  # fmt: skip
 PROMPT_GRAPH_SEQS = (1, 2, 4, 8, 16, 32, 64, 128)  # fresh prompts in one step (each padded to the longest)
 
 
