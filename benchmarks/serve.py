@@ -21,8 +21,9 @@ client, beside the engine's own decode-step rate and offline ``LLM.generate`` on
 3. ``--engine-rate``: after the server stops, the engine's decode step at each batch size (graph replay and
    the engine's own step with its host work, ``decode.py``'s ``time_decode``) at context pp + tg/2.
 4. ``--offline``: ``LLM.generate`` on the same dummy model with the same limits (max 64 sequences, chunked
-   prefill budget as served), each concurrency's requests as one call: random prompts of pp tokens,
-   tg tokens each, greedy, ignore_eos -- served ÷ offline is the serving path's own cost.
+   prefill budget, KV cache dtype and prefill graphs as served), warmed up as the server is, each
+   concurrency's requests as one call: random prompts of pp tokens, tg tokens each, greedy, ignore_eos --
+   served ÷ offline is the serving path's own cost. ``--spec`` with no mode runs only this.
 
 Everything goes to ``--out``/serve.json (and a markdown table on stdout).
 """
@@ -238,11 +239,15 @@ def offline(model_dir: str, concurrency: list[int], pp: int, tg: int, args) -> l
     from fp4moe.engine.sampler import SamplingParams
 
     llm = LLM(model_dir, device=args.device, load_format="dummy", max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, num_speculative_tokens=0,
-              **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}))  # fmt: skip
+              max_model_len=args.max_model_len, num_speculative_tokens=0, kv_cache_dtype=args.kv_cache_dtype,
+              **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
+              **({"prefill_graph_tokens": args.prefill_graph_tokens} if args.prefill_graph_tokens else {}))  # fmt: skip
     gen, vocab = torch.Generator().manual_seed(0), min(llm.model.args.vocab_size, 200_000)  # below the markup
     params = SamplingParams(max_tokens=tg, temperature=0, ignore_eos=True)
-    llm.generate([torch.randint(0, vocab, (pp,), generator=gen).tolist()], SamplingParams(max_tokens=8))
+    # what the server does before its first request (compiles and graph captures): without it the first call
+    # at each concurrency captured its graphs inside the timing (c 64 ran at 0.40x the server, H200)
+    if llm.device.type == "cuda":
+        log(f"  offline warm-up: {llm.warmup(llm.engine_config.max_num_batched_tokens):.1f} s")
     rows = []
     for c in concurrency:
         times = []
