@@ -406,8 +406,8 @@ class CudaModelRunner(ModelRunner):
     ) -> list[tuple[list[int], tuple[int, int]]]:
         """The step's fresh prompts (indices into ``batch``) in groups that one prefill graph each takes:
         longest first, prompts of one row bucket together while they fit its graph (four 522-token prompts
-        pad to 768 rows each, two per 2,048-row graph: two replays, where one group sent them all to the
-        module path), a shorter bucket in a group of its own (a 20-token prompt is not padded to a
+        pad to 576 rows each; with 1,024-row graphs, two per graph: two replays, where one group sent them all
+        to the module path), a shorter bucket in a group of its own (a 20-token prompt is not padded to a
         1,000-token one's rows). Each group comes with its graph (``prompt_bucket``)."""
         fresh = sorted(
             (i for i, (seq, n) in enumerate(batch) if self._prompt_graph_fits(seq, n, kv)),

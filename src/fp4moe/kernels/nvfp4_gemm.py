@@ -367,11 +367,14 @@ def _mode(packed: torch.Tensor) -> int:
     return 0 if packed.dtype == torch.bfloat16 else DEQUANT_MODE
 
 
-def block_m(num_tokens: int, top_k: int, num_experts: int, mode: int | None = None) -> int:
+def block_m(num_tokens: int, top_k: int, num_experts: int, weights_first: bool | None = None) -> int:
     """Rows per expert block: 16 (the smallest tensor-core tile) for decode, up to 64 for prefill; 128 where
-    experts get at least 128 pairs each and the weights-first kernel runs (``plan``)."""
+    experts get at least 128 pairs each and the weights-first kernel runs (``plan``; ``weights_first`` None:
+    whether ``DEQUANT_MODE`` has it)."""
     per_expert = num_tokens * top_k / num_experts
-    if per_expert >= 128 and (DEQUANT_MODE if mode is None else mode) in WEIGHTS_FIRST_MODES:
+    if weights_first is None:
+        weights_first = DEQUANT_MODE in WEIGHTS_FIRST_MODES
+    if per_expert >= 128 and weights_first:
         return 128
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
@@ -675,7 +678,9 @@ def moe_pairs(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
             return mma.mma_down(act, *dn, pairs, topk_weights, tiles=mma.ONE_TOKEN_DOWN_TILES)
         return gemv.gemv_down(act, *dn, topk_ids, topk_weights)
-    bm = block_m(t, k, experts.num_experts, _mode(gu[0]))
+    # 128-row blocks only where the weights-first kernel takes both launches (K a multiple of its tile)
+    weights_first = _mode(gu[0]) in WEIGHTS_FIRST_MODES and x.shape[1] % 32 == 0 and experts.inter % 32 == 0
+    bm = block_m(t, k, experts.num_experts, weights_first)
     if t <= PAIR_ROUTING_MAX_TOKENS and bm == 16:
         routing = pair_routing(topk_ids, bm)
     else:

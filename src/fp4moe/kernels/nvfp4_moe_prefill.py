@@ -101,6 +101,8 @@ def launch(a, w, s, decode, out, routing, topw, n: int, k: int, top_k: int, epil
     down), w [E, N (x2 for gate/up), K/2] codes, s the block-scale bytes, decode [E, 2] or [E], out [pairs, N]."""
     if k % bk:
         raise ValueError(f"K = {k} is not a multiple of the {bk}-wide K tile")
+    if epilogue not in (1, 2):
+        raise ValueError(f"epilogue {epilogue}: 1 (gated) or 2 (weighted)")
     _prefill_kernel[(routing.blk_expert.numel(), triton.cdiv(n, bn))](
         a, a.stride(0), w, s, decode, out, out.stride(0),
         routing.order, routing.blk_expert, routing.blk_start, routing.blk_count, routing.nblk, topw,
