@@ -309,6 +309,12 @@ def test_engine_death_ends_requests_in_flight(checkpoints, monkeypatch):
     try:
         thread = threading.Thread(target=non_stream)
         thread.start()
+        # the non-streamed request must be in the engine before it dies (arriving after, it is answered 503
+        # "not running", which is right but not what this test checks: CI met that order once)
+        deadline = time.monotonic() + 30
+        while not (core.scheduler.running or core.scheduler.waiting) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.scheduler.running or core.scheduler.waiting
         body = {"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{srv.base_url}/completions", json=body, timeout=30) as r:
             events = []
