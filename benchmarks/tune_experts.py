@@ -32,14 +32,14 @@ GU_BYTES = 2 * I * H // 2 + 2 * I * H // 16  # one expert's packed codes + block
 DN_BYTES = H * I // 2 + H * I // 16
 
 
-def graph_time(fn, reps: int = 20) -> float:
-    """Seconds per call of ``fn`` (which runs LAYERS launches), from graph replays (a single timed call
+def graph_time(fn, reps: int = 20, layers: int = LAYERS) -> float:
+    """Seconds per launch of ``fn`` (which runs ``layers`` launches), from graph replays (a single timed call
     without a GPU: a smoke test of the sweep under Triton's interpreter)."""
     fn()
     if not torch.cuda.is_available():
         start = time.perf_counter()
         fn()
-        return (time.perf_counter() - start) / LAYERS
+        return (time.perf_counter() - start) / layers
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -53,7 +53,7 @@ def graph_time(fn, reps: int = 20) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e-3)
-    return statistics.median(times) / LAYERS
+    return statistics.median(times) / layers
 
 
 def weights(dev, layers: int = LAYERS):

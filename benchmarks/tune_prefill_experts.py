@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
+from tune_experts import E, H, I, K, graph_time, weights
 
 from fp4moe.kernels import nvfp4_gemm as gemm
 
-E, H, I, K = 256, 2048, 512, 8
-LAYERS = 6
+LAYERS = 6  # layers' experts and routings per graph (tune_experts' random NVFP4 experts)
 # (block rows, Tiles): the row kernel's default, then weights-first candidates
 GATE_UP = [(64, gemm.Tiles(64, 128, 4, 3))] + [
     (bm, gemm.Tiles(bn, bk, w, s, weights_first=True))
@@ -34,36 +33,6 @@ DOWN = [(64, gemm.Tiles(128, 64, 4, 3))] + [
 ]  # fmt: skip
 
 
-def weights(dev):
-    def fp8(*shape):
-        return (torch.rand(*shape, device=dev) + 0.5).to(torch.float8_e4m3fn)
-
-    def nvfp4(n, k, decode_shape):
-        packed = torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8, device=dev)
-        return packed, fp8(E, n, k // 16), torch.full(decode_shape, 2e-3, device=dev)
-
-    return [dict(gu=nvfp4(2 * I, H, (E, 2)), dn=nvfp4(H, I, (E,))) for _ in range(LAYERS)]
-
-
-def graph_seconds(fn, reps: int = 15) -> float:
-    """Seconds per layer of ``fn`` (LAYERS launches), replayed from a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return statistics.median(times) / LAYERS
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="8192,2048,16384", help="tokens per launch")
@@ -72,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     start = time.time()
-    ws = weights(dev)
+    ws = weights(dev, LAYERS)
     out = dict(device=torch.cuda.get_device_name(), rows=[])
     for t in [int(v) for v in args.tokens.split(",")]:
         gen = torch.Generator(device=dev).manual_seed(t)
@@ -101,12 +70,12 @@ def main() -> None:
                     break
                 rs = routing(bm)
                 if kind == "gate_up":
-                    sec = graph_seconds(lambda: [gemm.moe_gate_up(x, *w["gu"], r, K, out=act, tiles=tiles)
-                                                 for w, r in zip(ws, rs, strict=True)])  # fmt: skip
+                    sec = graph_time(lambda: [gemm.moe_gate_up(x, *w["gu"], r, K, out=act, tiles=tiles)
+                                               for w, r in zip(ws, rs, strict=True)], 15, LAYERS)  # fmt: skip
                     got, ref = gemm.moe_gate_up(x, *ws[0]["gu"], rs[0], K, tiles=tiles), ref_act
                 else:
-                    sec = graph_seconds(lambda: [gemm.moe_down(ref_act, *w["dn"], r, topw, out=y, tiles=tiles)
-                                                 for w, r in zip(ws, rs, strict=True)])  # fmt: skip
+                    sec = graph_time(lambda: [gemm.moe_down(ref_act, *w["dn"], r, topw, out=y, tiles=tiles)
+                                               for w, r in zip(ws, rs, strict=True)], 15, LAYERS)  # fmt: skip
                     got, ref = gemm.moe_down(ref_act, *ws[0]["dn"], rs[0], topw, tiles=tiles), ref_y
                 err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
                 row[kind].append(

@@ -200,16 +200,14 @@ def _w4a16_kernel(
     if EPILOGUE == 3:  # fp32 partial sums, decode scale of the gate or the up half applied
         d = tl.load(d_ptr + e * stride_de + (offs_n >= N // 2).to(tl.int32), mask=mask_n, other=0.0)
         tl.store(out_ptrs, acc * d[None, :], mask=out_mask)
-    elif EPILOGUE == 1:  # the CPU path rounds gate, up and silu(gate) to bf16 on the way; so do we
-        gate = round_bf16(acc * tl.load(d_ptr + e * stride_de))
-        up = round_bf16(acc_up * tl.load(d_ptr + e * stride_de + 1))
-        act = round_bf16(gate * tl.sigmoid(gate))
-        tl.store(out_ptrs, round_bf16(act * up).to(out_ptr.dtype.element_ty), mask=out_mask)
+    elif EPILOGUE == 1:
+        y = prefill.gated_bf16(acc, acc_up, d_ptr + e * stride_de)
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         y = acc * tl.load(d_ptr + e * stride_de)
         if EPILOGUE == 2:
-            topw = round_bf16(tl.load(topw_ptr + pairs, mask=mask_m, other=0.0))
-            y = round_bf16(y) * topw[:, None]
+            topw = tl.load(topw_ptr + pairs, mask=mask_m, other=0.0)
+            y = prefill.weighted_bf16(y, topw[:, None])
         tl.store(out_ptrs, round_bf16(y).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 

@@ -39,6 +39,23 @@ def _weights(w_ptrs, s_ptrs, mask, MODE: tl.constexpr, BN: tl.constexpr, BK: tl.
 
 
 @triton.jit
+def gated_bf16(acc, acc_up, d_ptr):
+    """The GATED epilogue of both grouped kernels (this one and ``nvfp4_gemm``'s row kernel): silu(gate) * up
+    from the gate and up accumulators and the expert's two decode scales (at ``d_ptr``), rounded to bf16 where
+    the CPU path rounds -- gate, up, silu(gate), the product (fp32 holding bf16 values)."""
+    gate = round_bf16(acc * tl.load(d_ptr))
+    up = round_bf16(acc_up * tl.load(d_ptr + 1))
+    return round_bf16(round_bf16(gate * tl.sigmoid(gate)) * up)
+
+
+@triton.jit
+def weighted_bf16(y, topw):
+    """The WEIGHTED epilogue of both grouped kernels: a pair's output y times its routing weight ``topw``
+    (broadcast to y's shape), each rounded to bf16 first, as the CPU path holds them."""
+    return round_bf16(round_bf16(y) * round_bf16(topw))
+
+
+@triton.jit
 def _prefill_kernel(
     a_ptr, stride_am, w_ptr, s_ptr, d_ptr, out_ptr, stride_om,
     order_ptr, blk_expert_ptr, blk_start_ptr, blk_count_ptr, nblk_ptr, topw_ptr,
@@ -83,16 +100,12 @@ def _prefill_kernel(
         acc_up = acc_up * 256.0
     out_ptrs = out_ptr + pairs[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     out_mask = mask_m[None, :] & (offs_n[:, None] < N)
-    if EPILOGUE == 1:  # the CPU path rounds gate, up and silu(gate) to bf16 on the way; so do we
-        gate = round_bf16(acc * tl.load(d_ptr + e * stride_de))
-        up = round_bf16(acc_up * tl.load(d_ptr + e * stride_de + 1))
-        act = round_bf16(gate * tl.sigmoid(gate))
-        tl.store(out_ptrs, round_bf16(act * up).to(out_ptr.dtype.element_ty), mask=out_mask)
+    if EPILOGUE == 1:
+        y = gated_bf16(acc, acc_up, d_ptr + e * stride_de)
     else:
-        y = acc * tl.load(d_ptr + e * stride_de)
-        topw = round_bf16(tl.load(topw_ptr + pairs, mask=mask_m, other=0.0))
-        y = round_bf16(y) * topw[None, :]
-        tl.store(out_ptrs, round_bf16(y).to(out_ptr.dtype.element_ty), mask=out_mask)
+        topw = tl.load(topw_ptr + pairs, mask=mask_m, other=0.0)
+        y = weighted_bf16(acc * tl.load(d_ptr + e * stride_de), topw[None, :])
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def launch(a, w, s, decode, out, routing, topw, n: int, k: int, top_k: int, epilogue: int, mode: int,
