@@ -65,6 +65,8 @@ def free_port() -> int:
 def start_server(model: str, spec: str, args, port: int) -> tuple[subprocess.Popen, float]:
     k, rate = SPEC[spec]
     env = dict(os.environ)
+    if args.step_trace:
+        env["FP4MOE_STEP_TRACE"] = str(args.out / f"steps-{spec}.jsonl")
     if rate:
         env["FP4MOE_FORCE_ACCEPTANCE"] = rate
     if args.engine == "vllm":  # stock vLLM through fp4moe's recipe printer, in its own environment
@@ -147,6 +149,7 @@ def bench(
 
     rows, profile = [], None
     for c in concurrency:
+        window_start = time.monotonic()
         cfg = BenchConfig(
             base_url=f"http://127.0.0.1:{port}/v1", pp=[pp], tg=[tg], concurrency=[c], runs=runs, warmup=1,
             prompt_text=corpus_text("heldout"), timeout=900,
@@ -161,6 +164,7 @@ def bench(
             )  # fmt: skip
             time.sleep(1.0)
         rows += summarize(asyncio.run(run_bench(cfg)))
+        rows[-1]["window"] = (window_start, time.monotonic())  # the engine's step trace within it
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             try:
@@ -248,16 +252,20 @@ def offline(model_dir: str, concurrency: list[int], pp: int, tg: int, args) -> l
     # at each concurrency captured its graphs inside the timing (c 64 ran at 0.40x the server, H200)
     if llm.device.type == "cuda":
         log(f"  offline warm-up: {llm.warmup(llm.engine_config.max_num_batched_tokens):.1f} s")
+    if args.step_trace:  # read by each generate's engine core, so the warm-up's steps are not in it
+        os.environ["FP4MOE_STEP_TRACE"] = str(args.out / "steps-offline.jsonl")
     rows = []
     for c in concurrency:
         times = []
+        window_start = time.monotonic()
         for _ in range(args.runs):
             prompts = [torch.randint(0, vocab, (pp,), generator=gen).tolist() for _ in range(c)]
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)  # returns after the last token reached the host
             times.append(time.perf_counter() - t0)
             assert all(len(o.outputs[0].token_ids) == tg for o in outs)
-        rows.append(dict(pp=pp, tg=tg, concurrency=c, aggregate_tps_median=c * tg / statistics.median(times)))
+        rows.append(dict(pp=pp, tg=tg, concurrency=c, aggregate_tps_median=c * tg / statistics.median(times),
+                         runs=args.runs, window=(window_start, time.monotonic())))  # fmt: skip
         log(f"  offline c {c}: {rows[-1]['aggregate_tps_median']:.1f} tok/s")
     return rows
 
@@ -294,6 +302,11 @@ def main() -> int:
     p.add_argument("--profile", type=int, default=None, help="py-spy the server at this concurrency")
     p.add_argument("--engine-rate", action="store_true", help="the engine's decode step at the same batches")
     p.add_argument("--offline", action="store_true", help="LLM.generate on the same shapes")
+    p.add_argument(
+        "--step-trace", action="store_true",
+        help="record the engine's steps (FP4MOE_STEP_TRACE) served and offline; summarize each row's "
+        "(benchmarks/step_trace.py): steps by kind, host time, idle time, prompts per prefilling step",
+    )  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=16384)
     p.add_argument(
@@ -365,9 +378,35 @@ def main() -> int:
     if args.offline:
         log("offline LLM.generate")
         result["offline"] = offline(model, args.concurrency, args.pp, args.tg, args)
+    if args.step_trace:
+        result["step_trace"] = step_traces(result, args.out)
     (args.out / "serve.json").write_text(json.dumps(result, indent=2) + "\n")
     table(result)
     return 0
+
+
+def step_traces(result: dict, out: Path) -> dict:
+    """Each row's steps, served (per speculation mode) and offline, summarized; printed side by side. A
+    served row's window holds its warm-up round and its runs, an offline row's its runs."""
+    import step_trace
+
+    summaries = {}
+    sources = [
+        (f"served {spec}", out / f"steps-{spec}.jsonl", rows) for spec, rows in result["served"].items()
+    ]
+    sources.append(("offline", out / "steps-offline.jsonl", result.get("offline", [])))
+    for name, path, rows in sources:
+        if not path.exists():
+            continue
+        for r in rows:
+            if "window" not in r:
+                continue
+            start, end = r["window"]
+            s = step_trace.summary(step_trace.read(path, start, end), start, end)
+            key = f"{name} pp {r['pp']} tg {r['tg']} c {r['concurrency']}"
+            summaries[key] = s
+            log(step_trace.format_summary(key, s))
+    return summaries
 
 
 def table(result: dict) -> None:

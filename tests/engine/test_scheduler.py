@@ -333,3 +333,30 @@ def test_generate_reports_each_token_once_when_the_cache_ends_a_sequence(checkpo
     ]
     assert out.finish_reason == "length" and len(out.token_ids) < 20  # ended by the cache, not max_tokens
     assert seen == out.token_ids
+
+
+def test_step_trace_records_each_step_and_the_summary_counts_them(llm, tmp_path, monkeypatch):
+    """``FP4MOE_STEP_TRACE``: one line per engine step with the rows it scheduled; ``benchmarks/step_trace.py``
+    sums them by kind. Two prompts of known lengths in 16-token steps: their prefill tokens add up to the
+    prompts (and nothing else), every decode row is one of their generated tokens but the first."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import step_trace
+
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("FP4MOE_STEP_TRACE", str(path))
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16)
+    got, core, _ = _serve(llm, config, 5)  # five prompts, two slots
+    core.trace._file.flush()
+    steps = step_trace.read(path)
+    assert len(steps) == core.stats.steps
+    prompt_tokens = sum(len(llm.tokenizer.encode(x)) for x in PROMPTS)
+    s = step_trace.summary(steps)
+    assert s["prefill_tokens"] == prompt_tokens == core.stats.prompt_tokens
+    assert sum(x["decode"] for x in steps) == sum(len(ids) - 1 for ids in got)
+    assert s["prefill_steps"] + s["mixed_steps"] + s["decode_steps"] + s["empty_steps"] == s["steps"]
+    assert s["mixed_steps"] > 0 and s["decode_steps"] > 0  # five prompts through two slots overlap
+    assert all(x["dt"] >= 0 and x["running"] <= 2 for x in steps)
+    assert s["busy_s"] <= s["wall_s"] + 1e-6

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -67,11 +69,14 @@ class EngineCore:
         self.llm = llm
         self.async_scheduling = async_scheduling  # decode steps launched ahead of their read-back (``step``)
         self._inflight: _InFlight | None = None
+        self.last_rows = (0, 0, 0)  # the last step's decodes, prefill tokens and prefilling sequences
         self.prefix_cache = prefix_cache
         self.scheduler = Scheduler(config)
         self.kv, self.states = llm.runner.new_caches()
         self.stats = EngineStats()
         self._ids = itertools.count()
+        path = os.environ.get("FP4MOE_STEP_TRACE")
+        self.trace = StepTrace(path) if path else None
 
     def _release(self, slot: int) -> None:
         self.kv.free(slot)
@@ -123,6 +128,15 @@ class EngineCore:
         self._inflight = None
 
     def step(self) -> list[StepOutput]:
+        """``_step``, and with ``FP4MOE_STEP_TRACE`` set its line in the step trace."""
+        if self.trace is None:
+            return self._step()
+        start = time.monotonic()
+        outputs = self._step()
+        self.trace.write(start, self)
+        return outputs
+
+    def _step(self) -> list[StepOutput]:
         """One engine step: schedule, run, sample, hand out the new tokens. With async scheduling a
         decode-only step is launched and its tokens are read back by the next ``step``, after that one has
         launched its own step on the GPU: the host's per-step work (detokenizing, stop checks, the
@@ -133,8 +147,11 @@ class EngineCore:
             if ahead:
                 self.stats.steps += 1
                 self._inflight = self._launch(ahead, prev)
+            self.last_rows = (len(ahead), 0, 0)
             return self._complete(prev)
         batch = self.scheduler.schedule(self._release, self._on_admit)
+        decodes = sum(1 for s, n in batch if n == 1 and s.num_cached >= len(s.prompt_ids))
+        self.last_rows = (decodes, sum(n for _, n in batch) - decodes, len(batch) - decodes)
         outputs = [
             StepOutput(seq, seq.output_ids[-1] if seq.output_ids else -1, "", True, new_tokens=0)
             for seq in self.scheduler.cache_full
@@ -276,6 +293,31 @@ class EngineCore:
                 self.stats.finished_requests += 1
                 self.stats.e2e.append(now - seq.arrival)
         return outputs
+
+
+class StepTrace:
+    """One JSON line per engine step (``FP4MOE_STEP_TRACE=path``): when it started and how long the host
+    spent in it (seconds; an async step returns once its successor is launched), the rows it scheduled --
+    decodes, prefill tokens and the sequences they belong to -- whether it was launched ahead of its
+    tokens, and the queue lengths after it. Served and offline runs of the same requests compare step by
+    step (``benchmarks/step_trace.py``)."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 -- open for the core's life, a line per step
+
+    def write(self, start: float, core: EngineCore) -> None:
+        decodes, prefill_tokens, prefill_seqs = core.last_rows
+        line = dict(
+            t=round(start, 6),
+            dt=round(time.monotonic() - start, 6),
+            decode=decodes,
+            prefill_tokens=prefill_tokens,
+            prefill_seqs=prefill_seqs,
+            ahead=core._inflight is not None,
+            running=len(core.scheduler.running),
+            waiting=len(core.scheduler.waiting),
+        )
+        self._file.write(json.dumps(line) + "\n")
 
 
 @dataclass
