@@ -36,6 +36,11 @@ def main() -> int:
     p.add_argument(
         "--graphs", action="store_true", help="through the runner's prefill graphs where they apply"
     )
+    p.add_argument(
+        "--lengths", nargs="*", default=[], metavar="LEN[xN],...",
+        help="also steps of these prompt lengths, e.g. 466,524x13,530 (a served step's 15 prompts); with "
+        "--graphs each such step runs through the graphs and through the module path",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args()
     import decode as dec
@@ -45,24 +50,28 @@ def main() -> int:
     from fp4moe.engine.sampler import SamplingParams
     from fp4moe.engine.sequence import Sequence
 
+    steps = [[args.tokens // n] * n for n in args.splits] + [_lengths(x) for x in args.lengths]
     dev = torch.device("cuda")
     model = dec.build_model(True, dev)
-    n_max = max(args.splits)
+    n_max, longest = max(len(x) for x in steps), max(max(x) for x in steps)
     runner = CudaModelRunner(
-        model, None, dev, "auto", max_num_seqs=n_max, max_model_len=args.tokens + 64,
-        num_pages=n_max * (args.tokens // 64 + 2), cuda_graphs=args.graphs,
+        model, None, dev, "auto", max_num_seqs=n_max, max_model_len=max(args.tokens, longest) + 64,
+        num_pages=n_max * (max(args.tokens, longest) // 64 + 2), cuda_graphs=args.graphs,
     )  # fmt: skip
     host: list[float] = []
+    groups: list = []  # the last step's prefill graphs (sequences, rows each)
 
-    def step(n: int):
-        lens = [args.tokens // n] * n
+    def step(lens: list[int]):
+        n = len(lens)
         for s in range(n):
             runner.kv.free(s)
         if args.graphs:  # fresh sequences through the engine's entry point
             seqs = [Sequence(s, torch.randint(0, model.args.vocab_size, (m,)).tolist(), SamplingParams(), slot=s)
                     for s, m in enumerate(lens)]  # fmt: skip
+            batch = [(q, m) for q, m in zip(seqs, lens, strict=True)]
+            groups[:] = [bucket for _, bucket in runner._prompt_groups(batch, runner.kv)]
             start = time.perf_counter()
-            h, _ = runner.forward([(q, m) for q, m in zip(seqs, lens, strict=True)], runner.kv, runner.states)
+            h, _ = runner.forward(batch, runner.kv, runner.states)
             host.append(time.perf_counter() - start)
             return h
         ids = torch.randint(0, model.args.vocab_size, (sum(lens),), device=dev)
@@ -74,23 +83,29 @@ def main() -> int:
         return h
 
     rows = []
-    for n in args.splits:
-        step(n)  # compiles
-        torch.cuda.synchronize()
-        host.clear()
-        times = dec.event_seconds(lambda n=n: step(n), 3)
-        t = statistics.median(times)
-        graph = runner.prompt_bucket([args.tokens // n] * n) if args.graphs else None
-        rows.append(dict(sequences=n, tokens=args.tokens, seconds=t, host_s=statistics.median(host),
-                         tokens_per_s=args.tokens / t, graph=graph))  # fmt: skip
-        print(f"{n:3d} x {args.tokens // n:5d}: {t * 1e3:7.1f} ms, host {rows[-1]['host_s'] * 1e3:7.1f} ms, "
-              f"{rows[-1]['tokens_per_s']:8.0f} tok/s" + (f", graph {graph}" if graph else ""), flush=True)  # fmt: skip
+    for i, lens in enumerate(steps):
+        explicit = i >= len(args.splits)
+        for graphs in [True, False] if args.graphs and explicit else [args.graphs]:
+            runner.use_prompt_graphs = graphs
+            step(lens)  # compiles
+            torch.cuda.synchronize()
+            host.clear()
+            times = dec.event_seconds(lambda lens=lens: step(lens), 3)
+            t, tokens = statistics.median(times), sum(lens)
+            graph = list(groups) if graphs else None
+            rows.append(dict(sequences=len(lens), tokens=tokens, lengths=lens, seconds=t,
+                             host_s=statistics.median(host), tokens_per_s=tokens / t,
+                             graph=graph or None))  # fmt: skip
+            print(f"{len(lens):3d} prompts, {tokens:6d} tokens: {t * 1e3:7.1f} ms, host "
+                  f"{rows[-1]['host_s'] * 1e3:7.1f} ms, {rows[-1]['tokens_per_s']:8.0f} tok/s"
+                  + (f", graphs {rows[-1]['graph']}" if graph else ", module path"), flush=True)  # fmt: skip
+    runner.use_prompt_graphs = True
     result = dict(device=torch.cuda.get_device_name(), rows=rows)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            step(args.profile)
+            step([args.tokens // args.profile] * args.profile)
             torch.cuda.synchronize()
         avg = prof.key_averages()
         by_host = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:25]
@@ -107,6 +122,15 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _lengths(spec: str) -> list[int]:
+    """'466,524x13,530' -> [466, 524, ..., 524, 530]."""
+    out = []
+    for part in spec.split(","):
+        length, _, count = part.partition("x")
+        out += [int(length)] * int(count or 1)
+    return out
 
 
 if __name__ == "__main__":

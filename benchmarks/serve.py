@@ -22,7 +22,8 @@ client, beside the engine's own decode-step rate and offline ``LLM.generate`` on
    the engine's own step with its host work, ``decode.py``'s ``time_decode``) at context pp + tg/2.
 4. ``--offline``: ``LLM.generate`` on the same dummy model with the same limits (max 64 sequences, chunked
    prefill budget, KV cache dtype and prefill graphs as served), warmed up as the server is, each
-   concurrency's requests as one call: random prompts of pp tokens, tg tokens each, greedy, ignore_eos --
+   concurrency's requests as one call: the bench client's prompts (about pp tokens), tg tokens each, greedy,
+   ignore_eos --
    served ÷ offline is the serving path's own cost. ``--spec`` with no mode runs only this.
 
 Everything goes to ``--out``/serve.json (and a markdown table on stdout).
@@ -36,6 +37,7 @@ import collections
 import datetime
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -246,7 +248,14 @@ def offline(model_dir: str, concurrency: list[int], pp: int, tg: int, args) -> l
               max_model_len=args.max_model_len, num_speculative_tokens=0, kv_cache_dtype=args.kv_cache_dtype,
               **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
               **({"prefill_graph_tokens": args.prefill_graph_tokens} if args.prefill_graph_tokens else {}))  # fmt: skip
-    gen, vocab = torch.Generator().manual_seed(0), min(llm.model.args.vocab_size, 200_000)  # below the markup
+    from fp4moe.bench.client import BenchConfig, bench_prompt
+    from fp4moe.data import corpus_text
+
+    # the bench client's prompts (text of about pp tokens after a unique nonce, tokenized by the server as
+    # here): exactly pp random ids each made offline steps pack 16 prompts into one 16 x 512-row prefill
+    # graph where the served steps, prompts of 466-530 tokens, took 15 in two 8 x 576-row graphs
+    cfg = BenchConfig(base_url="", prompt_text=corpus_text("heldout"))
+    rng = random.Random(0)
     params = SamplingParams(max_tokens=tg, temperature=0, ignore_eos=True)
     # what the server does before its first request (compiles and graph captures): without it the first call
     # at each concurrency captured its graphs inside the timing (c 64 ran at 0.40x the server, H200)
@@ -259,7 +268,7 @@ def offline(model_dir: str, concurrency: list[int], pp: int, tg: int, args) -> l
         times = []
         window_start = time.monotonic()
         for _ in range(args.runs):
-            prompts = [torch.randint(0, vocab, (pp,), generator=gen).tolist() for _ in range(c)]
+            prompts = [bench_prompt(cfg, pp, rng) for _ in range(c)]
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)  # returns after the last token reached the host
             times.append(time.perf_counter() - t0)

@@ -80,7 +80,7 @@ class RoundResult:
     spec: dict[str, float] = field(default_factory=dict)
 
 
-def _prompt(cfg: BenchConfig, tokens: int, rng: random.Random) -> str:
+def bench_prompt(cfg: BenchConfig, tokens: int, rng: random.Random) -> str:
     """About ``tokens`` tokens of real text, from a random offset, after a unique nonce."""
     n = int(tokens * cfg.chars_per_token)
     text = cfg.prompt_text
@@ -177,7 +177,7 @@ async def run_bench(cfg: BenchConfig, progress=None) -> list[RoundResult]:
     ) as client:
         model = cfg.model or (await client.get("/models")).json()["data"][0]["id"]
         for _ in range(cfg.warmup):
-            await _one(client, cfg, model, _prompt(cfg, 32, rng), 8)
+            await _one(client, cfg, model, bench_prompt(cfg, 32, rng), 8)
         for pp in cfg.pp:
             for tg in cfg.tg:
                 for depth in cfg.depth:
@@ -187,7 +187,7 @@ async def run_bench(cfg: BenchConfig, progress=None) -> list[RoundResult]:
                             t0 = time.perf_counter()
                             results = await asyncio.gather(
                                 *(
-                                    _one(client, cfg, model, _prompt(cfg, depth + pp, rng), tg)
+                                    _one(client, cfg, model, bench_prompt(cfg, depth + pp, rng), tg)
                                     for _ in range(conc)
                                 )
                             )
