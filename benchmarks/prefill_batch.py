@@ -32,7 +32,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192, help="tokens per step")
     p.add_argument("--splits", type=int, nargs="+", default=[1, 4, 16, 64], help="sequences per step")
-    p.add_argument("--profile", type=int, default=None, help="profile the step of this many sequences")
+    p.add_argument(
+        "--profile", default=None, metavar="N | LEN[xN],...",
+        help="profile the step of this many sequences (of --tokens in all) or of these prompt lengths, through "
+        "the module path",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefill-graph-tokens", type=int, default=None,
+        help="rows per prefill graph at most (the engine's default: its step budget; this runner's: 2,048)",
+    )  # fmt: skip
     p.add_argument(
         "--graphs", action="store_true", help="through the runner's prefill graphs where they apply"
     )
@@ -53,10 +61,16 @@ def main() -> int:
     steps = [[args.tokens // n] * n for n in args.splits] + [_lengths(x) for x in args.lengths]
     dev = torch.device("cuda")
     model = dec.build_model(True, dev)
-    n_max, longest = max(len(x) for x in steps), max(max(x) for x in steps)
+    spec = args.profile
+    profiled = (
+        None if not spec else [args.tokens // int(spec)] * int(spec) if spec.isdigit() else _lengths(spec)
+    )
+    sizes = steps + ([profiled] if profiled else [])
+    n_max, longest = max(len(x) for x in sizes), max(max(x) for x in sizes)
     runner = CudaModelRunner(
         model, None, dev, "auto", max_num_seqs=n_max, max_model_len=max(args.tokens, longest) + 64,
         num_pages=n_max * (max(args.tokens, longest) // 64 + 2), cuda_graphs=args.graphs,
+        **({"prefill_graph_tokens": args.prefill_graph_tokens} if args.prefill_graph_tokens else {}),
     )  # fmt: skip
     host: list[float] = []
     groups: list = []  # the last step's prefill graphs (sequences, rows each)
@@ -99,13 +113,16 @@ def main() -> int:
             print(f"{len(lens):3d} prompts, {tokens:6d} tokens: {t * 1e3:7.1f} ms, host "
                   f"{rows[-1]['host_s'] * 1e3:7.1f} ms, {rows[-1]['tokens_per_s']:8.0f} tok/s"
                   + (f", graphs {rows[-1]['graph']}" if graph else ", module path"), flush=True)  # fmt: skip
-    runner.use_prompt_graphs = True
     result = dict(device=torch.cuda.get_device_name(), rows=rows)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
+        lens = profiled
+        runner.use_prompt_graphs = False
+        step(lens)
+        torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            step([args.tokens // args.profile] * args.profile)
+            step(lens)
             torch.cuda.synchronize()
         avg = prof.key_averages()
         by_host = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:25]

@@ -87,16 +87,16 @@ def test_generate_and_serve_declare_the_engine_options_once():
     assert build_parser().parse_args(["generate", "m", "hi"]).max_num_batched_tokens == 8192
 
     # serve's step budget: vLLM's 8,192 on the GPU, 2,048 on the CPU; a prefill graph holds a whole step by
-    # default, up to 8,192 rows; set values stand
+    # default, up to 8,192 tokens, and an eighth more rows for their padding; set values stand
     def budget_and_rows(*argv):
         c = engine_config(build_parser().parse_args(list(argv)))
         return c.max_num_batched_tokens, c.graph_rows
 
     assert build_parser().parse_args(["serve", "m"]).max_num_batched_tokens == "auto"
-    assert budget_and_rows("serve", "m", "--device", "cpu") == (2048, 2048)
-    assert budget_and_rows("serve", "m", "--device", "cuda") == (8192, 8192)
-    assert budget_and_rows("generate", "m", "hi", "--device", "cpu") == (8192, 8192)
-    assert budget_and_rows("serve", "m", "--max-num-batched-tokens", "16384") == (16384, 8192)
+    assert budget_and_rows("serve", "m", "--device", "cpu") == (2048, 2304)
+    assert budget_and_rows("serve", "m", "--device", "cuda") == (8192, 9216)
+    assert budget_and_rows("generate", "m", "hi", "--device", "cpu") == (8192, 9216)
+    assert budget_and_rows("serve", "m", "--max-num-batched-tokens", "16384") == (16384, 9216)
     argv = [
         "serve",
         "m",

@@ -365,7 +365,8 @@ def _add_engine_options(p, max_num_seqs: int | str, max_num_batched_tokens: int 
         default=None,
         help="with --device cuda: rows one prefill graph holds at most (fresh prompts x their length padded to "
         "a bucket); a step's fresh prompts replay as many graphs as they need. Larger graphs run more rows per "
-        "expert and capture more graphs at start-up (default: --max-num-batched-tokens, at most 8192)",
+        "expert and capture more graphs at start-up (default: --max-num-batched-tokens, at most 8192, and an "
+        "eighth more for the prompts' padding)",
     )
     p.add_argument(
         "--enable-chunked-prefill",

@@ -628,6 +628,77 @@ def test_prefill_graphs_hold_up_to_their_row_limit(checkpoints, limit):
     assert runner.prompt_bucket([500] * 4) == (4, 512)
 
 
+def _bucketing(max_rows: int, max_num_seqs: int = 64):
+    """A stand-in runner with just what ``prompt_bucket`` and ``_prompt_groups`` read, every prompt fresh."""
+    import types
+
+    fake = types.SimpleNamespace(
+        cuda_graphs=True, use_prompt_graphs=True, max_num_seqs=max_num_seqs, max_prompt_graph_tokens=max_rows
+    )
+    fake.prompt_bucket = lambda lens: CudaModelRunner.prompt_bucket(fake, lens)
+    fake._prompt_graph_fits = lambda seq, n, kv: True
+    return fake
+
+
+def _grouper(max_rows: int, max_num_seqs: int = 64):
+    fake = _bucketing(max_rows, max_num_seqs)
+    return lambda lens: CudaModelRunner._prompt_groups(fake, [(None, n) for n in lens], None)
+
+
+def test_prefill_graph_groups_have_the_fewest_rows_and_replays():
+    """``_prompt_groups``: a served step's fifteen prompts of 466-530 tokens take one 16 x 576 graph (9,216
+    rows, the default limit for an 8,192-token step) where they took two 8 x 576 ones and a 1 x 512; at
+    8,192 rows, two graphs and no third; a short prompt beside a much longer one stays alone only when its
+    padding would cost more than a replay. Against every split of the sorted prompts into consecutive groups
+    (all 2^(n-1) of them, random lengths): never more rows + REPLAY_ROWS per replay, and each prompt in one
+    group whose graph holds it."""
+    import itertools
+    import random
+
+    from fp4moe.engine.cuda_runner import REPLAY_ROWS
+
+    served = [530] + [524] * 13 + [466]
+    assert [b for _, b in _grouper(9216)(served)] == [(16, 576)]
+    assert [b for _, b in _grouper(8192)(served)] == [(8, 576), (8, 576)]
+    assert [b for _, b in _grouper(9216)([512] * 16)] == [(16, 512)]
+    assert [b for _, b in _grouper(9216)([20, 1000])] == [(2, 1024)]  # 1,004 padded rows < a replay
+    assert [b for _, b in _grouper(9216)([600, 2000])] == [(1, 2048), (1, 640)]
+    assert _grouper(9216)([]) == []
+    rng = random.Random(0)
+    for _ in range(200):
+        max_rows = rng.choice([512, 2048, 9216])
+        lens = [
+            rng.choice([rng.randint(2, 64), rng.randint(2, 600), rng.randint(2, 2048)])
+            for _ in range(rng.randint(1, 8))
+        ]
+        lens = [n for n in lens if n <= max_rows]
+        if not lens:
+            continue
+        grouper, fake = _grouper(max_rows, max_num_seqs=8), _bucketing(max_rows, max_num_seqs=8)
+        groups = grouper(lens)
+        assert sorted(i for g, _ in groups for i in g) == list(range(len(lens)))
+        for g, (b, t) in groups:
+            assert len(g) <= b and max(lens[i] for i in g) <= t and b * t <= max_rows
+
+        def cost(parts):
+            return sum(b * t + REPLAY_ROWS for b, t in parts)
+
+        order = sorted(range(len(lens)), key=lambda i: -lens[i])
+        best = float("inf")
+        for cuts in itertools.product([False, True], repeat=max(0, len(order) - 1)):
+            parts, start = [], 0
+            for k, cut in enumerate([*cuts, True], 1):
+                if cut:
+                    bucket = fake.prompt_bucket([lens[i] for i in order[start:k]])
+                    if bucket is None:
+                        break
+                    parts.append(bucket)
+                    start = k
+            else:
+                best = min(best, cost(parts))
+        assert cost([b for _, b in groups]) == best, (lens, groups)
+
+
 def test_fresh_prompts_through_their_prefill_graph(checkpoints):
     """A step of four fresh prompts (66 tokens in a 1 x 96-row graph, whose padding runs past the last page
     of the CPU runner's 72-token context; 20 tokens alone in 1 x 32 rows; 12 and 9 tokens in 2 x 16 rows:

@@ -30,7 +30,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs on the GPU
     # rows one prefill graph holds at most (its prompts x their padded length): a step's fresh prompts replay
     # as many graphs as their rows need; larger graphs give the expert GEMMs more rows per expert. None: the
-    # step budget, at most AUTO_PREFILL_GRAPH_TOKENS (``graph_rows``)
+    # step budget, at most AUTO_PREFILL_GRAPH_TOKENS, and an eighth more for padding (``graph_rows``)
     prefill_graph_tokens: int | None = None
     # launch a decode-only step before the previous step's tokens are on the host (EngineCore.step): the
     # host's per-step work overlaps the GPU's (the GPU runner; no effect on the CPU's module path)
@@ -40,12 +40,16 @@ class EngineConfig:
     @property
     def graph_rows(self) -> int:
         """Rows one prefill graph holds: the set value, else a whole step's budget up to
-        AUTO_PREFILL_GRAPH_TOKENS. On the H100, 64 prompts of 512 tokens in 8,192-token steps prefilled in
-        graphs of 8,192 rows gave 2,611 tok/s and TTFT 0.98 s, in graphs of 2,048 rows 2,257 tok/s and 1.27 s
-        (BENCHMARKS.md, "Prefill graphs as large as the step")."""
+        AUTO_PREFILL_GRAPH_TOKENS, with an eighth more for the prompts' padding to their row bucket. On the
+        H100, 64 prompts of 512 tokens in 8,192-token steps prefilled in graphs of 8,192 rows gave 2,611 tok/s
+        and TTFT 0.98 s, in graphs of 2,048 rows 2,257 tok/s and 1.27 s (BENCHMARKS.md, "Prefill graphs as
+        large as the step"). The eighth: a step of 15 prompts of 466-530 tokens (7,808) fits one 16 x 576
+        graph of 9,216 rows, where 8,192 rows took two 8 x 576 graphs and a 1 x 512 (H200: 232 ms; 16
+        prompts in one 16 x 512 graph, 164 ms)."""
         if self.prefill_graph_tokens is not None:
             return self.prefill_graph_tokens
-        return min(self.max_num_batched_tokens, AUTO_PREFILL_GRAPH_TOKENS)
+        rows = min(self.max_num_batched_tokens, AUTO_PREFILL_GRAPH_TOKENS)
+        return rows + rows // 8
 
 
 AUTO_CPU_SEQS = 16  # --max-num-seqs auto on the CPU

@@ -44,6 +44,9 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 PROMPT_GRAPH_TOKENS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 576, 640, 768, 896, 1024, 1280, 1536,
                        1792, 2048)  # fmt: skip
 PROMPT_GRAPH_SEQS = (1, 2, 4, 8, 16, 32, 64, 128)  # fresh prompts in one step (each padded to the longest)
+# a prefill graph replay's cost beyond its rows, in rows (H200, full size: 512 rows 31 ms, 4,608 rows 102 ms,
+# 8,192 rows 164 ms -- about 20 ms and 17.5 us a row): ``_prompt_groups`` weighs padding against replays
+REPLAY_ROWS = 1024
 
 
 class FusedLinear:
@@ -404,28 +407,34 @@ class CudaModelRunner(ModelRunner):
     def _prompt_groups(
         self, batch: list[tuple[Sequence, int]], kv
     ) -> list[tuple[list[int], tuple[int, int]]]:
-        """The step's fresh prompts (indices into ``batch``) in groups that one prefill graph each takes:
-        longest first, prompts of one row bucket together while they fit its graph (four 522-token prompts
-        pad to 576 rows each; with 1,024-row graphs, two per graph: two replays, where one group sent them all
-        to the module path), a shorter bucket in a group of its own (a 20-token prompt is not padded to a
-        1,000-token one's rows). Each group comes with its graph (``prompt_bucket``)."""
+        """The step's fresh prompts (indices into ``batch``) in groups that one prefill graph each takes, each
+        with its graph (``prompt_bucket``): the partition of the prompts, longest first, into consecutive
+        groups with the fewest rows, counting each replay as ``REPLAY_ROWS`` more (dynamic programming over
+        where the groups end). Fifteen prompts of 466-530 tokens take one 16 x 576 graph (9,216 rows; they
+        took two 8 x 576 ones and a 1 x 512: 232 ms on the H200, where one replay of 9,216 rows runs at about
+        20 ms + 17.5 us a row); a 20-token prompt beside a 1,000-token one joins its graph (1,004 rows of
+        padding against a replay of its own: about even); a 600-token one beside a 2,000-token one does not."""
         fresh = sorted(
             (i for i, (seq, n) in enumerate(batch) if self._prompt_graph_fits(seq, n, kv)),
             key=lambda i: -batch[i][1],
         )
-        groups: list[tuple[list[int], tuple[int, int]]] = []
-        for i in fresh:
-            alone = self.prompt_bucket([batch[i][1]])
-            if alone is None:
-                continue
-            joined = None
-            if groups and alone[1] == groups[-1][1][1]:  # the same rows per prompt as the last group
-                joined = self.prompt_bucket([batch[j][1] for j in groups[-1][0]] + [batch[i][1]])
-            if joined is not None:
-                groups[-1] = (groups[-1][0] + [i], joined)
-            else:
-                groups.append(([i], alone))
-        return groups
+        fresh = [i for i in fresh if self.prompt_bucket([batch[i][1]]) is not None]
+        # best[k]: (cost, rows, first index of the last group) of the first k prompts
+        best: list[tuple[float, int, int]] = [(0.0, 0, 0)]
+        for k in range(1, len(fresh) + 1):
+            options = []
+            for j in range(k):  # the last group is fresh[j:k]; its longest prompt is fresh[j]
+                bucket = self.prompt_bucket([batch[fresh[j]][1]] * (k - j))
+                if bucket is not None:
+                    rows = bucket[0] * bucket[1]
+                    options.append((best[j][0] + rows + REPLAY_ROWS, best[j][1] + rows, j))
+            best.append(min(options))  # never empty: a prompt alone has a bucket
+        groups, k = [], len(fresh)
+        while k:
+            j = best[k][2]
+            groups.append((fresh[j:k], self.prompt_bucket([batch[i][1] for i in fresh[j:k]])))
+            k = j
+        return groups[::-1]
 
     def whole_prompts(self) -> bool:
         """Fresh prompts go through graphs, their continuing chunks through the module path: split none that
