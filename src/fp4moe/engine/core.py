@@ -76,7 +76,7 @@ class EngineCore:
         self.stats = EngineStats()
         self._ids = itertools.count()
         path = os.environ.get("FP4MOE_STEP_TRACE")
-        self.trace = StepTrace(path) if path else None
+        self.trace = StepTrace.of(path) if path else None
 
     def _release(self, slot: int) -> None:
         self.kv.free(slot)
@@ -302,8 +302,16 @@ class StepTrace:
     tokens, and the queue lengths after it. Served and offline runs of the same requests compare step by
     step (``benchmarks/step_trace.py``)."""
 
+    _open: dict[str, StepTrace] = {}  # one per file: every ``generate`` makes an engine core
+
     def __init__(self, path: str):
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 -- open for the core's life, a line per step
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 -- open for the process's life, a line a step
+
+    @classmethod
+    def of(cls, path: str) -> StepTrace:
+        if path not in cls._open:
+            cls._open[path] = cls(path)
+        return cls._open[path]
 
     def write(self, start: float, core: EngineCore) -> None:
         decodes, prefill_tokens, prefill_seqs = core.last_rows
