@@ -22,6 +22,7 @@ the modules' own weights become views into them: no extra memory.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from itertools import accumulate
 
 import torch
@@ -419,15 +420,21 @@ class CudaModelRunner(ModelRunner):
             key=lambda i: -batch[i][1],
         )
         fresh = [i for i in fresh if self.prompt_bucket([batch[i][1]]) is not None]
-        # best[k]: (cost, rows, first index of the last group) of the first k prompts
+        # best[k]: (cost, rows, first index of the last group) of the first k prompts. Some best partition
+        # has every group but the last full (as many prompts as its graph's sequences): the next group's first
+        # prompt moves into a group with room at no cost there (it is no longer) and none in its own group
+        # (one prompt fewer, its longest no longer). So groups end at full sizes, or at the last prompt.
+        n = len(fresh)
         best: list[tuple[float, int, int]] = [(0.0, 0, 0)]
-        for k in range(1, len(fresh) + 1):
+        for k in range(1, n + 1):
             options = []
-            for j in range(k):  # the last group is fresh[j:k]; its longest prompt is fresh[j]
-                bucket = self.prompt_bucket([batch[fresh[j]][1]] * (k - j))
-                if bucket is not None:
-                    rows = bucket[0] * bucket[1]
-                    options.append((best[j][0] + rows + REPLAY_ROWS, best[j][1] + rows, j))
+            for size in range(1, k + 1) if k == n else (b for b in PROMPT_GRAPH_SEQS if b <= k):
+                j = k - size  # the group is fresh[j:k]; its longest prompt is fresh[j]
+                bucket = self._bucket(batch[fresh[j]][1], size)
+                if bucket is None:
+                    break  # nor will a larger group (more prompts, none shorter) fit a graph
+                rows = bucket[0] * bucket[1]
+                options.append((best[j][0] + rows + REPLAY_ROWS, best[j][1] + rows, j))
             best.append(min(options))  # never empty: a prompt alone has a bucket
         groups, k = [], len(fresh)
         while k:
@@ -445,9 +452,16 @@ class CudaModelRunner(ModelRunner):
         """The graph (sequences, rows each) that takes fresh prompts of ``lens`` tokens, or None."""
         if not (self.cuda_graphs and self.use_prompt_graphs):
             return None
-        t = next((t for t in PROMPT_GRAPH_TOKENS if max(lens) <= t), None)
-        b = next((b for b in PROMPT_GRAPH_SEQS if len(lens) <= b <= self.max_num_seqs), None)
-        return None if t is None or b is None or b * t > self.max_prompt_graph_tokens else (b, t)
+        return self._bucket(max(lens), len(lens))
+
+    def _bucket(self, longest: int, count: int) -> tuple[int, int] | None:
+        """``prompt_bucket`` of ``count`` prompts, the longest ``longest`` tokens (``_prompt_groups`` asks it
+        for every group it weighs: bisection, not a scan)."""
+        i, j = bisect_left(PROMPT_GRAPH_TOKENS, longest), bisect_left(PROMPT_GRAPH_SEQS, count)
+        if i == len(PROMPT_GRAPH_TOKENS) or j == len(PROMPT_GRAPH_SEQS):
+            return None
+        t, b = PROMPT_GRAPH_TOKENS[i], PROMPT_GRAPH_SEQS[j]
+        return None if b > self.max_num_seqs or b * t > self.max_prompt_graph_tokens else (b, t)
 
     def _prompt_graph_fits(self, seq: Sequence, n: int, kv) -> bool:
         return (
