@@ -337,7 +337,7 @@ def test_generate_reports_each_token_once_when_the_cache_ends_a_sequence(checkpo
 
 def test_step_trace_records_each_step_and_the_summary_counts_them(llm, tmp_path, monkeypatch):
     """``FP4MOE_STEP_TRACE``: one line per engine step with the rows it scheduled; ``benchmarks/step_trace.py``
-    sums them by kind. Two prompts of known lengths in 16-token steps: their prefill tokens add up to the
+    sums them by kind. Five prompts through two slots in 16-token steps: their prefill tokens add up to the
     prompts (and nothing else), every decode row is one of their generated tokens but the first."""
     import sys
     from pathlib import Path

@@ -69,7 +69,11 @@ class EngineCore:
         self.llm = llm
         self.async_scheduling = async_scheduling  # decode steps launched ahead of their read-back (``step``)
         self._inflight: _InFlight | None = None
-        self.last_rows = (0, 0, 0)  # the last step's decodes, prefill tokens and prefilling sequences
+        self.last_rows = (
+            0,
+            0,
+            0,
+        )  # the last step's decodes, prefill tokens and prefilling sequences (traced)
         self.prefix_cache = prefix_cache
         self.scheduler = Scheduler(config)
         self.kv, self.states = llm.runner.new_caches()
@@ -150,8 +154,9 @@ class EngineCore:
             self.last_rows = (len(ahead), 0, 0)
             return self._complete(prev)
         batch = self.scheduler.schedule(self._release, self._on_admit)
-        decodes = sum(1 for s, n in batch if n == 1 and s.num_cached >= len(s.prompt_ids))
-        self.last_rows = (decodes, sum(n for _, n in batch) - decodes, len(batch) - decodes)
+        if self.trace is not None:  # counted before the step moves the sequences on
+            decodes = sum(1 for s, n in batch if n == 1 and s.num_cached >= len(s.prompt_ids))
+            self.last_rows = (decodes, sum(n for _, n in batch) - decodes, len(batch) - decodes)
         outputs = [
             StepOutput(seq, seq.output_ids[-1] if seq.output_ids else -1, "", True, new_tokens=0)
             for seq in self.scheduler.cache_full
