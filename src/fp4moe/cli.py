@@ -385,9 +385,10 @@ def _add_engine_options(p, max_num_seqs: int | str, max_num_batched_tokens: int 
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="on the GPU: launch each decode-only step before the previous step's tokens are read back, so "
-        "detokenizing, stop checks and scheduling overlap the GPU's work (vLLM V1's async scheduling; a "
-        "sequence that ends on a token runs one extra row). Off: one step at a time (default on)",
+        help="on the GPU: launch each decode-only step (a plain step, or with speculation the next fused "
+        "round) before the previous step's tokens are read back, so detokenizing, stop checks and scheduling "
+        "overlap the GPU's work (vLLM V1's async scheduling; a sequence that ends on a token runs one extra "
+        "row or round). Off: one step at a time (default on)",
     )
     p.add_argument("--num-speculative-tokens", type=_spec_tokens, default="auto", help=SPEC_HELP)
     p.add_argument(
@@ -417,7 +418,7 @@ def _limit_mm(value: str) -> dict[str, int]:
 def _async_state(config, spec: int, device) -> str:
     if not config.async_scheduling or device.type != "cuda":
         return "off"
-    return "on (plain and backed-off speculative steps)" if spec else "on"
+    return "on (plain steps and speculative rounds)" if spec else "on"
 
 
 def engine_config(args):

@@ -257,13 +257,13 @@ def test_a_rejected_draft_head_stops_drafting_after_its_probe(checkpoints):
     if DEV == "cpu":
         _fused(llm, spec_tokens=2)
     spec, rounds = llm.speculator, []
-    real_round = spec.fused_round
+    real_launch = spec.launch_round
 
-    def fused_round(seqs, kv, states):
+    def launch_round(seqs, chained=False):  # every fused round, synchronous or run ahead
         rounds.append(len(seqs))
-        return real_round(seqs, kv, states)
+        return real_launch(seqs, chained)
 
-    spec.fused_round = fused_round
+    spec.launch_round = launch_round
     _agree(ref, llm.generate(prompts, params))
     assert spec.stats.accepted < 2 * spec_decode.MIN_ACCEPTED * spec_decode.PROBE_ROUNDS
     assert spec.stats.backed_off == 2 and rounds == [2] * spec_decode.PROBE_ROUNDS
@@ -282,23 +282,30 @@ def test_fused_speculative_round_gives_plain_greedy_tokens(checkpoints, drafts):
     ref_params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     ref = LLM(path, dtype="bfloat16", device="cpu", kv_cache_dtype=kv_dtype).generate(prompts, ref_params)
     truth = [o.outputs[0].token_ids for o in ref]
-    llm = LLM(path, dtype="bfloat16", device=DEV, num_speculative_tokens=k, kv_cache_dtype=kv_dtype)
+    # oracle drafts go in with each round's host inputs: synchronous rounds (with async scheduling the rounds
+    # after the first run ahead, on the drafts the round before made on the GPU: the "mtp" runs check those)
+    oracle = drafts in ("oracle", "second-wrong")
+    llm = LLM(
+        path, dtype="bfloat16", device=DEV, num_speculative_tokens=k, kv_cache_dtype=kv_dtype,
+        async_scheduling=not oracle,
+    )  # fmt: skip
     if DEV == "cpu":
         _fused(llm, kv_dtype, spec_tokens=k)
     spec = llm.speculator
     assert spec.fused is not None
-    if drafts in ("oracle", "second-wrong"):
+    if oracle:
         fused, lens = spec.fused, [len(p) for p in PROMPTS]
+        launch = fused.launch
 
-        def oracle(slots, positions, tokens, deltas):  # sequence i sits in slot i
+        def oracle_launch(slots, positions, tokens, deltas, sampling=None):  # sequence i sits in slot i
             for slot, p, row in zip(slots, positions, tokens, strict=True):
                 cont = truth[slot][p - lens[slot] + 1 :] + [0] * k
                 row[1:] = cont[:k]
                 if drafts == "second-wrong":
                     row[2] = (row[2] + 1) % 100
-            return fused(slots, positions, tokens, deltas)
+            return launch(slots, positions, tokens, deltas, sampling)
 
-        spec.fused = oracle
+        fused.launch = oracle_launch
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     agree = _agree(ref, [o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     stats = spec.stats
@@ -352,19 +359,23 @@ def test_fused_speculative_round_samples(checkpoints, variant):
     fused.forward = lambda b, mode=GREEDY: modes.append(mode) or forward(b, mode)
     fused.set_draft_probs = lambda slots, *rest: stored.extend(slots) or set_probs(slots, *rest)
 
-    class Oracle:  # sequence i sits in slot i; the third one's drafts are its true continuation
-        def __getattr__(self, name):
-            return getattr(fused, name)
+    launch, launch_chained = fused.launch, fused.launch_chained
 
-        def __call__(self, slots, positions, tokens, deltas, **sampling):
-            rounds.append(sampling.get("sampling") is not None)
-            for slot, p, row in zip(slots, positions, tokens, strict=True):
-                if slot == 2:
-                    row[1:] = (truth[2][p - len(PROMPTS[2]) + 1 :] + [0] * k)[:k]
-            return fused(slots, positions, tokens, deltas, **sampling)
+    def oracle_launch(slots, positions, tokens, deltas, sampling=None):
+        # sequence i sits in slot i; the third one's drafts are its true continuation (in the rounds that
+        # take host inputs; rounds run ahead take the drafts the round before made)
+        rounds.append(sampling is not None)
+        for slot, p, row in zip(slots, positions, tokens, strict=True):
+            if slot == 2:
+                row[1:] = (truth[2][p - len(PROMPTS[2]) + 1 :] + [0] * k)[:k]
+        return launch(slots, positions, tokens, deltas, sampling)
+
+    def chained(slots, reach, sampling=None):
+        rounds.append(sampling is not None)
+        return launch_chained(slots, reach, sampling)
 
     rounds = []  # per round: whether a sampled sequence was in it
-    spec.fused = Oracle()
+    fused.launch, fused.launch_chained = oracle_launch, chained
     runs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for _ in range(2)]
     assert runs[0] == runs[1]  # the same engine, the same seeds: the same arithmetic, the same tokens
     got = runs[0]
@@ -906,11 +917,11 @@ def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeyp
     if DEV == "cpu":
         _fused(llm, spec_tokens=2)
     spec, probes = llm.speculator, []
-    fused_round = spec.fused_round
+    launch_round = spec.launch_round
     monkeypatch.setattr(
         spec,
-        "fused_round",
-        lambda seqs, kv, states: probes.append(len(seqs)) or fused_round(seqs, kv, states),
+        "launch_round",
+        lambda seqs, chained=False: probes.append(len(seqs)) or launch_round(seqs, chained),
     )
     core = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=128), async_scheduling=True)
     params = SamplingParams(**{**vars(greedy), "logprobs": None})
@@ -919,7 +930,8 @@ def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeyp
     rounds_before_async = None
     while core.has_work():
         core.step()
-        if core.stats.async_steps and rounds_before_async is None:
+        plain_ahead = core._inflight is not None and not core._inflight.round
+        if plain_ahead and rounds_before_async is None:
             rounds_before_async = len(probes)
     assert spec.stats.backed_off >= 2 and spec.stats.acceptance_rate < 0.3  # the random head
     assert rounds_before_async >= 2 and len(probes) > rounds_before_async  # probed again after the chain
@@ -942,3 +954,75 @@ def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeyp
         core.step()
     assert len(late.output_ids) == 5 and spec.stats.started_backed_off == 1
     assert len(probes) == probed and core.stats.async_steps >= overlapped + 3
+
+
+def test_speculative_rounds_run_ahead_of_their_tokens(checkpoints, monkeypatch):
+    """With async scheduling a fused round is launched before the tokens of the round in flight reach the
+    host: each round leaves the next one's inputs (its final token, the drafts it made, the next position)
+    on the GPU. With every draft forced accepted (a = k each round: the chain moves k + 1 positions a
+    round), the tokens are exactly those of synchronous rounds (the same graphs on the same inputs); a stop
+    token that ends a sequence while its next round is in flight drops that round's tokens, an abort
+    likewise; every token is handed out once and every page comes back."""
+    from fp4moe.engine.core import EngineCore
+    from fp4moe.engine.scheduler import SchedulerConfig
+
+    monkeypatch.setenv("FP4MOE_FORCE_ACCEPTANCE", "1.0")  # read when the speculator is built
+    path, k, n = checkpoints.bf16(), 2, 11
+    greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    def engine(async_scheduling: bool) -> LLM:
+        llm = LLM(
+            path, dtype="bfloat16", device=DEV, num_speculative_tokens=k, async_scheduling=async_scheduling
+        )
+        if DEV == "cpu":
+            _fused(llm, spec_tokens=k)
+        return llm
+
+    def run(llm, params, abort_at=None):
+        """The prompts through an engine core -> each sequence's tokens; checks that each token was handed
+        out once and every page came back. ``abort_at``: the last sequence is aborted once it holds that
+        many tokens, a round in flight."""
+        core = EngineCore(llm, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128))
+        seqs = [
+            core.make_sequences({"prompt_token_ids": p}, q)[0] for p, q in zip(PROMPTS, params, strict=True)
+        ]
+        core.add(seqs)
+        handed = collections.Counter()
+        while core.has_work():
+            for out in core.step():
+                handed[id(out.seq)] += out.new_tokens
+            last = seqs[-1]
+            if (
+                abort_at
+                and len(last.output_ids) >= abort_at
+                and any(s is last for s in core.scheduler.running)
+            ):
+                assert core._inflight is not None and core._inflight.round
+                core.abort(last)
+        assert [handed[id(s)] for s in seqs] == [len(s.output_ids) for s in seqs]
+        assert _all_pages_back(llm.runner)
+        return [s.output_ids for s in seqs], core
+
+    ref, _ = run(engine(False), [greedy] * 3)
+    assert [len(t) for t in ref] == [n] * 3
+    llm = engine(True)
+    chained = []
+    launch_chained = llm.speculator.fused.launch_chained
+    llm.speculator.fused.launch_chained = lambda *args: chained.append(1) or launch_chained(*args)
+    got, core = run(llm, [greedy] * 3)
+    assert got == ref
+    # 1 token from the prompt, then rounds of 3: the first drafts on the module path (synchronous), the
+    # second is launched ahead, the next two chain (the round after them could end the sequences by length,
+    # so the chain stops: the fourth round appends the 11th token and ends them)
+    assert len(chained) == 2 and core.stats.async_steps == 3
+    assert llm.speculator.stats.mean_acceptance_length == k + 1
+
+    # the second sequence's 7th token stops it, and the third is aborted at 7 tokens: the round that made
+    # them (tokens 5-7) is read back while the next one, of all three, is in flight
+    stop = ref[1][6]
+    assert stop not in ref[1][:6]
+    got, _ = run(
+        llm, [greedy, SamplingParams(**{**vars(greedy), "stop_token_ids": [stop]}), greedy], abort_at=7
+    )
+    assert got[1:] == [ref[1][:7], ref[2][:7]]
+    assert len(got[0]) == n and got[0][:10] == ref[0][:10]  # later rounds ran at another batch size

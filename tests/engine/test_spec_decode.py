@@ -260,6 +260,14 @@ def test_the_fused_round_policy_backs_off_where_drafts_do_not_pay():
     judge(spec, bad, 1)  # 1 accepted in 4 rounds: 0.25 a round
     assert bad.spec_backoff == spec_decode.BACKOFF_STEPS and spec.stats.backed_off == 1
     assert (bad.spec_rounds, bad.spec_accepted) == (0, 0)  # a fresh window for the next probe
+    # async scheduling launches no round ahead of one that may end a window with a backoff
+    may = spec_decode.MTPSpeculator.may_back_off
+    assert not may(spec, bad)  # rounds left in its window
+    bad.spec_rounds = spec_decode.PROBE_ROUNDS - 1
+    assert may(spec, bad)  # nothing accepted yet: the round in flight decides
+    bad.spec_accepted = int(spec_decode.MIN_ACCEPTED * spec_decode.PROBE_ROUNDS)
+    assert not may(spec, bad)  # it passes whatever the round in flight accepts
+    bad.spec_rounds = bad.spec_accepted = 0
     # the latest rounds of all sequences: whether a new request starts drafting or backed off
     pays = spec_decode.MTPSpeculator.head_pays
     assert spec.recent == [1] * 3 * spec_decode.PROBE_ROUNDS + [0, 0, 0, 1] and pays(spec)

@@ -144,8 +144,17 @@ class EngineCore:
         """One engine step: schedule, run, sample, hand out the new tokens. With async scheduling a
         decode-only step is launched and its tokens are read back by the next ``step``, after that one has
         launched its own step on the GPU: the host's per-step work (detokenizing, stop checks, the
-        scheduler, the next step's inputs) runs while the GPU computes, as in vLLM V1's async scheduling."""
+        scheduler, the next step's inputs) runs while the GPU computes, as in vLLM V1's async scheduling.
+        A decode-only step of speculating sequences is a fused round, run ahead the same way (its inputs
+        left on the GPU by the round before)."""
         prev, self._inflight = self._inflight, None
+        if prev is not None and prev.round:
+            ahead = self._rounds_ahead(prev)
+            if ahead:
+                self.stats.steps += 1
+                self._inflight = self._launch_round(ahead, chained=True)
+            self.last_rows = (len(ahead), 0, 0)
+            return self._complete_round(prev)
         if prev is not None:
             ahead = self._ahead(prev)
             if ahead:
@@ -167,6 +176,9 @@ class EngineCore:
         self.stats.steps += 1
         if self._overlappable(batch):
             self._inflight = self._launch([seq for seq, _ in batch], None)
+            return outputs
+        if self._rounds_overlappable(batch):
+            self._inflight = self._launch_round([seq for seq, _ in batch], chained=False)
             return outputs
         spec = self.llm.speculator
         if spec is None:
@@ -235,6 +247,76 @@ class EngineCore:
         if not all(self._plain(s) for s in ahead):
             return []  # a speculating sequence probes again: a synchronous round
         return ahead
+
+    def _speculating(self, seq: Sequence) -> bool:
+        """Whether the sequence's next decode step is a fused speculative round that can run ahead of the
+        host: it holds its drafts (it had a fused round), is not backed off, and the round it may launch
+        while one is in flight fits in its context (up to 3k + 1 positions past its pending token)."""
+        spec = self.llm.speculator
+        limit = self.llm.max_model_len
+        return (
+            spec.fused is not None
+            and seq.drafts is not None
+            and seq.spec_backoff == 0
+            and not spec.plain_only(seq, self.kv)
+            and spec._fusable(seq, self.kv, limit)
+            and seq.num_tokens + 3 * spec.k + 1 < limit
+        )
+
+    def _rounds_overlappable(self, batch: list[tuple[Sequence, int]]) -> bool:
+        """Whether a scheduled batch is one fused speculative round that may run ahead of its tokens'
+        read-back (``_overlappable``'s rule for speculation): decodes only, every sequence speculating, no
+        more of them than speculation takes at once."""
+        spec = self.llm.speculator
+        if not self.async_scheduling or spec is None or spec.fused is None:
+            return False
+        if spec.disable_by_batch_size and len(batch) > spec.disable_by_batch_size:
+            return False
+        return self.llm.runner.fusable_decode(batch, self.kv) and all(self._speculating(s) for s, _ in batch)
+
+    def _rounds_ahead(self, prev: _InFlight) -> list[Sequence]:
+        """The sequences of the round in flight, when the next round of the same sequences (all of them, in
+        the same order: the round's graph leaves the next one's inputs in place) may launch before its
+        tokens reach the host; [] where the chain breaks (an arrival a slot can take, a sequence ended or
+        backed off, one the round in flight might end by length or back off, a cache that may not hold
+        them)."""
+        sched, spec = self.scheduler, self.llm.speculator
+        k = spec.k
+        if not self.async_scheduling or (sched.waiting and sched.free_slots):
+            return []
+        running = {id(s) for s in sched.running}
+        if running != {id(s) for s in prev.seqs} or any(s.finished for s in prev.seqs):
+            return []
+        for s in prev.seqs:
+            if (
+                not self._speculating(s)
+                or len(s.output_ids) + k + 1 >= s.params.max_tokens
+                or spec.may_back_off(s)
+            ):
+                return []
+        if sched.reserved_tokens() + (3 * k + 1) * len(prev.seqs) > sched.config.max_cached_tokens:
+            return []
+        return prev.seqs
+
+    def _launch_round(self, seqs: list[Sequence], chained: bool) -> _InFlight:
+        """Launch a fused speculative round for ``seqs``; its tokens are read back by the next step."""
+        handle = self.llm.speculator.launch_round(seqs, chained)
+        self.stats.async_steps += 1
+        return _InFlight(seqs, None, handle, round=True)
+
+    def _complete_round(self, prev: _InFlight) -> list[StepOutput]:
+        """The round in flight's tokens appended (``MTPSpeculator.finish_round``); sequences that ended or
+        were aborted meanwhile get nothing."""
+        running = {id(s) for s in self.scheduler.running}
+        live = [id(s) in running and not s.finished for s in prev.seqs]
+        ps = [s.num_tokens - 1 for s in prev.seqs]  # every earlier round is in: the pending positions
+        counts = self.llm.speculator.finish_round(prev.seqs, ps, prev.readback, live)
+        progressed = []
+        for seq, ok, n in zip(prev.seqs, live, counts, strict=True):
+            if ok:
+                seq.new_tokens = n
+                progressed.append(seq)
+        return self._emit(progressed)
 
     def _launch(self, seqs: list[Sequence], prev: _InFlight | None) -> _InFlight:
         """Run the fused decode step for ``seqs`` and sample on the device; the ids start their way to the
@@ -338,8 +420,9 @@ class _InFlight:
     """A decode step launched on the GPU whose tokens are not on the host yet (async scheduling)."""
 
     seqs: list[Sequence]
-    tokens: torch.Tensor  # [b] the sampled ids on the device: the next step's inputs
-    readback: Readback  # the same ids on their way to the host
+    tokens: torch.Tensor | None  # [b] the sampled ids on the device: the next step's inputs (plain steps)
+    readback: Readback | tuple  # the same ids on their way to the host (a round: ``FusedSpecRound.finish``'s)
+    round: bool = False  # a fused speculative round (``MTPSpeculator.launch_round``)
 
 
 def run_spec_batch(core: EngineCore, batch) -> list[Sequence]:

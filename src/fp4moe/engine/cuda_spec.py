@@ -31,6 +31,12 @@ sampled with a sort of each row (only when some sampled row asks for top-k or to
 along in the sampled variants with their argmax results. Penalties and logprobs are not handled here:
 those sequences use the module path's round (``MTPSpeculator.step_many``). Padded rows of a bucket point
 at the runner's scratch slot.
+
+The round ends by writing the next round's inputs into its own input buffers: x_p = y_a, the drafts it
+made, p + a + 1 (padded rows stay at the scratch slot's position 0). So the next round of the same
+sequences can be launched before this one's output reaches the host (``launch_chained``, the engine's
+async scheduling): only sampled rows' uniforms go up, and the pages are reserved for the furthest the
+round in flight can reach.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch
 
 from fp4moe.engine.sampler import SamplingParams
 from fp4moe.engine.spec_sampling import accept_drafts, filter_probs, needs_sort, row_params, sample_rows
+from fp4moe.engine.transfer import Readback, to_device, upload
 
 GREEDY, SAMPLED, SORTED = 0, 1, 2  # graph variants: all rows greedy; sampled rows, without / with a sort
 PARAMS = 4  # sampling-buffer columns before the uniforms: temperature (0 = greedy), top_k, top_p, min_p
@@ -65,6 +72,9 @@ class FusedSpecRound:
         # last): [max_num_seqs + 1, k, V] fp32, allocated when a sampled sequence first needs it
         self.q: torch.Tensor | None = None
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.chain: tuple[tuple[int, ...], int] | None = (
+            None  # the slots and variant of the last round launched
+        )
         # benchmarks only (timing, not output): every sequence accepts ``forced[0]`` drafts; set before the
         # first round, since graphs are captured with or without it. FP4MOE_FORCE_ACCEPTANCE=ALPHA (a served
         # benchmark's switch) draws forced[0] per round: each draft position accepted with probability ALPHA
@@ -90,11 +100,20 @@ class FusedSpecRound:
         sequence, uniforms [b, 2k+1] in [0, 1): k acceptance tests, the final token, k next drafts); the
         drafts of a sampled sequence must have been drawn from the distributions in ``q`` (this round's
         output, or ``set_draft_probs`` after drafting on the module path)."""
+        return self.finish(self.launch(slots, positions, tokens, deltas, sampling), positions)
+
+    def launch(
+        self,
+        slots: list[int],
+        positions: list[int],
+        tokens: list[list[int]],
+        deltas: list[int],
+        sampling: tuple[list[SamplingParams], torch.Tensor] | None = None,
+    ) -> tuple[Readback, list[int]]:
+        """Start the round ``__call__`` describes on the GPU; its output [b, 1 + (k+1) + k] (a, y, next
+        drafts) starts its way to the host (``finish`` reads it). Nothing here waits for the GPU."""
         r, b = self.runner, len(slots)
-        mode = GREEDY
-        if sampling is not None and not all(p.greedy for p in sampling[0]):
-            mode = SORTED if needs_sort(sampling[0], self.vocab) else SAMPLED
-            self._allocate_q()
+        mode = self._mode(sampling)
         for slot, p in zip(slots, positions, strict=True):
             r.kv.reserve(slot, p + 2 * self.k)  # verification to p+k, MTP drafts to p+2k-1
         bucket = r.graph_bucket(b)
@@ -102,29 +121,73 @@ class FusedSpecRound:
             self._park()  # the warm-up round writes only the scratch slot
             self.graphs[bucket, mode] = r.graph_of(lambda: self.forward(bucket, mode))
         self._park()
+        dev = self.pos.device
+        self.slots[:b] = to_device(slots, torch.int32, dev)
+        self.pos[:b] = to_device(positions, torch.int32, dev)
+        self.delta[:b] = to_device(deltas, torch.int32, dev)
+        self.ids[:b] = to_device(tokens, torch.long, dev)
+        self.chain = (tuple(slots), mode)
+        return self._run(slots, bucket, mode, sampling)
+
+    def launch_chained(
+        self,
+        slots: list[int],
+        reach: list[int],
+        sampling: tuple[list[SamplingParams], torch.Tensor] | None = None,
+    ) -> tuple[Readback, list[int]]:
+        """The next round of the same sequences (the same slots, in the same order, as the round launched
+        last) before that round's output reaches the host: every round leaves the next one's inputs in the
+        buffers (x_p = y_a, the drafts it made, p + a + 1), so only the uniforms of sampled rows go up.
+        ``reach``: per sequence, a length its pages must cover -- at least p + a + 1 + 2k of the round in
+        flight, whose a the host does not know yet (so p + 3k + 1 at most)."""
+        r, b = self.runner, len(slots)
+        mode = self._mode(sampling)
+        if self.chain != (tuple(slots), mode):
+            raise RuntimeError("a chained round needs the same sequences, in order, as the round before it")
+        for slot, length in zip(slots, reach, strict=True):
+            r.kv.reserve(slot, length)
+        return self._run(slots, r.graph_bucket(b), mode, sampling)
+
+    def finish(
+        self, handle: tuple[Readback, list[int]], positions: list[int], live: list[bool] | None = None
+    ):
+        """A launched round's (accepted a [b], tokens y [b, k+1], next drafts [b, k]) on the host (waits for
+        that copy only); the caches of each sequence (pending position p in ``positions``) now hold p + a + 1
+        positions. ``live``: False for rows whose sequence ended meanwhile (their slot may be free)."""
+        readback, slots = handle
+        out = readback.tensor()
+        accepted, choices, drafts = out[:, 0], out[:, 1 : 1 + self.t], out[:, 1 + self.t :]
+        for i, (p, a) in enumerate(zip(positions, accepted.tolist(), strict=True)):
+            if live is None or live[i]:
+                self.runner.kv.advance(slots[i], p + a + 1)
+        return accepted, choices, drafts
+
+    def _mode(self, sampling) -> int:
+        if sampling is None or all(p.greedy for p in sampling[0]):
+            return GREEDY
+        self._allocate_q()
+        return SORTED if needs_sort(sampling[0], self.vocab) else SAMPLED
+
+    def _run(self, slots: list[int], bucket: int | None, mode: int, sampling) -> tuple[Readback, list[int]]:
+        """The round over the buffers' first ``len(slots)`` rows (its graph where there is one) -> its
+        output on the way to the host, and the slots (what ``finish`` takes)."""
+        b = len(slots)
         if self.force_rate is not None:
             a = 0
             while a < self.k and self._force_rng.random() < self.force_rate:
                 a += 1
             self.forced.fill_(a)
-        self.slots[:b] = torch.tensor(slots, dtype=torch.int32)
-        self.pos[:b] = torch.tensor(positions, dtype=torch.int32)
-        self.delta[:b] = torch.tensor(deltas, dtype=torch.int32)
-        self.ids[:b] = torch.tensor(tokens, dtype=torch.long)
         if mode != GREEDY:
             params, uniforms = sampling
             columns = torch.tensor(row_params(params), dtype=torch.float32).T
-            self.sampling[:b] = torch.cat([columns, uniforms.float().reshape(b, 2 * self.k + 1)], dim=1)
+            host = torch.cat([columns, uniforms.float().reshape(b, 2 * self.k + 1)], dim=1)
+            self.sampling[:b] = upload(host, self.sampling.device)
         if bucket is not None:
             graph, out = self.graphs[bucket, mode]
             graph.replay()
         else:
             out = self.forward(b, mode)
-        out = out[:b].cpu()
-        accepted, choices, drafts = out[:, 0], out[:, 1 : 1 + self.t], out[:, 1 + self.t :]
-        for slot, p, a in zip(slots, positions, accepted.tolist(), strict=True):
-            r.kv.advance(slot, p + a + 1)
-        return accepted, choices, drafts
+        return Readback(out[:b]), slots
 
     def set_draft_probs(self, slots: list[int], logits: torch.Tensor, params: list[SamplingParams]) -> None:
         """Keep the distributions of drafts drawn elsewhere (the module path's first drafting): draft
@@ -187,7 +250,14 @@ class FusedSpecRound:
                 drafts[-1], hidden, p, self.slots[:b], (p + self.delta[:b]).long().expand(3, -1)
             )
             drafts.append(self._draft(hidden, b, mode, j))
-        return torch.cat([accepted[:, None], choices, torch.stack(drafts, 1)], dim=1)
+        drafts = torch.stack(drafts, 1)
+        # the next round's inputs, in place (``launch_chained``): x_p = y_a, the new drafts, p + a + 1 -- the
+        # padding rows stay at the scratch slot's position 0
+        final = choices.gather(1, accepted[:, None])
+        real = self.slots[:b] != r.scratch
+        self.ids[:b] = torch.cat([final, drafts], dim=1)
+        self.pos[:b] += torch.where(real, accepted.int() + 1, 0)
+        return torch.cat([accepted[:, None], choices, drafts], dim=1)
 
     def _filter(self, logits: torch.Tensor, b: int, mode: int, repeat: int = 1) -> torch.Tensor:
         """The sampler's distributions [b * repeat, V] of logits rows (``repeat`` consecutive rows per

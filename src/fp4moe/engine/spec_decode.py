@@ -209,8 +209,8 @@ class MTPSpeculator:
         rest = [s for s in room if s not in fused and s.drafts is None]
         counts = dict(zip(map(id, fused), self.fused_round(fused, kv, states) if fused else [], strict=True))
         counts.update(zip(map(id, rest), self.step_many(rest, kv, states) if rest else [], strict=True))
-        for s in fused + rest:  # either round: back off where the drafts do not pay
-            self._judge(s, counts[id(s)] - 1)
+        for s in rest:  # the module path's round: back off where the drafts do not pay (``finish_round``
+            self._judge(s, counts[id(s)] - 1)  # judges the fused round's)
         plain = [seq for seq in seqs if id(seq) not in counts]
         if plain:
             self.plain_steps(plain, kv, states)
@@ -227,6 +227,11 @@ class MTPSpeculator:
                 seq.spec_backoff = BACKOFF_STEPS
                 self.stats.backed_off += 1
             seq.spec_rounds = seq.spec_accepted = 0
+
+    def may_back_off(self, seq: Sequence) -> bool:
+        """Whether the sequence's round in flight (not yet judged) may end its probe window with a backoff:
+        the next round is then not launched ahead of it (it would be a round the policy does not want)."""
+        return seq.spec_rounds + 1 >= PROBE_ROUNDS and seq.spec_accepted < MIN_ACCEPTED * PROBE_ROUNDS
 
     def head_pays(self) -> bool:
         """Whether the latest rounds accepted enough drafts to pay (true until PROBE_ROUNDS rounds ran)."""
@@ -278,29 +283,56 @@ class MTPSpeculator:
                 torch.stack([torch.stack(logits) for _, logits in sampled]),
                 [s.params for s, _ in sampled],
             )
-        extra = {}
-        if not all(s.params.greedy for s in seqs):
-            n = 2 * self.k + 1
-            uniforms = torch.stack([
-                torch.zeros(n) if s.params.greedy else torch.rand(n, generator=s.generator) for s in seqs
-            ])  # fmt: skip
-            extra["sampling"] = ([s.params for s in seqs], uniforms)
         ps = [s.num_tokens - 1 for s in seqs]
-        accepted, choices, drafts = self.fused(
-            [s.slot for s in seqs],
-            ps,
+        return self.finish_round(seqs, ps, self.launch_round(seqs))
+
+    def _uniforms(self, seqs: list[Sequence]):
+        """The fused round's sampling input: None where every sequence is greedy, else (parameters, 2k+1
+        uniforms per sequence from its own generator: seeded requests stay reproducible)."""
+        if all(s.params.greedy for s in seqs):
+            return None
+        n = 2 * self.k + 1
+        uniforms = torch.stack([
+            torch.zeros(n) if s.params.greedy else torch.rand(n, generator=s.generator) for s in seqs
+        ])  # fmt: skip
+        return [s.params for s in seqs], uniforms
+
+    def launch_round(self, seqs: list[Sequence], chained: bool = False):
+        """Start a fused round for ``seqs`` (each holding its drafts) on the GPU; ``chained``: the round that
+        follows the one in flight for the same sequences, whose tokens the host has not seen (its inputs
+        are on the GPU already). Returns what ``finish_round`` reads."""
+        slots = [s.slot for s in seqs]
+        if chained:  # the round in flight may advance a sequence by k+1 before this one's 2k positions
+            return self.fused.launch_chained(
+                slots, [s.num_tokens + 3 * self.k for s in seqs], self._uniforms(seqs)
+            )
+        return self.fused.launch(
+            slots,
+            [s.num_tokens - 1 for s in seqs],
             [[s.token(-1), *s.drafts] for s in seqs],
             [s.rope_delta for s in seqs],
-            **extra,
+            self._uniforms(seqs),
         )
+
+    def finish_round(
+        self, seqs: list[Sequence], ps: list[int], handle, live: list[bool] | None = None
+    ) -> list[int]:
+        """A launched round's tokens appended (``ps``: each sequence's pending position when the round ran,
+        ``live``: False for sequences that ended meanwhile, which get nothing); the acceptance counted and
+        judged (``_judge``). Returns the tokens each sequence appended."""
+        accepted, choices, drafts = self.fused.finish(handle, ps, live)
         appended = []
         for i, (seq, p) in enumerate(zip(seqs, ps, strict=True)):
+            if live is not None and not live[i]:
+                appended.append(0)
+                continue
             a = int(accepted[i])
             self.stats.record(self.k, a)
             seq.num_cached = seq.mtp_cached = p + a + 1
             seq.hidden_tail = seq.hidden_tail[:0]  # the MTP head has seen every kept position
             seq.drafts = drafts[i].tolist()
             appended.append(self._append(seq, [SampleResult(t) for t in choices[i, : a + 1].tolist()]))
+            self._judge(seq, a)
         return appended
 
     def _append(self, seq: Sequence, results) -> int:

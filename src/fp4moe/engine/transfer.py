@@ -40,7 +40,11 @@ class Readback:
         else:
             self._host = x.clone()
 
-    def tolist(self) -> list:
+    def tensor(self) -> torch.Tensor:
+        """The host copy, once it is complete."""
         if self._event is not None:
             self._event.synchronize()
-        return self._host.tolist()
+        return self._host
+
+    def tolist(self) -> list:
+        return self.tensor().tolist()
