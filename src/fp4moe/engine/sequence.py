@@ -38,10 +38,11 @@ class Sequence:
     arrival: float = 0.0  # monotonic time the request arrived (serving)
     last_token_time: float | None = None
     stop_at: int = 0  # prefill stops here first (a prefix-cache snapshot boundary); 0 = no stop
-    # speculation's online acceptance (MTPSpeculator.decode_round): fused rounds and drafts accepted in the
-    # current probe window, and plain steps left before the next probe when drafting did not pay
+    # speculation's online acceptance (MTPSpeculator._judge): fused rounds since the last judgement, drafts
+    # accepted in each of the latest rounds since the probe began, and plain steps left before the next
+    # probe when drafting did not pay
     spec_rounds: int = 0
-    spec_accepted: int = 0
+    spec_accepted: list[int] = field(default_factory=list)
     spec_backoff: int = 0
     # speculation's inputs for the MTP head (MTPSpeculator, run_spec_batch): the target's hidden states the
     # head has not consumed yet, how many positions it has, the drafts kept for the next fused round

@@ -63,12 +63,18 @@ def _probs(logits: torch.Tensor, seq: Sequence, history: list[int]) -> torch.Ten
     return filter_logits(processed, seq.params).softmax(-1)
 
 
-# The fused round's online policy: after PROBE_ROUNDS rounds a sequence whose drafts were accepted less than
-# MIN_ACCEPTED per round decodes plainly for BACKOFF_STEPS steps, then probes again. A round with k = 2 costs
-# ~1.9 plain steps at batch 1 and ~1.4 at batch 8-32 on the H200 (BENCHMARKS.md), so it pays from ~0.9 and
-# ~0.4 accepted drafts a round: 0.5 keeps speculation wherever it can pay under load and stops a head whose
-# drafts are rejected (0% acceptance) after 4 rounds; probing then costs ~4 rounds in 260 steps (< 2%).
+# The fused round's online policy: every PROBE_ROUNDS rounds a sequence whose latest rounds (up to
+# JUDGED_ROUNDS of them since its last probe began) accepted less than MIN_ACCEPTED drafts a round decodes
+# plainly for BACKOFF_STEPS steps, then probes again. A round with k = 2 costs ~1.9 plain steps at batch 1
+# and ~1.4 at batch 8-32 on the H200 (BENCHMARKS.md), so it pays from ~0.9 and ~0.4 accepted drafts a round:
+# 0.5 keeps speculation wherever it can pay under load and stops a head whose drafts are rejected (0%
+# acceptance) after 4 rounds; probing then costs ~4 rounds in 260 steps (< 2%). Judging the latest 16
+# rounds, not only the last 4, keeps a good head from backing off on a bad streak: at 80% acceptance per
+# position (1.44 drafts a round) 4 rounds fall below 2 accepted with probability 0.7%, which over a
+# 1,024-token request (~80 windows) backed off 43% of requests for 256 steps (H200, BENCHMARKS.md); 16
+# rounds fall below 8 with probability ~1e-6.
 PROBE_ROUNDS = 4
+JUDGED_ROUNDS = 16
 MIN_ACCEPTED = 0.5
 BACKOFF_STEPS = 256
 # ... and a request that arrives while the last RECENT_ROUNDS rounds (of any sequence) accepted less than
@@ -218,20 +224,25 @@ class MTPSpeculator:
         return [counts[id(seq)] for seq in seqs]
 
     def _judge(self, seq: Sequence, accepted: int) -> None:
-        """Count a fused round's accepted drafts; after PROBE_ROUNDS rounds, back off when they do not pay."""
+        """Count a fused round's accepted drafts; every PROBE_ROUNDS rounds, back off when the latest rounds
+        (up to JUDGED_ROUNDS since the probe began) do not pay."""
         seq.spec_rounds += 1
-        seq.spec_accepted += accepted
+        seq.spec_accepted = [*seq.spec_accepted[1 - JUDGED_ROUNDS :], accepted]
         self.recent.append(accepted)
         if seq.spec_rounds >= PROBE_ROUNDS:
-            if seq.spec_accepted < MIN_ACCEPTED * seq.spec_rounds:
+            if sum(seq.spec_accepted) < MIN_ACCEPTED * len(seq.spec_accepted):
                 seq.spec_backoff = BACKOFF_STEPS
+                seq.spec_accepted = []  # the next probe is judged on its own rounds
                 self.stats.backed_off += 1
-            seq.spec_rounds = seq.spec_accepted = 0
+            seq.spec_rounds = 0
 
     def may_back_off(self, seq: Sequence) -> bool:
-        """Whether the sequence's round in flight (not yet judged) may end its probe window with a backoff:
-        the next round is then not launched ahead of it (it would be a round the policy does not want)."""
-        return seq.spec_rounds + 1 >= PROBE_ROUNDS and seq.spec_accepted < MIN_ACCEPTED * PROBE_ROUNDS
+        """Whether the sequence's round in flight (not yet judged) may end with a backoff, should it accept
+        nothing: the next round is then not launched ahead of it (it may be a round the policy stops)."""
+        if seq.spec_rounds + 1 < PROBE_ROUNDS:
+            return False
+        kept = seq.spec_accepted[1 - JUDGED_ROUNDS :]
+        return sum(kept) < MIN_ACCEPTED * (len(kept) + 1)
 
     def head_pays(self) -> bool:
         """Whether the latest rounds accepted enough drafts to pay (true until PROBE_ROUNDS rounds ran)."""
