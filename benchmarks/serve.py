@@ -178,7 +178,9 @@ def bench(
         log(f"  pp {pp} tg {tg} c {c}: {r['aggregate_tps_median']:.1f} tok/s aggregate, "
             f"{r['decode_tps_per_request_median']:.1f} per request, steady {r['decode_steady_tps_median'] or 0:.0f}, "
             f"TTFT p50 {r['ttft_s_median'] * 1e3:.0f} ms, "
-            f"errors {r['errors']}" + (f", acceptance {r['spec_acceptance_rate']:.1%}" if "spec_acceptance_rate" in r else ""))  # fmt: skip
+            f"errors {r['errors']}" + (f", acceptance {r['spec_acceptance_rate']:.1%}" if "spec_acceptance_rate" in r else "")
+            + (f", backoffs {r['spec_backoffs']}, started backed off {r['spec_started_backed_off']}"
+               if "spec_started_backed_off" in r else ""))  # fmt: skip
     return rows, profile
 
 

@@ -283,3 +283,16 @@ def test_the_fused_round_policy_backs_off_where_drafts_do_not_pay():
     assert not pays(spec)  # 0.25 accepted a round
     spec.recent = [0, 0]
     assert pays(spec)  # too few rounds to judge
+
+
+def test_forget_drops_the_counts_and_the_rounds_that_judge_new_requests(path):
+    """``MTPSpeculator.forget`` (after the server's warm-up, whose sampled rounds on a random head accepted
+    most drafts): the counts restart and a new request is judged on served rounds only."""
+    llm = LLM(path, dtype="bfloat16", num_speculative_tokens=2)
+    spec = llm.speculator
+    llm.generate([[5, 6, 7]], GREEDY)
+    assert spec.stats.drafts > 0 and spec.recent
+    spec.recent.extend([2] * 64)  # rounds that paid
+    assert spec.head_pays()
+    spec.forget()
+    assert spec.stats.drafts == 0 and spec.stats.accepted_per_position == [0, 0] and not spec.recent

@@ -259,6 +259,10 @@ def test_bench_reads_vllm_spec_decode_counters():
     row = summarize([RoundResult(16, 8, 0, 1, [ok], 1.0, spec)])[0]
     assert row["spec_acceptance_rate"] == 0.75 and row["spec_mean_acceptance_length"] == 2.5
     assert row["spec_acceptance_per_position"] == [0.9, 0.6]
+    assert "spec_started_backed_off" not in row  # vLLM has no such counter
+    ours = {**spec, "backoffs": 2.0, "started_backed_off": 3.0}
+    row = summarize([RoundResult(16, 8, 0, 1, [ok], 1.0, ours)])[0]
+    assert (row["spec_backoffs"], row["spec_started_backed_off"]) == (2, 3)
 
 
 def test_steady_decode_counts_only_the_window_where_every_request_decodes():
@@ -323,5 +327,6 @@ def test_server_with_mtp_reports_spec_decode_and_bench_reads_it(checkpoints, tmp
         )
         row = json.loads((tmp_path / "bench.json").read_text())["summary"][0]
         assert "spec_acceptance_rate" in row and "spec_acceptance_per_position" in row
+        assert row["spec_backoffs"] >= 0 and row["spec_started_backed_off"] >= 0  # the policy's counters
     finally:
         srv.stop()

@@ -26,6 +26,9 @@ SPEC_METRICS = {  # vLLM's names, and ours
         "vllm:spec_decode_num_accepted_tokens_total",
         "fp4moe:spec_decode_num_accepted_tokens_total",
     ),
+    # ours only: the online policy's backoffs, and requests that started backed off
+    "backoffs": ("fp4moe:spec_decode_num_backoffs_total",),
+    "started_backed_off": ("fp4moe:spec_decode_num_started_backed_off_total",),
 }
 
 
@@ -269,6 +272,9 @@ def summarize(rounds: list[RoundResult]) -> list[dict]:
             positions = sorted((int(k[3:]), v) for k, v in spec.items() if k.startswith("pos"))
             if positions:
                 row["spec_acceptance_per_position"] = [v / spec["drafts"] for _, v in positions]
+        for key in ("backoffs", "started_backed_off"):  # fp4moe's speculation policy (a request that starts
+            if key in keys:  # backed off may draft nothing at all)
+                row[f"spec_{key}"] = int(spec[key])
         rows.append(row)
     return rows
 

@@ -361,10 +361,8 @@ class LLM:
         self.runner.capture()  # the plain step's graphs (speculating warm-ups ran rounds)
         self.runner.capture_prompts()
         self.runner.reset_kv_scales()
-        if self.speculator is not None:  # the warm-up's drafts are not the server's
-            from fp4moe.engine.spec_decode import SpecStats
-
-            self.speculator.stats = SpecStats(accepted_per_position=[0] * self.speculator.k)
+        if self.speculator is not None:  # the warm-up's drafts are not the server's: neither in its counts
+            self.speculator.forget()  # nor in the rounds that judge whether new requests start drafting
         compiles.mark()  # from here on, a compile is a request waiting for the compiler: warned and counted
         return time.perf_counter() - start
 
