@@ -245,9 +245,9 @@ class MTPSpeculator:
         return sum(kept) < MIN_ACCEPTED * (len(kept) + 1)
 
     def forget(self) -> None:
-        """Drop the counts and the latest rounds (after the server's warm-up: its sampled warm-up rounds on
-        a random head accepted most drafts -- near-uniform target and draft distributions -- and made every
-        served request start with probe rounds, a rejected head costing 9% at tg 128 on the H200)."""
+        """Drop the counts and the latest rounds (after the server's warm-up, whose rounds are not the
+        server's: left in ``recent`` they judge the first requests. On the H200 every served request with a
+        rejected head started with probe rounds, 9% at tg 128, with the warm-up's rounds kept there)."""
         self.stats = SpecStats(accepted_per_position=[0] * self.k)
         self.recent.clear()
 
