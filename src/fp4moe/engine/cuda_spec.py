@@ -72,9 +72,8 @@ class FusedSpecRound:
         # last): [max_num_seqs + 1, k, V] fp32, allocated when a sampled sequence first needs it
         self.q: torch.Tensor | None = None
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.chain: tuple[tuple[int, ...], int] | None = (
-            None  # the slots and variant of the last round launched
-        )
+        # the slots and graph variant of the round launched last (``launch_chained`` continues only that one)
+        self.chain: tuple[tuple[int, ...], int] | None = None
         # benchmarks only (timing, not output): every sequence accepts ``forced[0]`` drafts; set before the
         # first round, since graphs are captured with or without it. FP4MOE_FORCE_ACCEPTANCE=ALPHA (a served
         # benchmark's switch) draws forced[0] per round: each draft position accepted with probability ALPHA
