@@ -967,7 +967,7 @@ def test_speculative_rounds_run_ahead_of_their_tokens(checkpoints, monkeypatch):
     from fp4moe.engine.scheduler import SchedulerConfig
 
     monkeypatch.setenv("FP4MOE_FORCE_ACCEPTANCE", "1.0")  # read when the speculator is built
-    path, k, n = checkpoints.bf16(), 2, 11
+    path, k, n = checkpoints.bf16(), 2, 8
     greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
     def engine(async_scheduling: bool) -> LLM:
@@ -1012,9 +1012,9 @@ def test_speculative_rounds_run_ahead_of_their_tokens(checkpoints, monkeypatch):
     got, core = run(llm, [greedy] * 3)
     assert got == ref
     # 1 token from the prompt, then rounds of 3: the first drafts on the module path (synchronous), the
-    # second is launched ahead, the next two chain (the round after them could end the sequences by length,
-    # so the chain stops: the fourth round appends the 11th token and ends them)
-    assert len(chained) == 2 and core.stats.async_steps == 3
+    # second is launched ahead, the third chains (the round after it could end the sequences by length, so
+    # the chain stops: a fourth, synchronous round appends the 8th token and ends them)
+    assert len(chained) == 1 and core.stats.async_steps == 2
     assert llm.speculator.stats.mean_acceptance_length == k + 1
 
     # the second sequence's 7th token stops it, and the third is aborted at 7 tokens: the round that made
@@ -1025,4 +1025,4 @@ def test_speculative_rounds_run_ahead_of_their_tokens(checkpoints, monkeypatch):
         llm, [greedy, SamplingParams(**{**vars(greedy), "stop_token_ids": [stop]}), greedy], abort_at=7
     )
     assert got[1:] == [ref[1][:7], ref[2][:7]]
-    assert len(got[0]) == n and got[0][:10] == ref[0][:10]  # later rounds ran at another batch size
+    assert len(got[0]) == n and got[0][:7] == ref[0][:7]  # later rounds ran at another batch size
