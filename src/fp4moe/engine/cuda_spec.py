@@ -85,21 +85,10 @@ class FusedSpecRound:
             self.forced = torch.zeros(1, dtype=torch.long, device=dev)
             self._force_rng = random.Random(0)
 
-    def __call__(
-        self,
-        slots: list[int],
-        positions: list[int],
-        tokens: list[list[int]],
-        deltas: list[int],
-        sampling: tuple[list[SamplingParams], torch.Tensor] | None = None,
-    ):
-        """One round for ``len(slots)`` sequences (pending position p, tokens [x_p, d_1..d_k], rotary
-        offset) -> (accepted a [b], tokens y [b, k+1], next drafts [b, k]) as host tensors; the sequence
-        gains y[:a+1]. ``sampling``: None where every sequence is greedy, else (SamplingParams per
-        sequence, uniforms [b, 2k+1] in [0, 1): k acceptance tests, the final token, k next drafts); the
-        drafts of a sampled sequence must have been drawn from the distributions in ``q`` (this round's
-        output, or ``set_draft_probs`` after drafting on the module path)."""
-        return self.finish(self.launch(slots, positions, tokens, deltas, sampling), positions)
+    def __call__(self, slots: list[int], positions: list[int], *inputs, **options):
+        """A whole round, waited for: ``launch`` then ``finish`` -> (accepted a [b], tokens y [b, k+1],
+        next drafts [b, k]) as host tensors; the sequence gains y[:a+1]."""
+        return self.finish(self.launch(slots, positions, *inputs, **options), positions)
 
     def launch(
         self,
@@ -109,8 +98,13 @@ class FusedSpecRound:
         deltas: list[int],
         sampling: tuple[list[SamplingParams], torch.Tensor] | None = None,
     ) -> tuple[Readback, list[int]]:
-        """Start the round ``__call__`` describes on the GPU; its output [b, 1 + (k+1) + k] (a, y, next
-        drafts) starts its way to the host (``finish`` reads it). Nothing here waits for the GPU."""
+        """Start one round for ``len(slots)`` sequences (pending position p, tokens [x_p, d_1..d_k], rotary
+        offset) on the GPU; its output [b, 1 + (k+1) + k] (a, y, next drafts) starts its way to the host
+        (``finish`` reads it). Nothing here waits for the GPU. ``sampling``: None where every sequence is
+        greedy, else (SamplingParams per sequence, uniforms [b, 2k+1] in [0, 1): k acceptance tests, the
+        final token, k next drafts); the drafts of a sampled sequence must have been drawn from the
+        distributions in ``q`` (this round's output, or ``set_draft_probs`` after drafting on the module
+        path)."""
         r, b = self.runner, len(slots)
         mode = self._mode(sampling)
         for slot, p in zip(slots, positions, strict=True):

@@ -77,11 +77,17 @@ PROBE_ROUNDS = 4
 JUDGED_ROUNDS = 16
 MIN_ACCEPTED = 0.5
 BACKOFF_STEPS = 256
+
 # ... and a request that arrives while the last RECENT_ROUNDS rounds (of any sequence) accepted less than
 # MIN_ACCEPTED a round starts backed off: a head that keeps failing on this server costs new requests no
 # probe rounds (at one stream on the H200 they cost a 128-token request 12%), only the probes every
 # BACKOFF_STEPS steps, whose rounds keep the window current
 RECENT_ROUNDS = 64
+
+
+def _pays(accepted) -> bool:
+    """Whether rounds that accepted these numbers of drafts paid: MIN_ACCEPTED a round or more."""
+    return sum(accepted) >= MIN_ACCEPTED * len(accepted)
 
 
 class MTPSpeculator:
@@ -230,7 +236,7 @@ class MTPSpeculator:
         seq.spec_accepted = [*seq.spec_accepted[1 - JUDGED_ROUNDS :], accepted]
         self.recent.append(accepted)
         if seq.spec_rounds >= PROBE_ROUNDS:
-            if sum(seq.spec_accepted) < MIN_ACCEPTED * len(seq.spec_accepted):
+            if not _pays(seq.spec_accepted):
                 seq.spec_backoff = BACKOFF_STEPS
                 seq.spec_accepted = []  # the next probe is judged on its own rounds
                 self.stats.backed_off += 1
@@ -239,10 +245,7 @@ class MTPSpeculator:
     def may_back_off(self, seq: Sequence) -> bool:
         """Whether the sequence's round in flight (not yet judged) may end with a backoff, should it accept
         nothing: the next round is then not launched ahead of it (it may be a round the policy stops)."""
-        if seq.spec_rounds + 1 < PROBE_ROUNDS:
-            return False
-        kept = seq.spec_accepted[1 - JUDGED_ROUNDS :]
-        return sum(kept) < MIN_ACCEPTED * (len(kept) + 1)
+        return seq.spec_rounds + 1 >= PROBE_ROUNDS and not _pays([*seq.spec_accepted[1 - JUDGED_ROUNDS :], 0])
 
     def forget(self) -> None:
         """Drop the counts and the latest rounds (after the server's warm-up, whose rounds are not the
@@ -253,7 +256,7 @@ class MTPSpeculator:
 
     def head_pays(self) -> bool:
         """Whether the latest rounds accepted enough drafts to pay (true until PROBE_ROUNDS rounds ran)."""
-        return len(self.recent) < PROBE_ROUNDS or sum(self.recent) >= MIN_ACCEPTED * len(self.recent)
+        return len(self.recent) < PROBE_ROUNDS or _pays(self.recent)
 
     def plain_only(self, seq: Sequence, kv) -> bool:
         """Sampled with top-k or top-p on the GPU runner (unless ``speculate_sorted_sampling``): the sequence
