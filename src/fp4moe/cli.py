@@ -415,12 +415,6 @@ def _limit_mm(value: str) -> dict[str, int]:
     return limits
 
 
-def _async_state(config, spec: int, device) -> str:
-    if not config.async_scheduling or device.type != "cuda":
-        return "off"
-    return "on (plain steps and speculative rounds)" if spec else "on"
-
-
 def engine_config(args):
     """The EngineConfig of the parsed engine options (``--device auto`` resolved)."""
     from fp4moe.engine.config import AUTO_CPU_BATCHED_TOKENS, AUTO_GPU_BATCHED_TOKENS, EngineConfig
@@ -539,6 +533,14 @@ def _add_serve(sub) -> None:
         default=True,
         help="on a GPU, compile every kernel variant and capture every CUDA graph before serving, so no "
         "request waits for them (default on; --no-warmup starts faster)",
+    )
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the engine loop in its own process: HTTP, tokenizing, detokenizing, stop strings, parsers "
+        "and SSE stay in this one and never take the engine's GIL (vLLM V1's engine core). Default: on with "
+        "a GPU, off on the CPU (one process starts faster; the engine then runs on a thread)",
     )
     p.add_argument(
         "--timeout-graceful-shutdown",
@@ -876,33 +878,25 @@ def cmd_serve(args) -> int:
         print(shlex.join([f"{k}={v}" for k, v in env.items()] + cmd))
         return 0
     from fp4moe.engine.core import AsyncEngine
-    from fp4moe.engine.llm import LLM
-    from fp4moe.engine.prefix_cache import PrefixCache
+    from fp4moe.engine.process import EngineProcess, EngineSpec, start_engine
     from fp4moe.server.app import ServerConfig, build_app
     from fp4moe.server.uvicorn_server import serve
 
     config = engine_config(args)
-    llm = LLM(args.model, config)
-    if llm.device.type == "cuda" and args.warmup:
-        print("warming up: compiling kernels, capturing CUDA graphs ...", file=sys.stderr, flush=True)
-        print(f"warm-up took {llm.warmup(config.max_num_batched_tokens):.1f} s", file=sys.stderr, flush=True)
-    spec = llm.speculator.k if llm.speculator is not None else 0
-    print(
-        f"fp4moe serve: device {llm.device}, {llm.model.embed_tokens.dtype} compute, KV cache "
-        f"{args.kv_cache_dtype} for {llm.max_cached_tokens} tokens, at most {llm.engine_config.max_num_seqs} sequences running and "
-        f"{config.max_num_batched_tokens} tokens per step, context {llm.max_model_len}, speculative tokens {spec}, "
-        f"async scheduling {_async_state(config, spec, llm.device)}",
-        file=sys.stderr,
-        flush=True,
-    )
     prefix = (
-        PrefixCache(args.prefix_block_size, args.prefix_cache_entries, int(args.prefix_cache_gib * 2**30))
+        (args.prefix_block_size, args.prefix_cache_entries, int(args.prefix_cache_gib * 2**30))
         if args.enable_prefix_caching
         else None
     )
-    core = llm.new_core(args.max_waiting, prefix)
+    spec = EngineSpec(str(args.model), config, args.warmup, args.max_waiting, prefix)
+    own_process = args.engine_process
+    if own_process is None:
+        own_process = config.device.startswith("cuda")
+    engine = EngineProcess(spec) if own_process else AsyncEngine(start_engine(spec)[1])
+    where = f"in its own process (pid {engine.pid})" if own_process else "on a thread of the server"
+    print(f"fp4moe serve: the engine loop runs {where}", file=sys.stderr, flush=True)
     app = build_app(
-        AsyncEngine(core),
+        engine,
         ServerConfig(
             served_model_name=args.served_model_name or Path(args.model).name,
             api_key=args.api_key,

@@ -1,7 +1,7 @@
 """The errors a user can cause: the CLI prints them as one line and exits 2, with nothing written."""
 
-from fp4moe.engine.llm import PromptError
 from fp4moe.engine.multimodal import ImageError
+from fp4moe.engine.prompts import PromptError
 from fp4moe.formats.checkpoint import CheckpointError
 from fp4moe.formats.nvfp4 import NVFP4Error
 from fp4moe.models.qwen3_5_moe import UnsupportedModelError

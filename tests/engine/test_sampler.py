@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from fp4moe.engine.llm import LLM, PromptError
+from fp4moe.engine.llm import LLM
+from fp4moe.engine.prompts import PromptError
 from fp4moe.engine.sampler import (
     SampleRow,
     SamplingParams,

@@ -22,7 +22,7 @@ import torch
 from fp4moe.engine.prefix_cache import PrefixCache
 from fp4moe.engine.sampler import SampleResult, SamplingParams, sample_tokens
 from fp4moe.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
-from fp4moe.engine.sequence import Sequence
+from fp4moe.engine.sequence import FinishReason, Sequence
 from fp4moe.engine.transfer import Readback, to_device
 
 if TYPE_CHECKING:
@@ -107,6 +107,46 @@ class EngineCore:
         if not seq.finished:
             self.stats.aborted_requests += 1
         self.scheduler.abort(seq, self._release)
+
+    def snapshot(self) -> dict:
+        """What ``/metrics`` shows: counters, queue lengths, cache use, speculation's counts, compiles since
+        the warm-up, and the latency samples since the last snapshot (drained)."""
+        from fp4moe.kernels import compiles
+
+        stats, sched, pc = self.stats, self.scheduler, self.prefix_cache
+        spec = self.llm.speculator
+        samples = {}
+        for name in ("ttft", "itl", "e2e"):
+            queue = getattr(stats, name)
+            samples[name] = list(queue)
+            queue.clear()
+        return dict(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            kv_usage=sched.cached_tokens() / sched.config.max_cached_tokens,
+            preemptions=sched.num_preemptions,
+            prompt=stats.prompt_tokens,
+            generation=stats.generation_tokens,
+            success=stats.finished_requests,
+            aborted=stats.aborted_requests,
+            steps=stats.steps,
+            async_steps=stats.async_steps,
+            prefix_queries=pc.queries if pc else 0,
+            prefix_hits=pc.hits if pc else 0,
+            spec=None if spec is None else spec.stats.counts(),
+            compiles=dict(compiles.after_mark()),
+            **samples,
+        )
+
+    def stop(self, seq: Sequence) -> None:
+        """End a sequence that a stop string ended in the API front (which detokenizes when the engine runs
+        in its own process): released, and counted as finished, not aborted."""
+        if seq.finished or seq not in self.scheduler.running:
+            return
+        seq.finish_reason = FinishReason.STOP
+        self.scheduler.finish(seq, self._release)
+        self.stats.finished_requests += 1
+        self.stats.e2e.append(time.monotonic() - seq.arrival)
 
     def _on_admit(self, seq: Sequence) -> None:
         """Restore the longest cached prefix of a fresh prompt; mark where its own snapshot is taken."""
@@ -451,7 +491,7 @@ def run_spec_batch(core: EngineCore, batch) -> list[Sequence]:
     return progressed
 
 
-def _deliver(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
+def deliver(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
     for queue, out in items:
         queue.put_nowait(out)
 
@@ -470,6 +510,24 @@ class AsyncEngine:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="fp4moe-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def prompts(self):
+        """The model's request side (tokenizer, chat template, limits): ``Prompts``."""
+        return self.core.llm.prompts
+
+    @property
+    def max_waiting(self) -> int:
+        return self.core.scheduler.config.max_waiting
+
+    def make_sequences(self, prompt, params: SamplingParams) -> list[Sequence]:
+        """Encode a prompt into ``params.n`` sequences (may raise; the images through the vision tower)."""
+        return self.core.make_sequences(prompt, params)
+
+    async def snapshot(self) -> dict:
+        """``EngineCore.snapshot``, between two steps."""
+        with self._lock:
+            return self.core.snapshot()
 
     def submit(self, seqs: list[Sequence]) -> asyncio.Queue:
         """Queue sequences for the engine without waiting for the current step (a lock-free inbox the engine
@@ -556,7 +614,7 @@ class AsyncEngine:
                     loop, queue, _ = target
                     by_loop.setdefault(loop, []).append((queue, out))
             for loop, items in by_loop.items():  # one wake-up of each event loop per step, not one per token
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(deliver, items)
             if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()

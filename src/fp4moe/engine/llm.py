@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -21,6 +20,7 @@ from fp4moe.engine.config import EngineConfig
 from fp4moe.engine.core import EngineCore, StepOutput
 from fp4moe.engine.loader import load_model
 from fp4moe.engine.model_runner import ModelRunner
+from fp4moe.engine.prompts import Prompts
 from fp4moe.engine.sampler import SampleResult, SamplingParams, sample_batch
 from fp4moe.engine.scheduler import SchedulerConfig
 from fp4moe.engine.sequence import FinishReason, Sequence
@@ -42,10 +42,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
 
 
-class PromptError(ValueError):
-    pass
-
-
 # num_speculative_tokens="auto" on the GPU engine with an MTP head (H200, full-size shapes: 1.32x at batch 1
 # and 80% acceptance, 1.8-1.9x at batch 8-32; BENCHMARKS.md); 0 on the CPU, where verification is
 # compute-bound and speculation is slower than plain decoding
@@ -62,7 +58,6 @@ class LLM:
         self.device = torch.device(config.device)
         self.limit_images = int((config.limit_mm_per_prompt or {}).get("image", 4))
         self._vision = None
-        self._image_processor = None
         self.load_format = config.load_format
         self.model, self.config = load_model(
             model,
@@ -82,7 +77,11 @@ class LLM:
                 "(extend it with YaRN through hf_overrides)"
             )
         self.max_model_len = config.max_model_len or limit
-        self.tokenizer = self._load_tokenizer()
+        self.prompts = Prompts(
+            self.path, self.config, args.vocab_size, self.max_model_len, self.limit_images, self.load_format
+        )
+        # detokenizes each new token (None: the engine hands out ids alone; the API front detokenizes)
+        self.tokenizer = self.prompts.tokenizer
         k = config.num_speculative_tokens
         fused = self.device.type == "cuda" and self.model.embed_tokens.dtype == torch.bfloat16
         if k == "auto":  # where the fused round pays: the GPU engine, with an MTP head
@@ -111,8 +110,7 @@ class LLM:
 
             self.speculator = MTPSpeculator(self, k)
             self.speculator.disable_by_batch_size = max(0, int(config.speculative_disable_by_batch_size))
-        self.eos_ids = self._eos_ids()
-        self._seq_ids = itertools.count()
+        self.eos_ids = self.prompts.eos_ids
 
     def _auto_max_num_seqs(self, spec_tokens: int) -> int:
         """``max_num_seqs="auto"``: memory-sized on the GPU (``memory.auto_max_num_seqs``), AUTO_CPU_SEQS on
@@ -130,95 +128,31 @@ class LLM:
             total, total - free, self.engine_config.gpu_memory_utilization, per_seq, GRAPH_BATCH_SIZES
         )
 
-    def _load_tokenizer(self):
-        from transformers import AutoTokenizer
-
-        if not (self.path / "tokenizer_config.json").exists() and not (self.path / "tokenizer.json").exists():
-            return None
-        return AutoTokenizer.from_pretrained(str(self.path), trust_remote_code=False)
-
-    def _eos_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        gen = self.path / "generation_config.json"
-        sources = [self.config.get("text_config", {}), self.config]
-        if gen.exists():
-            import json
-
-            sources.append(json.loads(gen.read_text()))
-        for src in sources:
-            eos = src.get("eos_token_id")
-            if eos is not None:
-                ids.update(eos if isinstance(eos, list) else [eos])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
-
     # ----- prompts -----
-    def _vision_parts(self):
-        from fp4moe.engine.multimodal import ImageError, ImageProcessor
+    def _vision_tower(self):
         from fp4moe.formats.checkpoint import CheckpointReader
         from fp4moe.layers.vision import VisionTower
 
         if self._vision is None:
-            if "vision_config" not in self.config:
-                raise ImageError(f"{self.path} has no vision tower (no vision_config): it cannot take images")
-            if self.load_format == "dummy":
-                raise ImageError("--load-format dummy builds the text model only: it cannot take images")
-            self._image_processor = ImageProcessor(self.path)
             self._vision = VisionTower(
                 self.config["vision_config"],
                 CheckpointReader(self.path),
                 self.model.embed_tokens.dtype,
                 self.device,
             )
-        return self._image_processor, self._vision
+        return self._vision
 
-    def _attach_images(self, seq: Sequence, images: list) -> None:
-        """Expand the prompt's image placeholders, set 3-D positions and the image embeddings."""
-        from fp4moe.engine.multimodal import ImageError, expand_image_tokens, mrope_positions
-
-        if len(images) > self.limit_images:
-            raise ImageError(
-                f"{len(images)} images in one prompt; the limit is {self.limit_images} (--limit-mm-per-prompt)"
-            )
-        processor, tower = self._vision_parts()
-        processed = processor(images)
-        image_token = int(self.config["image_token_id"])
-        ids = expand_image_tokens(seq.prompt_ids, image_token, processed.token_counts(tower.merge_size))
-        if len(ids) >= self.max_model_len:
-            raise PromptError(
-                f"prompt has {len(ids)} tokens with its images; the maximum model length is {self.max_model_len}"
-            )
-        seq.prompt_ids = ids
-        seq.prompt_positions, seq.rope_delta = mrope_positions(
-            ids, image_token, processed.grid_thw, tower.merge_size
-        )
-        seq.image_embeds = torch.cat(tower.encode(processed.pixel_values, processed.grid_thw))
+    def encode_images(self, seq: Sequence) -> None:
+        """The vision tower's embeddings of a sequence's images in place of their pixels."""
+        if seq.pixel_values is not None:
+            embeds = self._vision_tower().encode(seq.pixel_values, seq.image_grid)
+            seq.image_embeds, seq.pixel_values, seq.image_grid = torch.cat(embeds), None, None
 
     def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise PromptError(f"{self.path} has no tokenizer: pass token ids instead of text")
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            text = prompt
-        else:
-            ids, text = [int(t) for t in prompt], None
-        if not ids:
-            raise PromptError("empty prompt")
-        if max(ids) >= self.model.args.vocab_size or min(ids) < 0:
-            raise PromptError(f"token id out of range [0, {self.model.args.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise PromptError(
-                f"prompt has {len(ids)} tokens; the maximum model length is {self.max_model_len}"
-            )
-        return text, ids
+        return self.prompts.encode(prompt)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise PromptError(f"{self.path} has no chat template")
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-        )
+        return self.prompts.apply_chat_template(messages, add_generation_prompt, **kwargs)
 
     # ----- generation -----
     @functools.cached_property
@@ -295,27 +229,7 @@ class LLM:
         self, prompts, params: list[SamplingParams]
     ) -> tuple[list[tuple[str | None, list[int]]], list[Sequence]]:
         """Prompts are text, token ids, or {"prompt" | "prompt_token_ids": ..., "multi_modal_data": {"image": ...}}."""
-        encoded, seqs = [], []
-        for prompt, p in zip(prompts, params, strict=True):
-            images = []
-            if isinstance(prompt, dict):
-                given = (prompt.get("multi_modal_data") or {}).get("image")
-                images = [] if given is None else given if isinstance(given, (list, tuple)) else [given]
-                prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
-            text, ids = self._encode(prompt)
-            first = None
-            for j in range(p.n):
-                sp = p if p.seed is None or j == 0 else SamplingParams(**{**p.__dict__, "seed": p.seed + j})
-                seq = Sequence(next(self._seq_ids), list(ids), sp, slot=-1, eos_ids=self.eos_ids)
-                if images and first is None:
-                    self._attach_images(seq, images)
-                    first = seq
-                elif first is not None:  # n > 1: share the processed images
-                    seq.prompt_ids, seq.prompt_positions = list(first.prompt_ids), first.prompt_positions
-                    seq.rope_delta, seq.image_embeds = first.rope_delta, first.image_embeds
-                seqs.append(seq)
-            encoded.append((text, seqs[-1].prompt_ids))
-        return encoded, seqs
+        return self.prompts.make_sequences(prompts, params, self.encode_images)
 
     def warmup(self, max_batch_tokens: int = 2048) -> float:
         """Compile every kernel variant and capture every CUDA graph before the first request (vLLM's

@@ -53,17 +53,7 @@ class Scheduler:
         return len(self.waiting) < self.config.max_waiting
 
     def check_fits(self, seq: Sequence) -> None:
-        """A prompt that no schedule could ever run is refused up front instead of waiting forever."""
-        n = seq.num_tokens
-        if n >= self.config.max_cached_tokens:
-            raise ValueError(
-                f"prompt of {n} tokens does not fit the cache budget ({self.config.max_cached_tokens} tokens)"
-            )
-        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"prompt of {n} tokens exceeds --max-num-batched-tokens {self.config.max_num_batched_tokens} "
-                "and chunked prefill is off"
-            )
+        check_fits(seq, self.config)
 
     def add(self, seq: Sequence) -> None:
         if not self.can_add():
@@ -161,3 +151,17 @@ class Scheduler:
 def _clip_to_snapshot(seq: Sequence, n: int) -> int:
     stop = seq.stop_at
     return min(n, stop - seq.num_cached) if seq.num_cached < stop else n
+
+
+def check_fits(seq: Sequence, config: SchedulerConfig) -> None:
+    """A prompt that no schedule could ever run is refused up front instead of waiting forever."""
+    n = seq.num_tokens
+    if n >= config.max_cached_tokens:
+        raise ValueError(
+            f"prompt of {n} tokens does not fit the cache budget ({config.max_cached_tokens} tokens)"
+        )
+    if not config.enable_chunked_prefill and n > config.max_num_batched_tokens:
+        raise ValueError(
+            f"prompt of {n} tokens exceeds --max-num-batched-tokens {config.max_num_batched_tokens} "
+            "and chunked prefill is off"
+        )

@@ -33,6 +33,9 @@ class Sequence:
     prompt_positions: torch.Tensor | None = None  # [3, prompt_len] when the prompt holds images
     rope_delta: int = 0  # position of token i after the prompt = i + rope_delta
     image_embeds: torch.Tensor | None = None  # [image tokens, hidden], in prompt order
+    # the images' pixels and patch grids [n, 3] until the engine's vision tower encodes them (image_embeds)
+    pixel_values: torch.Tensor | None = None
+    image_grid: torch.Tensor | None = None
     delta: str = ""  # text made final by the last token
     emitted: int = 0  # characters of ``text`` already handed out as deltas
     arrival: float = 0.0  # monotonic time the request arrived (serving)

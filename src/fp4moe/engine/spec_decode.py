@@ -40,6 +40,17 @@ class SpecStats:
     backed_off: int = 0  # times a sequence stopped drafting because its drafts were not accepted enough
     started_backed_off: int = 0  # requests that started without drafts: the latest rounds did not pay
 
+    def counts(self) -> dict[str, int]:
+        """The counters ``/metrics`` shows (``pos<i>``: rounds whose draft at position i was accepted)."""
+        values = dict(
+            drafts=self.drafts,
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted,
+            backoffs=self.backed_off,
+            started_backed_off=self.started_backed_off,
+        )
+        return values | {f"pos{i}": v for i, v in enumerate(self.accepted_per_position)}
+
     def record(self, drafted: int, accepted: int) -> None:
         """One draft-and-verify round of one sequence."""
         self.drafts += 1

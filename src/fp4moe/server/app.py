@@ -37,8 +37,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fp4moe.engine.core import AsyncEngine, EngineStoppedError
-from fp4moe.engine.llm import PromptError
 from fp4moe.engine.multimodal import ImageError
+from fp4moe.engine.process import EngineProcess
+from fp4moe.engine.prompts import PromptError
 from fp4moe.engine.scheduler import QueueFullError
 from fp4moe.server.metrics import Metrics
 from fp4moe.server.parsers.reasoning import ReasoningParser
@@ -227,9 +228,11 @@ def _log_client_closed(scope: Scope) -> None:
     )
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+def build_app(engine: AsyncEngine | EngineProcess, config: ServerConfig) -> FastAPI:
+    """The API over an engine on a thread of this process (``AsyncEngine``) or in its own process
+    (``EngineProcess``)."""
     app = FastAPI(title="fp4moe", docs_url=None, redoc_url=None)
-    llm = engine.core.llm
+    llm = engine.prompts  # tokenizer, chat template, limits
     metrics = Metrics(config.served_model_name)
     max_prompt_chars = config.prompt_chars(llm.max_model_len)
     live: set[asyncio.Queue] = set()  # the output queues of requests in flight (told when shutdown ends them)
@@ -270,7 +273,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(engine), media_type="text/plain; version=0.0.4")
+        try:
+            snap = await engine.snapshot()
+        except EngineStoppedError as e:
+            raise APIError(503, str(e), "service_unavailable") from None
+        return Response(metrics.render(snap), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
@@ -307,7 +314,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             f"n is {n}; this server allows at most {config.max_n_sequences} (--max-n-sequences)",
             "n",
         )
-        waiting = engine.core.scheduler.config.max_waiting
+        waiting = engine.max_waiting
         _check(n <= waiting, f"n is {n}; the waiting queue holds at most {waiting} (--max-waiting)", "n")
 
     def _check_prompt_chars(text: str, param: str) -> None:
@@ -336,7 +343,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         ``default`` None = all of it) and queue the sequences."""
         _check_running()
         try:
-            seqs = await asyncio.to_thread(engine.core.make_sequences, prompt, params)
+            seqs = await asyncio.to_thread(engine.make_sequences, prompt, params)
         except (PromptError, ImageError, ValueError) as e:
             raise APIError(400, str(e)) from None
         room = llm.max_model_len - len(seqs[0].prompt_ids)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from fp4moe.kernels import compiles
-
 LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -114,54 +112,50 @@ class Metrics:
         )
         self.model_name = model_name
         self._seen = dict.fromkeys(
-            ("prompt", "generation", "success", "aborted", "pq", "ph", "steps", "async"), 0
+            (
+                "prompt",
+                "generation",
+                "success",
+                "aborted",
+                "prefix_queries",
+                "prefix_hits",
+                "steps",
+                "async_steps",
+            ),
+            0,
         )
 
-    def render(self, engine) -> bytes:
-        """Fold the engine's counters and latency samples in, then render the text format."""
+    def render(self, snap: dict) -> bytes:
+        """Fold an engine snapshot's counters and latency samples in (``EngineCore.snapshot``), then render
+        the text format."""
         m = self.model_name
-        with engine._lock:
-            core = engine.core
-            stats = core.stats
-            sched = core.scheduler
-            self.running.labels(m).set(len(sched.running))
-            self.waiting.labels(m).set(len(sched.waiting))
-            self.kv_usage.labels(m).set(sched.cached_tokens() / sched.config.max_cached_tokens)
-            self.preemptions.labels(m).set(sched.num_preemptions)
-            for key, counter, value in (
-                ("prompt", self.prompt_tokens, stats.prompt_tokens),
-                ("generation", self.generation_tokens, stats.generation_tokens),
-                ("success", self.success, stats.finished_requests),
-                ("aborted", self.aborted, stats.aborted_requests),
-                ("steps", self.steps, stats.steps),
-                ("async", self.async_steps, stats.async_steps),
-                ("pq", self.prefix_queries, core.prefix_cache.queries if core.prefix_cache else 0),
-                ("ph", self.prefix_hits, core.prefix_cache.hits if core.prefix_cache else 0),
-            ):
-                counter.labels(m).inc(value - self._seen[key])
-                self._seen[key] = value
-            spec = core.llm.speculator
-            if spec is not None:
-                values = {
-                    "drafts": spec.stats.drafts,
-                    "draft_tokens": spec.stats.draft_tokens,
-                    "accepted_tokens": spec.stats.accepted,
-                    "backoffs": spec.stats.backed_off,
-                    "started_backed_off": spec.stats.started_backed_off,
-                }
-                values |= {f"pos{i}": v for i, v in enumerate(spec.stats.accepted_per_position)}
-                for key, value in values.items():
-                    delta = value - self._spec_seen.get(key, 0)
-                    self._spec_seen[key] = value
-                    if key.startswith("pos"):
-                        self.spec_per_pos.labels(m, key[3:]).inc(delta)
-                    else:
-                        self.spec[key].labels(m).inc(delta)
-            for kernel, n in compiles.after_mark().items():
-                self.compiles.labels(m, kernel).inc(n - self._compiles_seen.get(kernel, 0))
-                self._compiles_seen[kernel] = n
-            for hist, samples in ((self.ttft, stats.ttft), (self.itl, stats.itl), (self.e2e, stats.e2e)):
-                for v in samples:
-                    hist.labels(m).observe(v)
-                samples.clear()
+        self.running.labels(m).set(snap["running"])
+        self.waiting.labels(m).set(snap["waiting"])
+        self.kv_usage.labels(m).set(snap["kv_usage"])
+        self.preemptions.labels(m).set(snap["preemptions"])
+        for key, counter in (
+            ("prompt", self.prompt_tokens),
+            ("generation", self.generation_tokens),
+            ("success", self.success),
+            ("aborted", self.aborted),
+            ("steps", self.steps),
+            ("async_steps", self.async_steps),
+            ("prefix_queries", self.prefix_queries),
+            ("prefix_hits", self.prefix_hits),
+        ):
+            counter.labels(m).inc(snap[key] - self._seen[key])
+            self._seen[key] = snap[key]
+        for key, value in (snap["spec"] or {}).items():
+            delta = value - self._spec_seen.get(key, 0)
+            self._spec_seen[key] = value
+            if key.startswith("pos"):
+                self.spec_per_pos.labels(m, key[3:]).inc(delta)
+            else:
+                self.spec[key].labels(m).inc(delta)
+        for kernel, n in snap["compiles"].items():
+            self.compiles.labels(m, kernel).inc(n - self._compiles_seen.get(kernel, 0))
+            self._compiles_seen[kernel] = n
+        for hist, name in ((self.ttft, "ttft"), (self.itl, "itl"), (self.e2e, "e2e")):
+            for v in snap[name]:
+                hist.labels(m).observe(v)
         return generate_latest(self.registry)
