@@ -52,6 +52,9 @@ import torch
 HERE = Path(__file__).parent
 DECODE_SHAPE = (128, 1024)  # the issue's decode-dominated target shape (pp, tg)
 SPEC = {"off": ("0", None), "forced": ("2", "0.8"), "rejected": ("2", None)}
+# a mode is a SPEC name, or one with "+thread": the engine on a thread of the server's process
+# (--no-engine-process) instead of its own process, the GPU's default
+MODES = [*SPEC, *(f"{s}+thread" for s in SPEC)]
 
 
 def log(*a):
@@ -65,7 +68,7 @@ def free_port() -> int:
 
 
 def start_server(model: str, spec: str, args, port: int) -> tuple[subprocess.Popen, float]:
-    k, rate = SPEC[spec]
+    k, rate = SPEC[spec.split("+")[0]]
     env = dict(os.environ)
     if args.step_trace:
         env["FP4MOE_STEP_TRACE"] = str(args.out / f"steps-{spec}.jsonl")
@@ -100,6 +103,8 @@ def start_server(model: str, spec: str, args, port: int) -> tuple[subprocess.Pop
         str(args.max_model_len),
     ]
     cmd += ["--num-speculative-tokens", k]
+    if spec.endswith("+thread"):
+        cmd += ["--no-engine-process"]
     if args.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
@@ -160,7 +165,7 @@ def bench(
         if profile_at == c:
             raw = out / f"py-spy-c{c}.txt"
             spy = subprocess.Popen(
-                ["py-spy", "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--threads",
+                ["py-spy", "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--threads", "--subprocesses",
                  "--nonblocking", "--output", str(raw), "--duration", "600"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             )  # fmt: skip
@@ -201,7 +206,8 @@ def server_counters(port: int) -> dict:
 
 
 def top_functions(raw: Path, top: int = 30) -> dict:
-    """py-spy's raw (collapsed) stacks -> the functions with the most own and inclusive samples, per thread."""
+    """py-spy's raw (collapsed) stacks -> the functions with the most own and inclusive samples, per thread
+    (with ``--subprocesses``, per process and thread: the front and the engine process apart)."""
     own, inclusive, threads, total = collections.Counter(), collections.Counter(), collections.Counter(), 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -209,10 +215,11 @@ def top_functions(raw: Path, top: int = 30) -> dict:
             continue
         n = int(count)
         frames = stack.split(";")
+        head = 2 if frames[0].startswith("process ") and len(frames) > 1 else 1  # process, then thread
         total += n
-        threads[frames[0]] += n
+        threads[";".join(frames[:head])] += n
         own[frames[-1]] += n
-        for f in set(frames[1:]):
+        for f in set(frames[head:]):
             inclusive[f] += n
     return {
         "samples": total,
@@ -287,7 +294,12 @@ def main() -> int:
         "--model", default="qwen3.6-35b-a3b-nvfp4", help="a full-size name or a checkpoint directory"
     )
     p.add_argument(
-        "--spec", nargs="*", default=["off"], choices=list(SPEC), help="speculation modes to serve"
+        "--spec",
+        nargs="*",
+        default=["off"],
+        choices=MODES,
+        help="speculation modes to serve (off, forced, rejected; each with +thread: the engine on a thread of the "
+        "server process)",
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32, 48, 64])
     p.add_argument("--pp", type=int, default=512)
