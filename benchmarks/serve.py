@@ -52,9 +52,9 @@ import torch
 HERE = Path(__file__).parent
 DECODE_SHAPE = (128, 1024)  # the decode-dominated target shape (pp, tg)
 SPEC = {"off": ("0", None), "forced": ("2", "0.8"), "rejected": ("2", None)}
-# a mode is a SPEC name, or one with "+thread": the engine on a thread of the server's process
-# (--no-engine-process) instead of its own process, the GPU's default
-MODES = [*SPEC, *(f"{s}+thread" for s in SPEC)]
+# a mode is a SPEC name, or one with "-process": the engine loop in its own process (--engine-process)
+# instead of a thread of the server's
+MODES = [*SPEC, *(f"{s}-process" for s in SPEC)]
 
 
 def log(*a):
@@ -68,7 +68,7 @@ def free_port() -> int:
 
 
 def start_server(model: str, spec: str, args, port: int) -> tuple[subprocess.Popen, float]:
-    k, rate = SPEC[spec.split("+")[0]]
+    k, rate = SPEC[spec.removesuffix("-process")]
     env = dict(os.environ)
     if args.step_trace:
         env["FP4MOE_STEP_TRACE"] = str(args.out / f"steps-{spec}.jsonl")
@@ -103,8 +103,8 @@ def start_server(model: str, spec: str, args, port: int) -> tuple[subprocess.Pop
         str(args.max_model_len),
     ]
     cmd += ["--num-speculative-tokens", k]
-    if spec.endswith("+thread"):
-        cmd += ["--no-engine-process"]
+    if spec.endswith("-process"):
+        cmd += ["--engine-process"]
     if args.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
@@ -298,8 +298,8 @@ def main() -> int:
         nargs="*",
         default=["off"],
         choices=MODES,
-        help="speculation modes to serve (off, forced, rejected; each with +thread: the engine on a thread of the "
-        "server process)",
+        help="speculation modes to serve (off, forced, rejected; each with -process: the engine loop in its own "
+        "process)",
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32, 48, 64])
     p.add_argument("--pp", type=int, default=512)

@@ -537,10 +537,11 @@ def _add_serve(sub) -> None:
     p.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
-        default=None,
+        default=False,
         help="run the engine loop in its own process: HTTP, tokenizing, detokenizing, stop strings, parsers "
-        "and SSE stay in this one and never take the engine's GIL (vLLM V1's engine core). Default: on with "
-        "a GPU, off on the CPU (one process starts faster; the engine then runs on a thread)",
+        "and SSE stay in this one and never take the engine's GIL (vLLM V1's engine core). Default off: on "
+        "the H200 at full size it served the same tokens/s as the engine on a thread (the GPU, not the host, "
+        "bounds a step there) with a few ms more time to first token (BENCHMARKS.md)",
     )
     p.add_argument(
         "--timeout-graceful-shutdown",
@@ -889,11 +890,8 @@ def cmd_serve(args) -> int:
         else None
     )
     spec = EngineSpec(str(args.model), config, args.warmup, args.max_waiting, prefix)
-    own_process = args.engine_process
-    if own_process is None:
-        own_process = config.device.startswith("cuda")
-    engine = EngineProcess(spec) if own_process else AsyncEngine(start_engine(spec)[1])
-    where = f"in its own process (pid {engine.pid})" if own_process else "on a thread of the server"
+    engine = EngineProcess(spec) if args.engine_process else AsyncEngine(start_engine(spec)[1])
+    where = f"in its own process (pid {engine.pid})" if args.engine_process else "on a thread of the server"
     print(f"fp4moe serve: the engine loop runs {where}", file=sys.stderr, flush=True)
     app = build_app(
         engine,

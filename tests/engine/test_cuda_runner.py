@@ -269,6 +269,47 @@ def test_a_rejected_draft_head_stops_drafting_after_its_probe(checkpoints):
     assert spec.stats.backed_off == 2 and rounds == [2] * spec_decode.PROBE_ROUNDS
 
 
+def test_first_drafts_on_the_fused_mtp_rows_are_the_module_paths(checkpoints):
+    """A greedy request's first drafts (after its prompt) come from the fused MTP rows: the head catches up
+    on the whole prompt, only each sequence's last row on through the MoE. They are the module path's
+    drafts up to a near tie of its draft logits (both bf16, summed in other orders: the tie of
+    fp4moe.engine.compare), and the head's cache and inputs end where the module path leaves them."""
+    from fp4moe.engine.core import EngineCore
+    from fp4moe.engine.scheduler import SchedulerConfig
+
+    llm = LLM(checkpoints.bf16(), dtype="bfloat16", device=DEV, num_speculative_tokens=2)
+    if DEV == "cpu":
+        _fused(llm, spec_tokens=2)
+    spec, kv, states = llm.speculator, llm.runner.kv, llm.runner.states
+    core = EngineCore(llm, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    seqs = [core.make_sequences({"prompt_token_ids": p}, greedy)[0] for p in PROMPTS]
+    core.add(seqs)
+    core.step()  # the prompts, and each one's first token
+    assert all(len(s.output_ids) == 1 and s.drafts is None for s in seqs)
+    inputs = [(s.mtp_cached, s.hidden_tail.clone()) for s in seqs]
+    module = spec._mtp_drafts_many(seqs, kv, states)
+    for s, (cached, tail) in zip(seqs, inputs, strict=True):
+        s.mtp_cached, s.hidden_tail = cached, tail
+    fused = spec._first_drafts(seqs, kv)
+    compared = 0
+    for (drafts, logits), got in zip(module, fused, strict=True):
+        for want, row, token in zip(drafts, logits, got, strict=True):
+            if token != want:  # a later draft follows another token: the comparison ends here
+                logprobs = torch.log_softmax(row.float(), -1)
+                assert logprobs[want] - logprobs[token] < 0.1, (drafts, got)
+                break
+            compared += 1
+    print(f"{compared} of {2 * len(seqs)} drafts compared")
+    assert compared >= len(seqs)
+    mtp = llm.model.mtp.layer_id
+    for s in seqs:
+        p = s.num_tokens - 1
+        assert s.mtp_cached == p and len(s.hidden_tail) == 0 and kv.length(mtp, s.slot) == p
+        core.abort(s)
+    assert _all_pages_back(llm.runner)
+
+
 @pytest.mark.parametrize("drafts", ["mtp", "oracle", "second-wrong", "kv-fp8"])
 def test_fused_speculative_round_gives_plain_greedy_tokens(checkpoints, drafts):
     """The fused greedy round (verify k+1 rows, accept, roll back from per-token states, draft the next

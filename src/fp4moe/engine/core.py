@@ -171,6 +171,19 @@ class EngineCore:
         """Forget the step in flight (its sequences were aborted; the GPU finishes it on its own)."""
         self._inflight = None
 
+    def step_or_fail(self) -> list[StepOutput]:
+        """``step``; a step that raises fails the sequences that were running (each gets an error output, its
+        caches freed), not the engine: one bad step must not take a server down."""
+        try:
+            return self.step()
+        except Exception as e:
+            logging.getLogger("fp4moe").exception("engine step failed")
+            failed = list(self.scheduler.running)
+            for seq in failed:
+                self.abort(seq)
+            self.discard_inflight()
+            return [StepOutput(seq, -1, "", True, error=f"{type(e).__name__}: {e}") for seq in failed]
+
     def step(self) -> list[StepOutput]:
         """``_step``, and with ``FP4MOE_STEP_TRACE`` set its line in the step trace."""
         if self.trace is None:
@@ -593,17 +606,7 @@ class AsyncEngine:
             with self._lock:
                 self._drain_inbox()
                 busy = self.core.has_work()
-                try:
-                    outputs = self.core.step() if busy else []
-                except Exception as e:  # one bad step must not take the server down: fail what was running
-                    logging.getLogger("fp4moe").exception("engine step failed")
-                    failed = list(self.core.scheduler.running)
-                    for seq in failed:
-                        self.core.abort(seq)
-                    self.core.discard_inflight()
-                    outputs = [
-                        StepOutput(seq, -1, "", True, error=f"{type(e).__name__}: {e}") for seq in failed
-                    ]
+                outputs = self.core.step_or_fail() if busy else []
                 targets = [(self._queues.get(id(o.seq)), o) for o in outputs]
                 for o in outputs:
                     if o.finished:

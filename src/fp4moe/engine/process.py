@@ -161,16 +161,7 @@ class _EngineLoop:
             self.deadline = time.monotonic() + payload
 
     def _step(self) -> None:
-        core = self.core
-        try:
-            outputs = core.step()
-        except Exception as e:  # one bad step must not take the server down: fail what was running
-            log.exception("engine step failed")
-            failed = list(core.scheduler.running)
-            for seq in failed:
-                core.abort(seq)
-            core.discard_inflight()
-            outputs = [StepOutput(seq, -1, "", True, error=f"{type(e).__name__}: {e}") for seq in failed]
+        outputs = self.core.step_or_fail()
         if not outputs:
             return
         rows = []
