@@ -161,24 +161,30 @@ def bench(
             base_url=f"http://127.0.0.1:{port}/v1", pp=[pp], tg=[tg], concurrency=[c], runs=runs, warmup=1,
             prompt_text=corpus_text("heldout"), timeout=900,
         )  # fmt: skip
-        spy = None
-        if profile_at == c:
-            raw = out / f"py-spy-c{c}.txt"
-            spy = subprocess.Popen(
-                ["py-spy", "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--threads", "--subprocesses",
-                 "--nonblocking", "--output", str(raw), "--duration", "600"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            )  # fmt: skip
+        spies = []
+        if profile_at == c:  # one py-spy per process: the server and its engine process, if any
+            for p in [pid, *_children(pid)]:
+                raw = out / f"py-spy-c{c}-{p}.txt"
+                spies.append((p, raw, subprocess.Popen(
+                    ["py-spy", "record", "--pid", str(p), "--rate", "100", "--format", "raw", "--threads",
+                     "--nonblocking", "--output", str(raw), "--duration", "600"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                )))  # fmt: skip
             time.sleep(1.0)
         rows += summarize(asyncio.run(run_bench(cfg)))
         rows[-1]["window"] = (window_start, time.monotonic())  # the engine's step trace within it
-        if spy is not None:
+        profiles = {}
+        for p, raw, spy in spies:
             spy.send_signal(signal.SIGINT)
             try:
                 spy.wait(60)
             except subprocess.TimeoutExpired:
                 spy.kill()
-            profile = top_functions(raw) if raw.exists() else {"error": spy.stderr.read().decode()[-2000:]}
+            profiles[p] = (
+                top_functions(raw) if raw.exists() else {"error": spy.stderr.read().decode()[-2000:]}
+            )
+        if profiles:  # the server's own profile, the engine process's (its pid) beside it
+            profile = profiles.pop(pid) | ({"children": profiles} if profiles else {})
         r = rows[-1]
         log(f"  pp {pp} tg {tg} c {c}: {r['aggregate_tps_median']:.1f} tok/s aggregate, "
             f"{r['decode_tps_per_request_median']:.1f} per request, steady {r['decode_steady_tps_median'] or 0:.0f}, "
@@ -187,6 +193,24 @@ def bench(
             + (f", backoffs {r['spec_backoffs']}, started backed off {r['spec_started_backed_off']}"
                if "spec_started_backed_off" in r else ""))  # fmt: skip
     return rows, profile
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of a process's children that run Python (the engine process; not multiprocessing's resource
+    tracker, which does nothing worth sampling)."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    found = []
+    for kid in kids:
+        try:
+            cmdline = Path(f"/proc/{kid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"resource_tracker" not in cmdline:
+            found.append(int(kid))
+    return found
 
 
 def server_counters(port: int) -> dict:
@@ -207,7 +231,7 @@ def server_counters(port: int) -> dict:
 
 def top_functions(raw: Path, top: int = 30) -> dict:
     """py-spy's raw (collapsed) stacks -> the functions with the most own and inclusive samples, per thread
-    (with ``--subprocesses``, per process and thread: the front and the engine process apart)."""
+    (a stack that py-spy's ``--subprocesses`` starts with its process: per process and thread)."""
     own, inclusive, threads, total = collections.Counter(), collections.Counter(), collections.Counter(), 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")

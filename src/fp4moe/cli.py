@@ -537,11 +537,12 @@ def _add_serve(sub) -> None:
     p.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=None,
         help="run the engine loop in its own process: HTTP, tokenizing, detokenizing, stop strings, parsers "
-        "and SSE stay in this one and never take the engine's GIL (vLLM V1's engine core). Default off: on "
-        "the H200 at full size it served the same tokens/s as the engine on a thread (the GPU, not the host, "
-        "bounds a step there) with a few ms more time to first token (BENCHMARKS.md)",
+        "and SSE stay in this one and never take the engine's GIL (vLLM V1's engine core). Default: on for "
+        "the CPU (torch's OpenMP threads run the engine's ops ~5x slower from a secondary thread than from a "
+        "process's main thread), off on a GPU (there the GPU bounds a step: the same tokens/s as a thread, "
+        "with slower synchronous steps in the child process; BENCHMARKS.md)",
     )
     p.add_argument(
         "--timeout-graceful-shutdown",
@@ -890,8 +891,9 @@ def cmd_serve(args) -> int:
         else None
     )
     spec = EngineSpec(str(args.model), config, args.warmup, args.max_waiting, prefix)
-    engine = EngineProcess(spec) if args.engine_process else AsyncEngine(start_engine(spec)[1])
-    where = f"in its own process (pid {engine.pid})" if args.engine_process else "on a thread of the server"
+    own = args.engine_process if args.engine_process is not None else not config.device.startswith("cuda")
+    engine = EngineProcess(spec) if own else AsyncEngine(start_engine(spec)[1])
+    where = f"in its own process (pid {engine.pid})" if own else "on a thread of the server"
     print(f"fp4moe serve: the engine loop runs {where}", file=sys.stderr, flush=True)
     app = build_app(
         engine,
