@@ -337,12 +337,9 @@ class EngineProcess:
             if error is not None:
                 out = StepOutput(seq, -1, "", True, error=error)
             else:
-                delta, n = "", 0
-                for i, token in enumerate(ids):
-                    delta += seq.append(results[i] if results else SampleResult(token), tokenizer)
-                    n += 1
-                    if seq.finished:
-                        break
+                before = len(seq.output_ids)
+                delta = seq.extend(results or [SampleResult(token) for token in ids], tokenizer)
+                n = len(seq.output_ids) - before
                 if (
                     reason is not None and not seq.finished
                 ):  # ended by the engine alone (context or cache full)

@@ -136,6 +136,16 @@ class Sequence:
         delta, self.emitted = self.text[self.emitted : final], final
         return delta
 
+    def extend(self, results, tokenizer) -> str:
+        """``append`` each of several tokens (SampleResults: a speculative round's) until one ends the
+        sequence; returns their streaming delta (the count that went in is the growth of ``output_ids``)."""
+        delta = ""
+        for result in results:
+            delta += self.append(result, tokenizer)
+            if self.finished:
+                break
+        return delta
+
     def _detokenize(self, tokenizer) -> None:
         """``text`` = decode(output_ids), decoding only the tokens since the last complete character with
         one token before them for context (vLLM's incremental detokenization). A full decode per token

@@ -415,11 +415,8 @@ class MTPSpeculator:
     def _append(self, seq: Sequence, results) -> int:
         """Append a round's tokens (SampleResults) until a stop; sets the sequence's text delta; returns how
         many went in."""
-        seq.delta, before = "", len(seq.output_ids)
-        for result in results:
-            seq.delta += seq.append(result, self.llm.tokenizer)
-            if seq.finished:
-                break
+        before = len(seq.output_ids)
+        seq.delta = seq.extend(results, self.llm.tokenizer)
         return len(seq.output_ids) - before
 
     @torch.no_grad()

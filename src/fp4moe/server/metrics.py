@@ -111,19 +111,7 @@ class Metrics:
             registry=r,
         )
         self.model_name = model_name
-        self._seen = dict.fromkeys(
-            (
-                "prompt",
-                "generation",
-                "success",
-                "aborted",
-                "prefix_queries",
-                "prefix_hits",
-                "steps",
-                "async_steps",
-            ),
-            0,
-        )
+        self._seen: dict[str, int] = {}  # the engine's counters at the last render
 
     def render(self, snap: dict) -> bytes:
         """Fold an engine snapshot's counters and latency samples in (``EngineCore.snapshot``), then render
@@ -143,7 +131,7 @@ class Metrics:
             ("prefix_queries", self.prefix_queries),
             ("prefix_hits", self.prefix_hits),
         ):
-            counter.labels(m).inc(snap[key] - self._seen[key])
+            counter.labels(m).inc(snap[key] - self._seen.get(key, 0))
             self._seen[key] = snap[key]
         for key, value in (snap["spec"] or {}).items():
             delta = value - self._spec_seen.get(key, 0)
