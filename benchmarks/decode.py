@@ -425,7 +425,7 @@ def main() -> int:
     ap.add_argument(
         "--dequant-modes",
         default="",
-        help="also time these NVFP4 dequantization modes of the expert kernels (nvfp4_gemm.DEQUANT_MODE, "
+        help="also time these NVFP4 dequantization modes of the expert kernels (dq.DEQUANT_MODE, "
         "e.g. 1,4) at context 1K over --batches; with --only-mixes, nothing else runs",
     )
     ap.add_argument(
@@ -447,18 +447,18 @@ def main() -> int:
     rows = []
     modes = [int(m) for m in args.dequant_modes.split(",") if m]
     if modes:
-        from fp4moe.kernels import nvfp4_gemm
+        from fp4moe.kernels import nvfp4_dequant as dq
 
-        default = nvfp4_gemm.DEQUANT_MODE
+        default = dq.DEQUANT_MODE
         model = build_model(True, dev)
         for mode in modes:
-            nvfp4_gemm.DEQUANT_MODE = mode
+            dq.DEQUANT_MODE = mode
             for b in [int(x) for x in args.batches.split(",") if x]:
                 r = decode_row(model, f"nvfp4-mode{mode}", b, 1024, "auto", bw)
                 rows.append(r)
                 log(f"dequant mode {mode}: B={b:3d}: {r['tok_s']:8.1f} tok/s engine, {r['tok_s_replay']:8.1f} graph, "
                     f"{r['pct_roofline']:.1%} of roofline, finite {r['finite']}")  # fmt: skip
-        nvfp4_gemm.DEQUANT_MODE = default
+        dq.DEQUANT_MODE = default
         del model
         torch.cuda.empty_cache()
     for mix in args.mixes:

@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from fp4moe.kernels import moe_routing as mr
+from fp4moe.kernels import nvfp4_dequant as dq
 from fp4moe.kernels import nvfp4_gemm as gemm
 from fp4moe.kernels import nvfp4_gemv as gemv
 
@@ -85,9 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1,3,16,64", help="token counts per launch to tune for")
     ap.add_argument("--splits", default="0", help="gate/up K splits to try (0: fused activation)")
-    ap.add_argument(
-        "--modes", default="4,7", help="NVFP4 dequantization modes to try (nvfp4_gemm.DEQUANT_MODE)"
-    )
+    ap.add_argument("--modes", default="4,7", help="NVFP4 dequantization modes to try (dq.DEQUANT_MODE)")
     ap.add_argument(
         "--kernels",
         default="mma,gemv",
@@ -102,7 +102,7 @@ def main() -> None:
     layers = weights(dev)
     splits = [int(s) for s in args.splits.split(",")]
     modes = [int(m) for m in args.modes.split(",")]
-    default_mode = gemm.DEQUANT_MODE
+    default_mode = dq.DEQUANT_MODE
     kinds = args.kernels.split(",")
     results = dict(
         device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rows=[], best={}, best_gemv={}
@@ -116,7 +116,7 @@ def main() -> None:
         ]
         w = torch.rand(t, K, device=dev)
         bm = gemm.block_m(t, K, E)
-        routes = [gemm.align(i, E, bm) for i in ids]
+        routes = [mr.align(i, E, bm) for i in ids]
         distinct = statistics.mean(i.unique().numel() for i in ids)
         gu_bytes, dn_bytes = distinct * GU_BYTES, distinct * DN_BYTES
         inputs = {}  # split -> the down launch's input (bf16 act or fp32 partials)
@@ -198,7 +198,7 @@ def main() -> None:
             from fp4moe.kernels import nvfp4_mma_gemv as mma
 
             blocks = [
-                gemm.pair_routing(i, 1) if t <= gemm.PAIR_ROUTING_MAX_TOKENS else gemm.align(i, E, mma.TOKENS)
+                mr.pair_routing(i, 1) if t <= mr.PAIR_ROUTING_MAX_TOKENS else mr.align(i, E, mma.TOKENS)
                 for i in ids
             ]
             act_tc = torch.empty(t * K, I, device=dev, dtype=torch.bfloat16)
@@ -227,7 +227,7 @@ def main() -> None:
             keep_best("best_tcgemv", "tensor-core GEMV", rg, rd)
         best_gu, best_dn = {}, {}
         for mode, split in itertools.product(modes if "mma" in kinds else [], splits):
-            gemm.DEQUANT_MODE = mode
+            dq.DEQUANT_MODE = mode
             key = (mode, split)
             gu_cfgs = [
                 gemm.Tiles(bn, bk, wa, st, split)
@@ -244,7 +244,7 @@ def main() -> None:
             ranked = sweep(f"down mode {mode}", dn_cfgs, lambda c, split=split: down(c, split))
             if ranked:
                 best_dn[key] = ranked[0]
-        gemm.DEQUANT_MODE = default_mode
+        dq.DEQUANT_MODE = default_mode
         print(f"\nT={t} (block rows {bm}, {distinct:.1f} distinct experts per layer):", flush=True)
         pairs = []
         for key in best_dn:

@@ -17,7 +17,7 @@ import triton
 
 from fp4moe.kernels import gdn_decode as gdn_k
 from fp4moe.kernels import moe_router, norm
-from fp4moe.kernels import nvfp4_gemm as gemm
+from fp4moe.kernels import moe_routing as mr
 
 
 def bench(fn) -> float:
@@ -37,7 +37,7 @@ def main() -> None:
         ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)]).to(torch.int32)
         rows = []
         for warps in (1, 2, 4, 8):
-            rows.append((bench(lambda warps=warps: gemm.align(ids, e, 16, num_warps=warps)), warps, None))
+            rows.append((bench(lambda warps=warps: mr.align(ids, e, 16, num_warps=warps)), warps, None))
         best(rows, f"T={t:3d} align warps=")
         proj = torch.randn(t, e + 2 * 512 + 1, device=dev, dtype=torch.bfloat16)
         rows = [

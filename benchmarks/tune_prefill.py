@@ -26,6 +26,7 @@ from tune_experts import E, H, I, weights
 from tune_experts import K as TOPK
 
 from fp4moe.formats import nvfp4
+from fp4moe.kernels import moe_routing as mr
 from fp4moe.kernels import nvfp4_gemm as gemm
 from fp4moe.kernels.tl_helpers import bf16
 
@@ -88,7 +89,7 @@ def experts(t: int, dev) -> dict:
     w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
     flops = 2 * t * TOPK * 3 * H * I
     bm = gemm.block_m(t, TOPK, E)
-    routing = gemm.align_reference(ids, E, bm)
+    routing = mr.align_reference(ids, E, bm)
 
     def ours():
         act = gemm.moe_gate_up(x, *gu, routing, TOPK)
@@ -158,7 +159,7 @@ def tiles(t: int, dev) -> list[dict]:
     w = torch.rand(t, TOPK, device=dev)
     rows = []
     for bm in GATE_UP_TILES:
-        routing = gemm.align_reference(ids, E, bm)
+        routing = mr.align_reference(ids, E, bm)
         act = gemm.moe_gate_up(x, *layer["gu"], routing, TOPK)
         for kind, cfgs, flops in (
             ("gate_up", GATE_UP_TILES[bm], 2 * t * TOPK * 2 * I * H),

@@ -17,6 +17,7 @@ import time
 import torch
 from tune_experts import E, H, I, K, graph_time, weights
 
+from fp4moe.kernels import moe_routing as mr
 from fp4moe.kernels import nvfp4_gemm as gemm
 
 LAYERS = 6  # layers' experts and routings per graph (tune_experts' random NVFP4 experts)
@@ -53,7 +54,7 @@ def main() -> None:
         routes = {}
 
         def routing(bm):
-            return routes.setdefault(bm, [gemm.align(i, E, bm) for i in ids])
+            return routes.setdefault(bm, [mr.align(i, E, bm) for i in ids])
 
         r64 = routing(64)  # the row kernel's outputs: the reference for every candidate
         ref_act = gemm.moe_gate_up(x, *ws[0]["gu"], r64[0], K, tiles=GATE_UP[0][1])

@@ -31,6 +31,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from fp4moe.kernels import moe_routing
 from fp4moe.kernels import nvfp4_gemm as gemm
 
 POINTERS = {
@@ -61,7 +62,7 @@ for mode, epilogue, act_splits, dense in json.loads(sys.argv[1]):
     except Exception as exc:
         results.append(dict(ok=False, prmt=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
 for tkp in (8, 512, 4096):  # the align kernel's bitonic sort and histogram, small and large
-    fn = gemm._align_kernel
+    fn = moe_routing._align_kernel
     consts = dict(E=256, BM=16, TKP=tkp, PDL=True)
     signature = {n: "constexpr" if n in consts else ("i32" if n == "TK" else "*i32") for n in fn.arg_names}
     try:

@@ -12,6 +12,8 @@ pytest.importorskip("triton")
 from test_kernels import BF16, BF16_INTERPRETER, DEV, RTOL, quantized, rel  # noqa: E402
 
 from fp4moe.kernels import moe_router  # noqa: E402
+from fp4moe.kernels import moe_routing as mr  # noqa: E402
+from fp4moe.kernels import nvfp4_dequant as dq  # noqa: E402
 from fp4moe.kernels import nvfp4_gemm as gemm  # noqa: E402
 from fp4moe.kernels import nvfp4_gemv as gemv  # noqa: E402
 
@@ -28,7 +30,7 @@ def _experts(gen, e=8, h=128, i=64):
 def test_gemv_experts_match_the_dequantized_reference(tokens, mode, monkeypatch):
     if mode >= 4 and DEV.type != "cuda":
         pytest.skip(BF16_INTERPRETER)
-    monkeypatch.setattr(gemm, "DEQUANT_MODE", mode)
+    monkeypatch.setattr(dq, "DEQUANT_MODE", mode)
     gen = torch.Generator().manual_seed(200 + tokens)
     (gp, gs, gd), (dp, ds, dd) = _experts(gen)
     k, h = 3, gp.shape[-1] * 2
@@ -49,7 +51,7 @@ def test_gemv_experts_match_the_dequantized_reference(tokens, mode, monkeypatch)
     ref = gemm.moe_reference(x.double(), gp, gs, gd.double(), dp, ds, dd.double(), ids, w.double())
     assert rel(out.view(tokens, k, h).sum(1, dtype=torch.float32), ref) < RTOL
     # the grouped GEMM on the same pairs: the activations agree to a bf16 ulp here and there
-    routing = gemm.pair_routing(ids, 16)
+    routing = mr.pair_routing(ids, 16)
     act_mma = gemm.moe_gate_up(x, gp, gs, gd, routing, k)
     assert rel(act, act_mma) < 1e-2
 

@@ -19,7 +19,10 @@ from fp4moe.engine.context import StepContext  # noqa: E402
 from fp4moe.kernels import attention as attn_k  # noqa: E402
 from fp4moe.kernels import gdn_decode as gdn_k  # noqa: E402
 from fp4moe.kernels import moe_router, norm  # noqa: E402
+from fp4moe.kernels import moe_routing as mr  # noqa: E402
+from fp4moe.kernels import nvfp4_dequant as dq  # noqa: E402
 from fp4moe.kernels import nvfp4_gemm as gemm  # noqa: E402
+from fp4moe.kernels import nvfp4_moe_prefill as prefill  # noqa: E402
 from fp4moe.layers.attention import GatedAttention  # noqa: E402
 from fp4moe.layers.deltanet import GatedDeltaNet  # noqa: E402
 from fp4moe.layers.norm import rms_norm_zero_centred  # noqa: E402
@@ -60,7 +63,7 @@ def test_align_matches_torch_sorting(tokens, experts, top_k):
         ids[:, 0], ids[: tokens // 2, 1] = 3, 200
     ids = ids.to(DEV)
     for bm in (16, 32):
-        a, b = gemm.align(ids, experts, bm), gemm.align_reference(ids, experts, bm)
+        a, b = mr.align(ids, experts, bm), mr.align_reference(ids, experts, bm)
         n = int(b.nblk)
         assert int(a.nblk) == n
         assert torch.equal(a.order.cpu(), b.order.cpu())
@@ -83,7 +86,7 @@ def test_moe_experts_match_the_dequantized_reference(tokens, inter, split, mode,
     the down launch."""
     if mode >= 4 and DEV.type != "cuda":
         pytest.skip(BF16_INTERPRETER)
-    monkeypatch.setattr(gemm, "DEQUANT_MODE", mode)
+    monkeypatch.setattr(dq, "DEQUANT_MODE", mode)
     gen = torch.Generator().manual_seed(100 + tokens)
     e, h, i, k = 8, 64, inter, 3
     gp, gs, gd = quantized((e * 2, i, h), gen)
@@ -91,7 +94,7 @@ def test_moe_experts_match_the_dequantized_reference(tokens, inter, split, mode,
     dp, ds, dd = quantized((e, h, i), gen)
     x = torch.randn(tokens, h, generator=gen).to(BF16).to(DEV)
     ids, w = moe_router.router_reference(torch.randn(tokens, e, generator=gen).to(DEV), k)
-    routing = gemm.align(ids, e, 16 if tokens <= 16 else 64)
+    routing = mr.align(ids, e, 16 if tokens <= 16 else 64)
     bm = routing.bm
     tiles = gemm.Tiles(32, 128, 4, 2, split) if split else gemm.plan(bm, tokens)[0]
     act = gemm.moe_gate_up(x, gp, gs, gd, routing, k, tiles=tiles)
@@ -109,10 +112,9 @@ def test_weights_first_prefill_experts_match_the_reference(tokens, inter, kernel
     block has 128 rows. Both launches against the dequantized reference, and against the row kernel on the
     same blocks: under the interpreter (fp32 dots) gate/up exactly and down within a bf16 ulp at under 1%
     of its elements (the epilogues round at the same places); on the GPU within the relative tolerance."""
-    from fp4moe.kernels import nvfp4_moe_prefill as prefill
 
-    if gemm.DEQUANT_MODE not in gemm.WEIGHTS_FIRST_MODES:
-        pytest.skip(f"dequantization mode {gemm.DEQUANT_MODE} has no weights-first kernel")
+    if dq.DEQUANT_MODE not in prefill.MODES:
+        pytest.skip(f"dequantization mode {dq.DEQUANT_MODE} has no weights-first kernel")
     launches = []
     real = prefill.launch
     monkeypatch.setattr(prefill, "launch", lambda *a, **kw: launches.append(a[10]) or real(*a, **kw))
@@ -125,7 +127,7 @@ def test_weights_first_prefill_experts_match_the_reference(tokens, inter, kernel
     ids, w = moe_router.router_reference(torch.randn(tokens, e, generator=gen).to(DEV), k)
     bm = gemm.block_m(tokens, k, e, weights_first=inter % 32 == 0)
     assert bm == (128 if tokens * k / e >= 128 and inter % 32 == 0 else 64)
-    routing = gemm.align(ids, e, bm)
+    routing = mr.align(ids, e, bm)
     act = gemm.moe_gate_up(x, gp, gs, gd, routing, k)
     pairs = gemm.moe_down(act, dp, ds, dd, routing, w.float())
     assert launches == [gemm.GATED, gemm.WEIGHTED][:kernel_launches]
@@ -159,7 +161,7 @@ def test_pair_routing_gives_the_sorted_routings_outputs(tokens):
     ids[-1, 0] = ids[0, 1]  # two tokens (or two slots) on one expert
     ids = ids.int()
     outs = []
-    for routing in (gemm.align(ids, e, 16), gemm.pair_routing(ids, 16)):
+    for routing in (mr.align(ids, e, 16), mr.pair_routing(ids, 16)):
         act = gemm.moe_gate_up(x, gp, gs, gd, routing, k)
         outs.append(gemm.moe_down(act, dp, ds, dd, routing, w))
     assert torch.equal(outs[0], outs[1])
@@ -190,7 +192,7 @@ def test_bf16_bit_dequantization_is_exact(m, monkeypatch):
     x = torch.eye(k, dtype=BF16)[picks].to(DEV)
     outs = {}
     for mode in (1, 4, 7):
-        monkeypatch.setattr(gemm, "DEQUANT_MODE", mode)
+        monkeypatch.setattr(dq, "DEQUANT_MODE", mode)
         outs[mode] = gemm.nvfp4_linear(x, packed, scales.to(DEV), decode)
     for mode in (4, 7):
         assert torch.equal(outs[1], outs[mode]), mode
@@ -587,7 +589,7 @@ def test_align_tables_are_16_byte_aligned_at_every_token_count():
     gen = torch.Generator().manual_seed(14)
     for t in [1, 2, 3, 5, 6, 7, 9, 13]:
         ids = torch.randint(0, 16, (t, 4), generator=gen).to(DEV)
-        r = gemm.align(ids, 16, 16)
+        r = mr.align(ids, 16, 16)
         assert all(x.data_ptr() % 16 == 0 for x in (r.order, r.blk_expert, r.blk_start, r.blk_count)), t
 
 

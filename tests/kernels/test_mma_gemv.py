@@ -13,7 +13,9 @@ pytest.importorskip("triton")
 from test_gemv import _experts  # noqa: E402
 from test_kernels import BF16, DEV, RTOL, rel  # noqa: E402
 
+from fp4moe.kernels import moe_dispatch as dispatch  # noqa: E402
 from fp4moe.kernels import moe_router  # noqa: E402
+from fp4moe.kernels import moe_routing as mr  # noqa: E402
 from fp4moe.kernels import nvfp4_gemm as gemm  # noqa: E402
 
 
@@ -44,7 +46,7 @@ def test_mma_gemv_matches_the_reference(tokens, blocks, gu_tiles, dn_tiles):
     ids, w = moe_router.router_reference(torch.randn(tokens, gp.shape[0], generator=gen).to(DEV), k)
     ids = ids.int().contiguous()
     # with 8 experts and 40 tokens, blocks of 8 pairs: several blocks per expert, some partly filled
-    routing = gemm.pair_routing(ids, 1) if blocks == "pairs" else gemm.align(ids, gp.shape[0], mma.TOKENS)
+    routing = mr.pair_routing(ids, 1) if blocks == "pairs" else mr.align(ids, gp.shape[0], mma.TOKENS)
     poison = torch.full((tokens * k, gp.shape[1] // 2), float("nan"), dtype=BF16, device=DEV)
     act = mma.mma_gate_up(x, gp, gs, gd, routing, k, out=poison, tiles=mma.MmaTiles(*gu_tiles))
     out = mma.mma_down(act, dp, ds, dd, routing, w, tiles=mma.MmaTiles(*dn_tiles))
@@ -63,8 +65,8 @@ def test_mma_gemv_refuses_what_it_cannot_tile():
     gen = torch.Generator().manual_seed(7)
     ids = torch.tensor([[0, 1]], dtype=torch.int32, device=DEV)
     for h, routing, match in (
-        (96, gemm.pair_routing(ids, 1), "multiple of 64"),
-        (128, gemm.align(ids, 4, 16), "at most"),
+        (96, mr.pair_routing(ids, 1), "multiple of 64"),
+        (128, mr.align(ids, 4, 16), "at most"),
     ):
         (gp, gs, gd), _ = _experts(gen, e=4, h=h, i=32)
         x = torch.randn(1, h).to(BF16).to(DEV)
@@ -102,16 +104,11 @@ def test_moe_pairs_dispatch(tokens, ids_dtype, monkeypatch):
     programs read the ids before their wait); 5-128 tokens the tensor-core GEMVs over blocks of 8; 130 the
     grouped GEMM. Every path against the float64 reference."""
     mma = _mma()
-    from types import SimpleNamespace
-
     from fp4moe.kernels import nvfp4_gemv as gemv
 
     gen = torch.Generator().manual_seed(400 + tokens)
     (gp, gs, gd), (dp, ds, dd) = _experts(gen, e=8, h=128, i=64)
-    experts = SimpleNamespace(
-        quantized=True, num_experts=8, inter=64, gate_up_packed=gp.to(DEV), gate_up_scales=gs.to(DEV),
-        gate_up_decode=gd.to(DEV), down_packed=dp.to(DEV), down_scales=ds.to(DEV), down_decode=dd.to(DEV),
-    )  # fmt: skip
+    experts = dispatch.ExpertWeights((gp.to(DEV), gs.to(DEV), gd.to(DEV)), (dp.to(DEV), ds.to(DEV), dd.to(DEV)))
     k, h = 3, 128
     x = torch.randn(tokens, h, generator=gen).to(BF16).to(DEV)
     ids, w = moe_router.router_reference(torch.randn(tokens, 8, generator=gen).to(DEV), k)
@@ -125,12 +122,12 @@ def test_moe_pairs_dispatch(tokens, ids_dtype, monkeypatch):
     spy(mma, "mma_down")  # (moe_pairs calls them through their modules)
     spy(gemv, "gemv_down")
     spy(gemm, "moe_down")
-    out = gemm.moe_pairs(experts, x, ids, w.float())
+    out = dispatch.moe_pairs(experts, x, ids, w.float())
     expected = (
         ("mma_down" if ids_dtype == torch.int32 else "gemv_down")
-        if tokens <= gemm.GEMV_MAX_TOKENS
+        if tokens <= dispatch.GEMV_MAX_TOKENS
         else "mma_down"
-        if tokens <= gemm.MMA_GEMV_MAX_TOKENS
+        if tokens <= dispatch.MMA_GEMV_MAX_TOKENS
         else "moe_down"
     )
     assert calls == [expected]

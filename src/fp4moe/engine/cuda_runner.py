@@ -739,7 +739,7 @@ class CudaModelRunner(ModelRunner):
     def _moe(self, moe, router, h, x, next_w) -> tuple[torch.Tensor, torch.Tensor]:
         """Router + shared expert GEMM, routing, grouped NVFP4 experts, shared down, combine + next norm."""
         from fp4moe.kernels import moe_router, norm
-        from fp4moe.kernels import nvfp4_gemm as gemm
+        from fp4moe.kernels.moe_dispatch import moe_pairs
 
         a = self.args
         e, k, s_inter = a.num_experts, a.top_k, a.shared_intermediate_size
@@ -749,14 +749,14 @@ class CudaModelRunner(ModelRunner):
         topk_ids, topk_w, shared_act = moe_router.route(rp, e, k, s_inter, trigger="start")
         side = self._side_stream(x)
         if side is None:
-            routed = gemm.moe_pairs(moe.experts, x, topk_ids, topk_w)
+            routed = moe_pairs(moe.experts.kernel_weights(), x, topk_ids, topk_w)
             shared = moe.shared_down_proj(shared_act)
         else:  # the shared expert's down GEMM beside the routed experts (which leave SMs idle at small batch)
             main = torch.cuda.current_stream(x.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared = moe.shared_down_proj(shared_act)
-            routed = gemm.moe_pairs(moe.experts, x, topk_ids, topk_w)
+            routed = moe_pairs(moe.experts.kernel_weights(), x, topk_ids, topk_w)
             main.wait_stream(side)
         return norm.moe_combine(h, routed, k, shared, rp, e + 2 * s_inter, next_w, a.eps)
 

@@ -29,6 +29,31 @@ def uint8_view(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+def not_capturing(device, what: str) -> None:
+    """Module-level constants must be made outside a CUDA graph capture: made inside, they would live in
+    the graph's private pool and only be filled when that graph replays."""
+    import torch
+
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{what} first made during a CUDA graph capture; run the step once before capturing"
+        )
+
+
+_UNIT_SCALES: dict = {}
+
+
+def unit_scale(device):
+    """A decode scale of 1 per device, made once (not a fill kernel per call in a captured step; the
+    first call runs in the warm-up before capture)."""
+    if device not in _UNIT_SCALES:
+        import torch
+
+        not_capturing(device, "the unit decode scale")
+        _UNIT_SCALES[device] = torch.ones(1, device=device)
+    return _UNIT_SCALES[device]
+
+
 _PDL: int | None = None
 
 

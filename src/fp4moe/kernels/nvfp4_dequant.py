@@ -1,12 +1,44 @@
 """Dequantizing NVFP4 weight tiles in registers, shared by the expert GEMMs (``nvfp4_gemm``,
 ``nvfp4_moe_prefill``) and the GEMVs (``nvfp4_gemv``, ``nvfp4_mma_gemv``): packed codes [BN, BK/2] (two E2M1
 codes per byte, even k in the low nibble) and FP8-E4M3 block scales [BN, BK/16] -> bf16 weights, exactly.
-Three ways to the same values (``nvfp4_gemm.DEQUANT_MODE`` picks one): mode 1 through fp16 bits and fp32
+Three ways to the same values (``DEQUANT_MODE`` picks one; ``mode_of`` is a weight tensor's): mode 1 through fp16 bits and fp32
 (the interpreter's), mode 4 through bf16 bits with Triton ops, mode 7 through bf16 bits by inline PTX two
 codes per instruction (the GPU default). Modes 4 and 7 leave a factor 2^-8 for the accumulator."""
 
+import os
+
+import torch
 import triton
 import triton.language as tl
+
+from fp4moe.kernels import INTERPRET
+
+# 1: interleaved bf16 tiles through fp16 bits and fp32; 4: codes straight into bf16 bits, one bf16 multiply
+# by the block scale; 7: the same values two at a time by inline PTX, even and odd k in two dots. All give
+# the same weights bit for bit. The default: 7 on the GPU (H200,
+# tune_experts: 21.3 / 38.8 / 125 / 244 us per layer at 1 / 3 / 16 / 64 tokens vs mode 4's 23.7 / 50.1 /
+# 151 / 310; full-size decode 279 / 1528 / 3446 tok/s at batch 1 / 16 / 64 vs 287 / 1414 / 3076); 1 under
+# Triton's interpreter, whose bf16 arithmetic is not IEEE and which runs no PTX. (Even/odd tiles with tf32 or
+# bf16 dots through Triton ops were measured slower and removed.) Read it as ``nvfp4_dequant.DEQUANT_MODE``
+# (tests and benchmarks set it).
+DEQUANT_MODE = int(os.environ.get("FP4MOE_DEQUANT_MODE", "1" if INTERPRET else "7"))
+
+
+def mode_of(packed: torch.Tensor) -> int:
+    """The kernels' MODE for a weight tensor: 0 for bf16 weights, else ``DEQUANT_MODE``."""
+    return 0 if packed.dtype == torch.bfloat16 else DEQUANT_MODE
+
+
+def block_k(k: int, cap: int = 128) -> int:
+    """The K tile of a dequantized weight tile: the largest power of two <= ``cap`` dividing K, at least 32
+    (a 16-wide tile has one block scale per row and miscomputed on the H200; K = 48 then runs a masked ragged
+    tile). NVFP4 needs K % 16 == 0."""
+    if k % 16:
+        raise ValueError(f"input dimension {k} is not a multiple of 16")
+    bk = cap
+    while k % bk and bk > 32:
+        bk //= 2
+    return bk
 
 
 @triton.jit

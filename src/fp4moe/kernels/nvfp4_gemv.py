@@ -19,9 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4moe.kernels import pdl_args, uint8_view
-from fp4moe.kernels.nvfp4_dequant import dequant_asm_of, dequant_bf16_bits_of, dequant_bf16_of
-from fp4moe.kernels.nvfp4_gemm import _block_k, _mode
+from fp4moe.kernels import pdl_args, uint8_view, unit_scale
+from fp4moe.kernels.nvfp4_dequant import (
+    block_k,
+    dequant_asm_of,
+    dequant_bf16_bits_of,
+    dequant_bf16_of,
+    mode_of,
+)
 from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 
 
@@ -190,7 +195,7 @@ def _launch(a, w, s, stride_sn, decode, out, ids, topw, n, k, top_k, gated: bool
     """One ``_gemv_kernel`` launch: grid (pairs -- or ``rows`` of a dense product --, N / BN); ``trigger``:
     when the kernel behind it may start (``pdl_args``). A gate/up launch lets the down launch behind it
     start once the router's outputs are in (the down programs then load their experts' first tiles)."""
-    bk = _block_k(k, t.bk)
+    bk = block_k(k, t.bk)
     if k % bk:
         raise ValueError(f"input dimension {k} is not a multiple of 32 (the GEMV has no ragged K tile)")
     dense = w.ndim == 2
@@ -209,7 +214,7 @@ def gemv_gate_up(x, packed, scales, decode, topk_ids, out=None, tiles: GemvTiles
     """x [T, H] bf16; packed [E, 2I, H/2] (or bf16 [E, 2I, H]); topk_ids [T, k] -> silu(gate) * up per pair
     [T*k, I] bf16 (row = pair index token * k + j)."""
     two_i, hidden = packed.shape[1], x.shape[1]
-    mode = _mode(packed)
+    mode = mode_of(packed)
     ids = topk_ids.reshape(-1)
     if out is None:
         out = torch.empty(ids.numel(), two_i // 2, dtype=x.dtype, device=x.device)
@@ -233,7 +238,7 @@ def gemv_down(act, packed, scales, decode, topk_ids, topk_weights, out=None, til
     s = uint8_view(scales)
     return _launch(
         act, packed, s, s.stride(1), decode, out, ids, topk_weights.reshape(-1).float(), hidden, inter, 1, False,
-        _mode(packed), tiles or _tiles(DOWN_TILES, hidden, act),
+        mode_of(packed), tiles or _tiles(DOWN_TILES, hidden, act),
     )  # fmt: skip
 
 
@@ -269,13 +274,12 @@ def bf16_gemv(
     """x [M, K] @ weight [N, K]^T for a few bf16 rows on the CUDA cores -> [M, N] bf16 (fp32 sums, rounded
     once). ``trigger`` "start": the kernel behind it may start at once and load what does not depend on
     this one (the Gated DeltaNet decode kernel's states)."""
-    from fp4moe.kernels.nvfp4_gemm import _unit_scale
 
     m, k = x.shape
     n = weight.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    one = _unit_scale(x.device)
+    one = unit_scale(x.device)
     return _launch(
         x, weight, weight, 0, one, out, one, one, n, k, 1, False, 0, tiles or _tiles(dense_tiles(n), n, x), rows=m,
         trigger=trigger,

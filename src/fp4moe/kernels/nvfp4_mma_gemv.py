@@ -6,14 +6,14 @@ dequantization, a conversion to fp32 and a multiply-add per weight, and the acti
 shared memory because Triton lays it out apart from the weights); at batch 16 and more it is issue-bound,
 and it reads an expert once per (token, expert) pair. Here a warp multiplies a [16, KC] weight tile by a
 [KC, 8] tile of activations with ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate), where the 8 columns are
-the tokens of one expert's row block (``nvfp4_gemm.align``; one pair per block at batch 1): the multiply
+the tokens of one expert's row block (``moe_routing.align``; one pair per block at batch 1): the multiply
 costs 1/8 instruction per weight and the weights are read once per block, not per pair.
 
 The layouts make the dequantization free of data movement. In the MMA's A-operand layout with
 ``k_width`` 8 (``gl.DotOperandLayout(0, mma, 8)``), each thread holds 8 consecutive K positions of rows g
 and g + 8: here those are 8 consecutive *bytes* of the packed codes (one 8-byte load), i.e. 16 weights of
 one FP8 block scale. Each byte holds weights 2j (low nibble) and 2j + 1 (high nibble); the inline PTX of
-``nvfp4_gemm`` (mode 7) turns four bytes into the bf16 bits of their even and of their odd weights, so the
+``nvfp4_dequant`` (mode 7) turns four bytes into the bf16 bits of their even and of their odd weights, so the
 product is two MMAs over the byte index j: the even weights against a[2j], the odd ones against a[2j + 1].
 The B operand (activations) has the same k_width, so both operands agree on which j a register holds.
 Values are mode 7's bit for bit (code bits times the block scale * 2^118 in bf16, the 2^8 left over applied
@@ -32,8 +32,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from fp4moe.kernels import pdl_args, uint8_view
-from fp4moe.kernels.nvfp4_dequant import E2M1_BOTH
-from fp4moe.kernels.nvfp4_gemm import Routing, _mode
+from fp4moe.kernels.moe_routing import Routing
+from fp4moe.kernels.nvfp4_dequant import E2M1_BOTH, mode_of
 
 TOKENS = 8  # the MMA's N: tokens of one expert per row block
 
@@ -321,7 +321,7 @@ def mma_gate_up(
     x, packed, scales, decode, routing: Routing, top_k: int, out=None, tiles: MmaTiles | None = None
 ):
     """x [T, H] bf16; packed [E, 2I, H/2] NVFP4 -> silu(gate) * up per pair [T*k, I] bf16 (row = pair)."""
-    if _mode(packed) != 7:
+    if mode_of(packed) != 7:
         raise ValueError(
             "the tensor-core GEMV takes NVFP4 experts with the inline-PTX dequantization (mode 7)"
         )
@@ -338,7 +338,7 @@ def mma_down(
     act, packed, scales, decode, routing: Routing, topk_weights, out=None, tiles: MmaTiles | None = None
 ):
     """act [T*k, I] bf16 (pair rows); packed [E, H, I/2] -> weight * down(act) per pair [T*k, H] bf16."""
-    if _mode(packed) != 7:
+    if mode_of(packed) != 7:
         raise ValueError(
             "the tensor-core GEMV takes NVFP4 experts with the inline-PTX dequantization (mode 7)"
         )

@@ -15,12 +15,18 @@ of BK (``nvfp4_gemm`` falls back to its row kernel otherwise). Reference: ``nvfp
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 from fp4moe.kernels import pdl_args
 from fp4moe.kernels.nvfp4_dequant import dequant_asm, dequant_bf16
 from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
+
+# the dequantization modes this kernel has (``nvfp4_dequant.DEQUANT_MODE``; FP4MOE_WEIGHTS_FIRST=0: none, every
+# prefill block on ``nvfp4_gemm``'s row kernel, for comparisons)
+MODES = (1, 7) if os.environ.get("FP4MOE_WEIGHTS_FIRST", "1") != "0" else ()
 
 
 @triton.jit

@@ -54,22 +54,33 @@ class RoutedExperts(nn.Module):
         down = nvfp4.dequantize_modelopt(self.down_packed[e], self.down_scales[e], self.down_decode[e], dtype)
         return gate_up, down
 
-    def unit_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode scales of 1 for bf16 experts run through the grouped GPU kernel."""
+    def kernel_weights(self):
+        """The weights as the GPU kernels take them (``kernels.moe_dispatch.ExpertWeights``); bf16 experts
+        get decode scales of 1, made once per device."""
+        from fp4moe.kernels.moe_dispatch import ExpertWeights
+
+        if self.quantized:
+            return ExpertWeights(
+                (self.gate_up_packed, self.gate_up_scales, self.gate_up_decode),
+                (self.down_packed, self.down_scales, self.down_decode),
+            )
         if getattr(self, "_ones", None) is None or self._ones[0].device != self.gate_up_proj.device:
             dev = self.gate_up_proj.device
             self._ones = (
                 torch.ones(self.num_experts, 2, device=dev),
                 torch.ones(self.num_experts, device=dev),
             )
-        return self._ones
+        return ExpertWeights(
+            (self.gate_up_proj, self.gate_up_proj, self._ones[0]),
+            (self.down_proj, self.down_proj, self._ones[1]),
+        )
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids/weights [T, k] -> sum_k w * down(silu(gate x) * up x), [T, H]."""
         if x.is_cuda and x.dtype == torch.bfloat16:  # grouped Triton kernels, weights kept packed
-            from fp4moe.kernels.nvfp4_gemm import moe_experts
+            from fp4moe.kernels.moe_dispatch import moe_experts
 
-            return moe_experts(self, x, topk_ids, topk_weights).to(x.dtype)
+            return moe_experts(self.kernel_weights(), x, topk_ids, topk_weights).to(x.dtype)
         out = torch.zeros_like(x)
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)

@@ -1,0 +1,134 @@
+"""The routed experts of one MoE layer on the GPU: which kernels run them at a step's token count.
+
+Up to ``GEMV_MAX_TOKENS`` tokens every (token, expert) pair runs as GEMVs (``nvfp4_gemv``; the down one on the
+tensor cores over pairs, ``nvfp4_mma_gemv``); up to ``MMA_GEMV_MAX_TOKENS`` the tensor-core GEMVs over blocks
+of up to 8 tokens of an expert; past that the grouped GEMMs over row blocks of 16-128 pairs of an expert
+(``nvfp4_gemm``, whose prefill-sized blocks run ``nvfp4_moe_prefill``'s kernel). The dispatch takes the
+weights as tensors (``ExpertWeights``), never the torch module. Reference: ``nvfp4_gemm.moe_reference``."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+
+from fp4moe.kernels import INTERPRET
+from fp4moe.kernels import nvfp4_dequant as dq
+from fp4moe.kernels import nvfp4_gemm as gemm
+from fp4moe.kernels import nvfp4_moe_prefill as prefill
+from fp4moe.kernels.moe_routing import PAIR_ROUTING_MAX_TOKENS, align, pair_routing
+
+
+class ExpertWeights(NamedTuple):
+    """One layer's routed experts as the kernels take them: gate/up and down, each (weights, block scales,
+    decode scales). NVFP4: packed codes [E, 2I, H/2] / [E, H, I/2] uint8, FP8-E4M3 block scales
+    [E, 2I, H/16] / [E, H, I/16], decode scales [E, 2] (gate, up) / [E] fp32. bf16 experts: the weights
+    [E, 2I, H] / [E, H, I] in both of the first two places and decode scales of 1."""
+
+    gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    @property
+    def quantized(self) -> bool:
+        return self.gate_up[0].dtype == torch.uint8
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up[0].shape[0]
+
+    @property
+    def inter(self) -> int:
+        return self.gate_up[0].shape[1] // 2
+
+
+def moe_experts(experts: ExpertWeights, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    """sum_k w * down(silu(gate x) * up x) [T, H] in fp32 (``layers.moe.RoutedExperts`` on the GPU)."""
+    t, k = topk_ids.shape
+    return moe_pairs(experts, x, topk_ids, topk_weights).view(t, k, -1).sum(1, dtype=torch.float32)
+
+
+GEMV_MAX_TOKENS = 4  # up to this many tokens, every (token, expert) pair runs as GEMVs (nvfp4_gemv)
+# from GEMV_MAX_TOKENS + 1 up to this many tokens, NVFP4 experts run as tensor-core GEMVs in blocks of up to 8
+# tokens of an expert (nvfp4_mma_gemv; sm89+, not under the interpreter). H200, full-size experts per layer
+# (benchmarks/tune_experts.py): 50 + 29 us at 16 tokens against the grouped GEMM's 81 + 43, 101 + 58 at 64
+# against 156 + 87; at 1 token 7.9 + 4.4 against the CUDA-core GEMV's 7.7 + 5.1, and in the captured step
+# 0-4% slower than the GEMV, so those keep the one-token kernels. 0 turns every tensor-core GEMV off.
+MMA_GEMV_MAX_TOKENS = int(os.environ.get("FP4MOE_MMA_GEMV_MAX_TOKENS", "128"))
+
+
+# up to GEMV_MAX_TOKENS tokens: the CUDA-core gate/up GEMV, then the tensor-core down (pairs, wk 2, kc 64): H200,
+# batch-1 step 1.4% faster (benchmarks/tune_decode.py; the down launch alone 4.4 against 5.1 us per layer). Needs
+# int32 contiguous ids (the router kernel's): its programs read them before they wait, so no copy may be in flight
+ONE_TOKEN_MMA_DOWN = True
+
+
+@functools.cache
+def _have_gluon() -> bool:
+    """Whether this Triton has the Gluon API the tensor-core GEMVs use (3.6: linear layouts, trivial-conversion
+    checks; ``pip install '.[gpu]'`` allows older Tritons, which then keep the Triton kernels)."""
+    import triton
+
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 6):
+        return False
+    try:
+        from fp4moe.kernels import nvfp4_mma_gemv  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+def _mma_gemv_fits(experts: ExpertWeights, x: torch.Tensor, one_token: bool = False) -> bool:
+    if not (
+        experts.quantized
+        and not INTERPRET
+        and x.is_cuda
+        and dq.DEQUANT_MODE == 7
+        and MMA_GEMV_MAX_TOKENS > 0
+        and (one_token or GEMV_MAX_TOKENS < x.shape[0] <= MMA_GEMV_MAX_TOKENS)
+        and torch.cuda.get_device_capability(x.device) >= (8, 9)  # (fp8 scale conversion: sm89+)
+        and _have_gluon()
+    ):
+        return False
+    from fp4moe.kernels import nvfp4_mma_gemv as mma
+
+    return mma.fits(x.shape[1], experts.inter)
+
+
+def moe_pairs(experts: ExpertWeights, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    """Each (token, expert) pair's weighted output [T*k, H] bf16 (pair = token * k + j)."""
+    t, k = topk_ids.shape
+    gu, dn = experts.gate_up, experts.down
+    if _mma_gemv_fits(experts, x):
+        from fp4moe.kernels import nvfp4_mma_gemv as mma
+
+        routing = align(topk_ids, experts.num_experts, mma.TOKENS)
+        act = mma.mma_gate_up(x, *gu, routing, k)
+        return mma.mma_down(act, *dn, routing, topk_weights)
+    if t <= GEMV_MAX_TOKENS and x.shape[1] % 32 == 0 and experts.inter % 32 == 0:
+        from fp4moe.kernels import nvfp4_gemv as gemv
+
+        one_token_mma = (
+            ONE_TOKEN_MMA_DOWN
+            and topk_ids.dtype == torch.int32
+            and topk_ids.is_contiguous()
+            and topk_weights.dtype == torch.float32
+            and _mma_gemv_fits(experts, x, one_token=True)
+        )
+        pairs = pair_routing(topk_ids, 1) if one_token_mma else None  # (a view of the ids: no copy)
+        act = gemv.gemv_gate_up(x, *gu, topk_ids)
+        if one_token_mma:
+            from fp4moe.kernels import nvfp4_mma_gemv as mma
+
+            return mma.mma_down(act, *dn, pairs, topk_weights, tiles=mma.ONE_TOKEN_DOWN_TILES)
+        return gemv.gemv_down(act, *dn, topk_ids, topk_weights)
+    # 128-row blocks only where the weights-first kernel takes both launches (K a multiple of its tile)
+    weights_first = dq.mode_of(gu[0]) in prefill.MODES and x.shape[1] % 32 == 0 and experts.inter % 32 == 0
+    bm = gemm.block_m(t, k, experts.num_experts, weights_first)
+    if t <= PAIR_ROUTING_MAX_TOKENS and bm == 16:
+        routing = pair_routing(topk_ids, bm)
+    else:
+        routing = align(topk_ids, experts.num_experts, bm)
+    act = gemm.moe_gate_up(x, *gu, routing, k)
+    return gemm.moe_down(act, *dn, routing, topk_weights.float())
