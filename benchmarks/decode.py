@@ -111,8 +111,8 @@ def build_model(quantized: bool, device, mix: str = ""):
     """The full-size model with random weights; ``quantized``: NVFP4 routed experts, and ``mix`` (as
     ``fp4moe quantize --quantize``, e.g. ``attention,shared:fp8``) more groups in NVFP4 or FP8."""
     from fp4moe.layers.rope import Rotary
+    from fp4moe.models.qwen3_5_moe import parse_groups, split
     from fp4moe.models.qwen3_5_moe_model import ModelArgs, Qwen3_5MoeModel
-    from fp4moe.quantize.extra import parse_groups, split
 
     args = ModelArgs.from_text_config(FULL)
     with torch.device("meta"):
@@ -136,7 +136,7 @@ def build_model(quantized: bool, device, mix: str = ""):
 
 def add_mtp_head(model) -> None:
     """A random MTP head (one attention layer with NVFP4 experts when the model's are), as the checkpoint's."""
-    from fp4moe.layers.mtp import MTPHead
+    from fp4moe.models.qwen3_5_moe_model import MTPHead
 
     device = model.embed_tokens.device
     with torch.device("meta"):

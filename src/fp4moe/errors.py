@@ -1,23 +1,11 @@
-"""The errors a user can cause: the CLI prints them as one line and exits 2, with nothing written."""
+"""The errors a user can cause: the CLI prints them as one line and exits 2, with nothing written. This module
+imports nothing: every layer's own error (a bad checkpoint, prompt, image, model, calibration set or
+quantization) derives from ``UserError`` where it is raised."""
 
-from fp4moe.engine.multimodal import ImageError
-from fp4moe.engine.prompts import PromptError
-from fp4moe.formats.checkpoint import CheckpointError
-from fp4moe.formats.nvfp4 import NVFP4Error
-from fp4moe.models.qwen3_5_moe import UnsupportedModelError
-from fp4moe.quantize.calib_data import CalibrationDataError
-from fp4moe.quantize.pipeline import QuantizeError
 
-USER_ERRORS = (
-    CheckpointError,
-    PromptError,
-    ImageError,
-    NVFP4Error,
-    UnsupportedModelError,
-    CalibrationDataError,
-    QuantizeError,
-    FileExistsError,
-    FileNotFoundError,
-    NotADirectoryError,
-    ValueError,
-)
+class UserError(Exception):
+    """Bad input or an unsound checkpoint, reported to the user in one line (never a stack trace)."""
+
+
+# what the CLI reports as a user's error: ours, invalid values, and paths that are missing or in the way
+USER_ERRORS = (UserError, ValueError, FileExistsError, FileNotFoundError, NotADirectoryError)

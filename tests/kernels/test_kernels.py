@@ -46,7 +46,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def quantized(shape, gen, per=None):
     """Random weights [.., N, K] quantized with one global scale per [N, K] matrix (or per ``per`` rows);
     MSE block scales, the quantizer's default (any e4m3 scale, not just RTN's amax/6 ones)."""
-    from fp4moe.quantize.scales import ScaleMethod, quantize_weight
+    from fp4moe.quantize.experts import quantize_weight
+    from fp4moe.quantize.scales import ScaleMethod
 
     w = torch.randn(*shape, generator=gen) * torch.rand(*shape[:-2], 1, 1, generator=gen).add(0.5)
     q = quantize_weight(w, ScaleMethod.MSE)

@@ -108,7 +108,9 @@ def test_moe_pairs_dispatch(tokens, ids_dtype, monkeypatch):
 
     gen = torch.Generator().manual_seed(400 + tokens)
     (gp, gs, gd), (dp, ds, dd) = _experts(gen, e=8, h=128, i=64)
-    experts = dispatch.ExpertWeights((gp.to(DEV), gs.to(DEV), gd.to(DEV)), (dp.to(DEV), ds.to(DEV), dd.to(DEV)))
+    experts = dispatch.ExpertWeights(
+        (gp.to(DEV), gs.to(DEV), gd.to(DEV)), (dp.to(DEV), ds.to(DEV), dd.to(DEV))
+    )
     k, h = 3, 128
     x = torch.randn(tokens, h, generator=gen).to(BF16).to(DEV)
     ids, w = moe_router.router_reference(torch.randn(tokens, 8, generator=gen).to(DEV), k)

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from fp4moe.formats import nvfp4
+from fp4moe.quantize.experts import quantize_weight
 from fp4moe.quantize.gptq import gptq_quantize, hessian_or_identity
-from fp4moe.quantize.scales import ScaleMethod, quantize_weight
+from fp4moe.quantize.scales import ScaleMethod
 
 
 def _correlated_inputs(gen, t: int, k: int) -> torch.Tensor:

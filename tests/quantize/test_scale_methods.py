@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from fp4moe.formats import nvfp4
-from fp4moe.quantize.scales import ScaleMethod, choose_block_scales, quantize_weight
+from fp4moe.quantize.experts import quantize_weight
+from fp4moe.quantize.scales import ScaleMethod, choose_block_scales
 
 METHODS = [ScaleMethod.FOUR_OVER_SIX, ScaleMethod.MSE]
 

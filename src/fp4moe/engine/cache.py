@@ -8,20 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from fp4moe.formats import fp8
 from fp4moe.layers.attention import attend_each
 
 
 def fp8_scale(x: torch.Tensor) -> torch.Tensor:
     """Per-tensor fp8 KV scale from the first values written: amax with 2x headroom, over e4m3's 448."""
-    return torch.clamp(x.abs().amax().float() * KVCache.HEADROOM / 448.0, min=1e-8)
-
-
-def fp8_encode(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(x.float() / scale, -448.0, 448.0).to(torch.float8_e4m3fn)
-
-
-def fp8_decode(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (x.float() * scale).to(dtype)
+    return fp8.scale_from_amax(x.abs().amax(), KVCache.HEADROOM, floor=1e-8)
 
 
 class KVCache:
@@ -41,7 +34,7 @@ class KVCache:
         if layer not in self.scales:
             self.scales[layer] = (fp8_scale(k), fp8_scale(v))
         ks, vs = self.scales[layer]
-        return fp8_encode(k, ks), fp8_encode(v, vs)
+        return fp8.encode(k, ks), fp8.encode(v, vs)
 
     def append(
         self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor
@@ -56,7 +49,7 @@ class KVCache:
         self._kv[(layer, slot)] = (k, v)
         if self.fp8:
             ks, vs = self.scales[layer]
-            return fp8_decode(k, ks, dtype), fp8_decode(v, vs, dtype)
+            return fp8.decode(k, ks, dtype), fp8.decode(v, vs, dtype)
         return k, v
 
     def append_step(

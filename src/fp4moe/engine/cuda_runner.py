@@ -1,23 +1,14 @@
-"""The GPU model runner: preallocated paged caches, a fused decode step, and CUDA graphs of it.
+"""The GPU model runner: preallocated paged caches, the model's fused GPU forward over them
+(``models.qwen3_5_moe_fused``), and CUDA graphs of it.
 
-Prefill and chunked prefill run the model's own mixer modules (their GPU branches: flash attention,
-flash-linear-attention's chunked delta rule) over the paged caches, with the decode step's fused MoE,
-add-norm and combine between them (``hidden_states``); the speculator's unfused verification runs the
-modules throughout. A step in which every sequence decodes one token runs ``decode_forward`` instead: per
-layer one fused projection (cuBLAS, or our GEMV at one row), one fused Gated DeltaNet kernel or the
-q/k-norm-rope-store + split-KV attention kernels, the output projection, add+norm, the fused
-router/shared-expert projection, router, align (none at up to 4 tokens), the two NVFP4 expert kernels
-(per-pair GEMVs up to 4 tokens, grouped GEMMs above) with the shared-expert down projection beside them on
-a side stream, and combine+next norm -- no host syncs, static shapes, so the whole step is captured once
-per batch-size bucket and replayed. Every Triton kernel is launched with programmatic dependent launch on
-Hopper (``kernels.pdl_args``), so launches overlap the tails of the kernels ahead of them; the short kernels
-ahead of a one-row GEMV and the in_proj GEMV ahead of the Gated DeltaNet kernel let the next kernel start at
-once, the expert gate/up GEMV lets the down GEMV start once it has seen the router finish, and those
-kernels load their first weight tile (or their states) before they wait.
-
-The projections sharing an input are concatenated once at start-up (qkv|z|b|a of Gated DeltaNet, q|k|v of
-attention, router|shared gate|shared up|shared gate-scalar of the MoE; per weight format: FusedLinear), and
-the modules' own weights become views into them: no extra memory.
+A step in which every sequence decodes one token runs ``decode_forward`` (the fused forward's ``rows``: no
+host syncs, static shapes), captured once per batch-size bucket and replayed. Fresh text prompts replay a
+captured prefill graph per (prompts, padded length) bucket (``prompt_forward``); the rest of a step --
+prefill chunks over cached prefixes, images -- runs the modules' mixers with the fused MoE between them
+(``hidden_states``), and a step that mixes chunks with decodes keeps the decodes on the graph (``run``).
+Every Triton kernel is launched with programmatic dependent launch on Hopper (``kernels.pdl_args``), so
+launches overlap the tails of the kernels ahead of them. The runner owns the caches (``PagedKVCache``,
+``SlotStates``, the speculative rounds' ``history``), the graphs' input buffers and the graphs.
 """
 
 from __future__ import annotations
@@ -26,15 +17,13 @@ from bisect import bisect_left
 from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from fp4moe.engine.context import StepTensors
 from fp4moe.engine.model_runner import ModelRunner
 from fp4moe.engine.paged_cache import PagedKVCache, SlotStates
 from fp4moe.engine.sequence import Sequence
 from fp4moe.engine.transfer import upload
 from fp4moe.layers.rope import Rotary
+from fp4moe.models.qwen3_5_moe_fused import Qwen3_5MoeFused
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # prompt lengths with a captured prefill graph (a fresh prompt pads up to the next one): one eager 512-token
@@ -48,116 +37,6 @@ PROMPT_GRAPH_SEQS = (1, 2, 4, 8, 16, 32, 64, 128)  # fresh prompts in one step (
 # a prefill graph replay's cost beyond its rows, in rows (H200, full size: 512 rows 31 ms, 4,608 rows 102 ms,
 # 8,192 rows 164 ms -- about 20 ms and 17.5 us a row): ``_prompt_groups`` weighs padding against replays
 REPLAY_ROWS = 1024
-
-
-class FusedLinear:
-    """Several Linears over the same input as one GEMM per weight format: the dense weights concatenated,
-    and the NVFP4 (or FP8) ones concatenated when they share one decode scale -- vLLM's fused groups do,
-    and ``fp4moe quantize`` writes them so -- else run one by one. The Linears' own tensors become views
-    into the concatenations (no extra memory); outputs come back in the Linears' order. ``pad_to``: when
-    every Linear is bf16, zero rows pad the weight to a multiple of that many outputs (the output has the
-    extra columns): cuBLAS runs an odd width -- the router + shared-expert group's 1,281 -- through an
-    unaligned kernel (H200: cutlass ``align1``, 10 us at 16 rows, 23 us at 3). ``trigger``: when our
-    one-row GEMV lets the kernel behind it start (``kernels.pdl_args``)."""
-
-    def __init__(self, linears: list, pad_to: int = 1, trigger: str = ""):
-        self.sizes = [lin.out_features for lin in linears]
-        self.linears = linears
-        kinds: dict[str, list[int]] = {}
-        for i, lin in enumerate(linears):
-            kinds.setdefault(
-                "nvfp4" if lin.nvfp4 is not None else "fp8" if lin.fp8 is not None else "dense", []
-            ).append(i)
-        self.parts = []  # (indices into linears, function of x)
-        for kind, idx in kinds.items():
-            group = [linears[i] for i in idx]
-            if kind == "dense":
-                pad = -sum(self.sizes) % pad_to if len(kinds) == 1 else 0
-                self.parts.append((idx, _dense_part(group, pad, trigger)))
-            elif kind == "nvfp4" and _same([lin.nvfp4.decode_scale for lin in group]):
-                self.parts.append((idx, _nvfp4_part(group)))
-            elif kind == "fp8" and _same([lin.fp8.scale for lin in group]):
-                self.parts.append((idx, _fp8_part(group)))
-            else:
-                self.parts.extend(([i], linears[i]) for i in idx)
-        self.ordered = [i for idx, _ in self.parts for i in idx] == list(range(len(linears)))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        outs = [fn(x) for _, fn in self.parts]
-        if self.ordered:
-            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        pieces: list[torch.Tensor | None] = [None] * len(self.linears)
-        for (idx, _), out in zip(self.parts, outs, strict=True):
-            for i, piece in zip(idx, out.split([self.sizes[i] for i in idx], dim=-1), strict=True):
-                pieces[i] = piece
-        return torch.cat(pieces, dim=-1)
-
-
-def _same(scales: list[torch.Tensor]) -> bool:
-    return all(torch.equal(scales[0], s) for s in scales[1:])
-
-
-def _concat_into(modules: list, name: str, pad: int = 0) -> torch.Tensor:
-    """Concatenate ``module.<name>`` along dim 0 (then ``pad`` zero rows) and make each module's tensor a
-    view of the result."""
-    parts = [getattr(m, name).data for m in modules]
-    whole = torch.cat(parts + [parts[0].new_zeros(pad, *parts[0].shape[1:])] * bool(pad))
-    start = 0
-    for m in modules:
-        n = getattr(m, name).shape[0]
-        view = whole[start : start + n]
-        param = isinstance(getattr(m, name), nn.Parameter)
-        setattr(m, name, nn.Parameter(view, requires_grad=False) if param else view)
-        start += n
-    return whole
-
-
-def _few_rows_kernel(x: torch.Tensor) -> bool:
-    """Whether bf16 projections of 2-4 rows take the grouped kernel (on the GPU; tests switch it on for
-    the interpreter)."""
-    return x.is_cuda
-
-
-def _dense_part(linears: list, pad: int = 0, trigger: str = ""):
-    from fp4moe.kernels.nvfp4_gemm import bf16_linear
-    from fp4moe.kernels.nvfp4_gemv import bf16_gemv, gemv_fits
-
-    weight = _concat_into(linears, "weight", pad)
-    unpadded = weight[: weight.shape[0] - pad]
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if (
-            2 <= rows <= 4
-            and weight.dtype == torch.bfloat16
-            and x.shape[-1] % 16 == 0
-            and _few_rows_kernel(x)
-        ):
-            # 2-4 rows (a batch-1 speculative verification, small batches): cuBLAS was up to 5x slower than
-            # at 1 row on the unpadded router GEMM, and is 1.1x slower on the padded one (H200,
-            # benchmarks/tune_dense.py); the grouped kernel is not
-            return bf16_linear(x.reshape(rows, -1), weight).view(*x.shape[:-1], -1)
-        if rows == 1 and gemv_fits(x, unpadded):  # our GEMV (router group 3.6 us against cuBLAS's 4.6)
-            return bf16_gemv(x.reshape(1, -1), unpadded, trigger=trigger).view(*x.shape[:-1], -1)
-        return F.linear(x, unpadded if rows == 1 else weight)  # (one row: unpadded, as cuBLAS was faster)
-
-    return run
-
-
-def _nvfp4_part(linears: list):
-    from fp4moe.kernels.nvfp4_gemm import nvfp4_linear
-
-    qs = [lin.nvfp4 for lin in linears]
-    packed, scales, decode = _concat_into(qs, "packed"), _concat_into(qs, "block_scales"), qs[0].decode_scale
-    return lambda x: nvfp4_linear(x.reshape(-1, x.shape[-1]), packed, scales, decode).view(*x.shape[:-1], -1)
-
-
-def _fp8_part(linears: list):
-    from fp4moe.kernels.nvfp4_gemm import fp8_linear
-
-    qs = [lin.fp8 for lin in linears]
-    weight, scale = _concat_into(qs, "weight"), qs[0].scale
-    return lambda x: fp8_linear(x.reshape(-1, x.shape[-1]), weight, scale).view(*x.shape[:-1], -1)
 
 
 class CudaModelRunner(ModelRunner):
@@ -214,7 +93,7 @@ class CudaModelRunner(ModelRunner):
         )  # padded rows of a speculative round write here too
         if model.rotary is None:
             model.rotary = Rotary(a.rope, device)
-        self._fuse()
+        self.fwd = Qwen3_5MoeFused(model, self.kv, self.states, self.history, self.scratch, bool(spec_tokens))
         self.cuda_graphs = cuda_graphs
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
@@ -225,9 +104,7 @@ class CudaModelRunner(ModelRunner):
             3, max_num_seqs, dtype=torch.long, device=device
         )  # rotary (mRoPE) positions
         self.last_hidden: torch.Tensor | None = None  # the last decode step's final-normed hidden states
-        self.overlap_shared = True  # the shared expert's down GEMM on a side stream (``_moe``)
         self.fused_prefill = True  # prefill chunks with the fused pieces (``hidden_states``)
-        self._side: torch.cuda.Stream | None = None
         # fresh prompts through captured graphs (``prompt_forward``): inputs, and the graphs by padded length
         # (rows of one graph at most: its inputs below are sized once, before any capture reads them)
         self.max_prompt_graph_tokens = top = prefill_graph_tokens
@@ -258,29 +135,6 @@ class CudaModelRunner(ModelRunner):
                 f"not enough GPU memory for a KV cache: {tokens * per_token / 2**30:.1f} GiB left"
             )
         return int(min(want, tokens // page_size))
-
-    def _fuse(self) -> None:
-        self.fused = []  # (mixer projections, router + shared expert) per layer
-        for layer in self.model.layers:
-            if layer.is_attention:
-                m = layer.self_attn
-                mix = FusedLinear([m.q_proj, m.k_proj, m.v_proj])
-            else:
-                m = layer.linear_attn
-                # the Gated DeltaNet kernel behind it loads its states while the projection runs
-                mix = FusedLinear([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a], trigger="start")
-            moe = layer.mlp
-            router = FusedLinear(
-                [moe.gate, moe.shared_gate_proj, moe.shared_up_proj, moe.shared_expert_gate], pad_to=8
-            )
-            self.fused.append((mix, router))
-        if self.spec_tokens:  # the MTP head's layer (last in the list)
-            layer = self.model.mtp.layer
-            m, moe = layer.self_attn, layer.mlp
-            self.fused.append((
-                FusedLinear([m.q_proj, m.k_proj, m.v_proj]),
-                FusedLinear([moe.gate, moe.shared_gate_proj, moe.shared_up_proj, moe.shared_expert_gate], pad_to=8),
-            ))  # fmt: skip
 
     def new_caches(self):
         return self.kv, self.states
@@ -350,37 +204,11 @@ class CudaModelRunner(ModelRunner):
         return (logits.float().cpu() if host else logits.clone()), hidden
 
     def hidden_states(self, ids, positions, ctx, embeds=None) -> torch.Tensor:
-        """The module path's layers (their mixers run as modules: chunked rule, flash attention) with the
-        decode step's fused pieces between them: residual add + norm in one kernel, the fused router +
-        shared-expert GEMM, the router kernel, the grouped experts and the combine + next norm (``_moe``).
-        The module MoE's torch routing, pair sum and shared-expert elementwise ops took ~25 ms of an 8K
-        prefill on the H200. Same roundings as the modules, but for the sum over each token's experts:
-        fp32, rounded once (the CPU modules add per expert in bf16, as transformers does). ``fused_prefill``
-        False: the modules throughout."""
+        """The module path's mixers with the fused MoE between them (``Qwen3_5MoeFused.hidden_states``);
+        ``fused_prefill`` False: the modules throughout."""
         if not self.fused_prefill:
             return super().hidden_states(ids, positions, ctx, embeds)
-        h = self.model.embed(ids) if embeds is None else embeds
-        cos, sin = self.model.rotary.cos_sin(positions, h.dtype)
-
-        def mixer(i, layer, x):
-            return layer.self_attn(x, cos, sin, ctx) if layer.is_attention else layer.linear_attn(x, ctx)
-
-        return self._layers(h, mixer)[1]
-
-    def _layers(self, h: torch.Tensor, mixer) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer walk every fused path shares: residual add + norm in one kernel, ``mixer(i, layer, x)``
-        (attention or Gated DeltaNet, as the path runs them), the fused MoE and the next layer's norm
-        (``_moe``) -> (residual stream, final-normed hidden) [rows, H] from the embeddings ``h``."""
-        from fp4moe.kernels import norm
-
-        a, layers = self.args, self.model.layers
-        _, x = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, a.eps)
-        for i, layer in enumerate(layers):
-            out = mixer(i, layer, x)
-            h, x = norm.add_rms_norm(h, out, layer.post_attention_layernorm.weight, a.eps)
-            next_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
-            h, x = self._moe(layer.mlp, self.fused[i][1], h, x, next_w)
-        return h, x
+        return self.fwd.hidden_states(ids, positions, ctx, embeds)
 
     # ---- fresh prompts through graphs ---------------------------------------------------------------
 
@@ -520,59 +348,11 @@ class CudaModelRunner(ModelRunner):
                     self._capture_prompt(b, t)
 
     def prompt_forward(self, b: int, t: int) -> torch.Tensor:
-        """``b`` fresh prompts (lengths ``prompt_len``, slots ``prompt_slot``, on the device), each padded to
-        ``t`` rows, with static shapes and device-side indexing only (graph-capturable) -> final-normed
-        hidden [b * t, H] (rows past a prompt's length are padding). The layers as ``hidden_states`` runs
-        them (fused projections, fused MoE). Attention is causal within each prompt's rows, so the padding
-        after a prompt changes none of its rows, and the padding's keys/values go to the scratch page; in
-        the Gated DeltaNet layers the padding has decay 1 and write strength 0, so the states after a
-        prompt's last row are its final ones (stored in its slot)."""
-        model, dev = self.model, self.device
-        flat = self.prompt_rows[: b * t]
-        seq_of, pos = flat // t, flat % t
-        lens = self.prompt_len[:b]
-        valid = pos < lens[seq_of]
-        starts = self.prompt_rows[:b] * t
-        zero = torch.zeros(b, dtype=torch.long, device=dev)
-        step = _Prompts(
-            StepTensors(self.prompt_slot[:b], zero, starts.int(), starts + lens, seq_of.int(), zero, zero)
+        """``b`` fresh prompts from the graph inputs (``prompt_ids``, ``prompt_len``, ``prompt_slot``), each
+        padded to ``t`` rows -> final-normed hidden [b * t, H] (``Qwen3_5MoeFused.prompts``)."""
+        return self.fwd.prompts(
+            self.prompt_ids[: b * t], self.prompt_len[:b], self.prompt_slot[:b], self.prompt_rows, b, t
         )
-        cos, sin = model.rotary.cos_sin(pos, model.embed_tokens.dtype)
-
-        def mixer(i, layer, x):
-            proj = self.fused[i][0](x)
-            if layer.is_attention:
-                return self._prompt_attention(layer.self_attn, proj, cos, sin, step, pos, valid, b)
-            return self._prompt_deltanet(layer.linear_attn, proj, step, valid, b)
-
-        return self._layers(model.embed(self.prompt_ids[: b * t]), mixer)[1]
-
-    def _prompt_deltanet(self, m, proj, step, valid, b: int) -> torch.Tensor:
-        from fp4moe.kernels.causal_conv import causal_conv_silu_varlen
-
-        mixed, z, w, d = proj.split([m.conv_dim, m.value_size, m.num_v_heads, m.num_v_heads], dim=-1)
-        beta, g = m.gates(w, d)
-        beta = torch.where(valid[:, None], beta, 0)  # padding writes nothing ...
-        g = torch.where(valid[:, None], g, 0)  # ... and decays nothing
-        t = step.t
-        conv0 = mixed.new_zeros(b, m.conv_dim, m.conv_kernel - 1)
-        qkv, conv = causal_conv_silu_varlen(mixed, conv0, m.conv1d_weight, t.token_seq, t.starts, t.ends)
-        core, rec = m.rule_fresh(qkv, g, beta, b)
-        self.states.scatter(m.layer_id, step, conv, rec)
-        return m.output(core, z)
-
-    def _prompt_attention(self, m, proj, cos, sin, step, pos, valid, b: int) -> torch.Tensor:
-        from fp4moe.layers.attention import attend_fresh
-
-        kv, page = self.kv, self.kv.page_size
-        hd, kvd = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-        q, gate, k, v = m.heads(*proj.split([2 * hd, kvd, kvd], dim=-1), cos, sin)
-        slots = step.t.slots[step.t.token_seq.long()]
-        # (padding rows may lie past the table's last page -- t > max_model_len -- and are replaced below)
-        dest = kv.block_table[slots, (pos // page).clamp(max=kv.max_pages - 1)].long() * page + pos % page
-        spare = kv.block_table[self.scratch, 0].long() * page + pos % page
-        k, v = kv.store(m.layer_id, torch.where(valid, dest, spare), k, v)
-        return m.output(attend_fresh(q, k, v, b), gate)
 
     # ---- fused decode -------------------------------------------------------------------------------
 
@@ -661,121 +441,10 @@ class CudaModelRunner(ModelRunner):
         _, x = self.forward_rows(self.buf_ids[:b], self.buf_pos[:b], self.buf_slots[:b], self.buf_rope[:, :b])
         return self.model.lm_head(x), x
 
-    def _row_geometry(self, pos: torch.Tensor, slots: torch.Tensor):
-        """Block-table rows, cache rows written (slot_map) and attention lengths of rows at ``pos``."""
-        kv, page = self.kv, self.kv.page_size
-        table = kv.block_table.index_select(0, slots)
-        slot_map = (table.gather(1, (pos // page).long().unsqueeze(1)).squeeze(1) * page + pos % page).to(
-            torch.int32
-        )
-        return table, slot_map, pos + 1
-
-    def forward_rows(
-        self, ids, pos, slots, rope, tokens_per_seq: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target model over rows (token ``ids`` at cache positions ``pos`` of ``slots``, rotary
-        positions ``rope`` [3, rows]) -> (residual stream, final-normed hidden) [rows, H]. With
-        ``tokens_per_seq`` T > 1 each sequence owns T consecutive rows at consecutive positions (a
-        speculative verification): attention rows see the keys of the rows before them, the Gated DeltaNet
-        kernel walks them in order and leaves its states in ``self.history`` instead of the slots."""
-        from fp4moe.kernels import gdn_decode as gdn_k
-
-        model, st = self.model, self.states
-        geometry = self._row_geometry(pos, slots)
-        cos, sin = model.rotary.cos_sin(rope, model.embed_tokens.dtype)
-
-        def mixer(i, layer, x):
-            proj = self.fused[i][0](x)
-            if layer.is_attention:
-                return self._attention(layer.self_attn, i, proj, cos, sin, geometry)
-            m, gi = layer.linear_attn, st.index[i]
-            core = gdn_k.gdn_decode(
-                proj, m.conv1d_weight.view(m.conv_dim, -1), st.ring[gi], st.rec[gi], slots, pos,
-                m.A_log, m.dt_bias, m.norm_weight, m.eps, (m.num_k_heads, m.num_v_heads, m.k_dim, m.v_dim),
-                tokens_per_seq=tokens_per_seq, history=None if tokens_per_seq == 1 else self.history[gi],
-            )  # fmt: skip
-            return m.out_proj(core)
-
-        return self._layers(model.embed_tokens[ids], mixer)
+    def forward_rows(self, ids, pos, slots, rope, tokens_per_seq: int = 1):
+        """``Qwen3_5MoeFused.rows`` over the runner's caches -> (residual stream, final-normed hidden)."""
+        return self.fwd.rows(ids, pos, slots, rope, tokens_per_seq)
 
     def mtp_rows(self, ids, hidden, pos, slots, rope, keep=None) -> torch.Tensor:
-        """The MTP head over rows: token ``ids`` after each row's target (or own) final-normed ``hidden`` at
-        ``pos`` (the hidden state's position) -> the head's normed output [rows, H]; its keys/values go
-        into the MTP layer's pages. ``keep`` (row indices): every row's keys/values are stored, but only
-        these rows go on through the MoE and come back."""
-        from fp4moe.kernels import norm
-
-        model, mtp, a = self.model, self.model.mtp, self.args
-        layer = mtp.layer
-        e = mtp.pre_fc_norm_embedding(model.embed_tokens[ids])
-        h = mtp.fc(torch.cat([e, mtp.pre_fc_norm_hidden(hidden)], dim=-1))
-        cos, sin = model.rotary.cos_sin(rope, model.embed_tokens.dtype)
-        mix, router = self.fused[-1]
-        _, x = norm.add_rms_norm(h, None, layer.input_layernorm.weight, a.eps)
-        out = self._attention(layer.self_attn, mtp.layer_id, mix(x), cos, sin, self._row_geometry(pos, slots))
-        if keep is not None:
-            h, out = h[keep], out[keep]
-        h, x = norm.add_rms_norm(h, out, layer.post_attention_layernorm.weight, a.eps)
-        _, x = self._moe(layer.mlp, router, h, x, mtp.norm.weight)
-        return x
-
-    def _attention(self, m, layer_id: int, proj, cos, sin, geometry) -> torch.Tensor:
-        """q/k norm + rotary + cache store, paged decode attention, o_proj."""
-        from fp4moe.kernels import attention as attn_k
-
-        kv = self.kv
-        table, slot_map, seq_lens = geometry
-        li = kv.index[layer_id]
-        dims = (m.num_heads, m.num_kv_heads, m.head_dim)
-        q = attn_k.qk_norm_rope_store(
-            proj, cos, sin, m.q_norm.weight, m.k_norm.weight, kv.k[li], kv.v[li], slot_map,
-            kv.scale_t[li], m.q_norm.eps, dims,
-        )  # fmt: skip
-        core = attn_k.paged_decode_attention(
-            q, proj, kv.k[li], kv.v[li], table, seq_lens, kv.scale_t[li], kv.max_len, dims
-        )
-        return m.o_proj(core)
-
-    def _moe(self, moe, router, h, x, next_w) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router + shared expert GEMM, routing, grouped NVFP4 experts, shared down, combine + next norm."""
-        from fp4moe.kernels import moe_router, norm
-        from fp4moe.kernels.moe_dispatch import moe_pairs
-
-        a = self.args
-        e, k, s_inter = a.num_experts, a.top_k, a.shared_intermediate_size
-        rp = router(x)
-        # the expert GEMVs behind it start at once and wait (their weights depend on its output): H200, batch-1
-        # step 1.6% faster (benchmarks/tune_decode.py)
-        topk_ids, topk_w, shared_act = moe_router.route(rp, e, k, s_inter, trigger="start")
-        side = self._side_stream(x)
-        if side is None:
-            routed = moe_pairs(moe.experts.kernel_weights(), x, topk_ids, topk_w)
-            shared = moe.shared_down_proj(shared_act)
-        else:  # the shared expert's down GEMM beside the routed experts (which leave SMs idle at small batch)
-            main = torch.cuda.current_stream(x.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                shared = moe.shared_down_proj(shared_act)
-            routed = moe_pairs(moe.experts.kernel_weights(), x, topk_ids, topk_w)
-            main.wait_stream(side)
-        return norm.moe_combine(h, routed, k, shared, rp, e + 2 * s_inter, next_w, a.eps)
-
-    def _side_stream(self, x: torch.Tensor):
-        """A second stream for work that can overlap (GPU only; captured into the graphs as a fork and a
-        join); None on the CPU or with ``overlap_shared`` off."""
-        if not (x.is_cuda and self.overlap_shared):
-            return None
-        if self._side is None:
-            self._side = torch.cuda.Stream(x.device)
-        return self._side
-
-
-class _Prompts:
-    """The step layout of graphed prompts (``StepContext``'s ``tensors`` only, for ``SlotStates.scatter``):
-    each sequence's slot, rows, length, all on the device, nothing cached."""
-
-    def __init__(self, t: StepTensors):
-        self.t = t
-
-    def tensors(self, device) -> StepTensors:
-        return self.t
+        """``Qwen3_5MoeFused.mtp_rows``: the MTP head over rows, its keys/values into the runner's pages."""
+        return self.fwd.mtp_rows(ids, hidden, pos, slots, rope, keep)

@@ -38,7 +38,7 @@ def checkpoint_module(engine_name: str, text_prefix: str) -> str:
 
 def module_precision(config: dict, path: Path | None = None) -> Callable[[str], str]:
     """A function: checkpoint module name -> "nvfp4", "fp8" or "bf16" by the checkpoint's quantization config."""
-    from fp4moe.quantize.inspect import detect_format
+    from fp4moe.formats.layouts import detect_format
 
     fmt, exclude, problem = detect_format(config, path)
     declared = "quantization_config" in config or (
@@ -83,7 +83,7 @@ def dummy_model(
     with torch.device("meta"):
         model = Qwen3_5MoeModel(args)
         if int((config.get("text_config") or config).get("mtp_num_hidden_layers", 0) or 0) > 0:
-            from fp4moe.layers.mtp import MTPHead
+            from fp4moe.models.qwen3_5_moe_model import MTPHead
 
             model.mtp = MTPHead(args)
     for name, module in model.named_modules():

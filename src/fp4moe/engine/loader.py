@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 
 from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
-from fp4moe.formats.layouts import SUFFIXES, OutputFormat
+from fp4moe.formats.layouts import SUFFIXES, OutputFormat, detect_format
 from fp4moe.models import qwen3_5_moe as arch
 from fp4moe.models.qwen3_5_moe_model import ModelArgs, Qwen3_5MoeModel
-from fp4moe.quantize.inspect import detect_format
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -137,7 +136,7 @@ def load_model(
         model = Qwen3_5MoeModel(args)
         has_mtp = any(n.startswith("mtp.fc.") for n in reader.names())
         if has_mtp:
-            from fp4moe.layers.mtp import MTPHead
+            from fp4moe.models.qwen3_5_moe_model import MTPHead
 
             model.mtp = MTPHead(args)
     if fmt is not None:

@@ -16,10 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fp4moe.errors import UserError
+
 MAX_PIXELS = 32 * 1024 * 1024  # larger images are refused before decoding (decompression bombs)
 
 
-class ImageError(ValueError):
+class ImageError(UserError, ValueError):
     pass
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from fp4moe.engine.cache import fp8_decode, fp8_encode, fp8_scale
+from fp4moe.engine.cache import fp8_scale
 from fp4moe.engine.transfer import to_device
+from fp4moe.formats import fp8
 from fp4moe.layers.attention import attend, attend_each
 
 
@@ -97,8 +98,8 @@ class PagedKVCache:
             self._set_scales(layer, k, v)
             ks, vs = self.scales[layer]
             kc[self.rows(slot, start, end)], vc[self.rows(slot, start, end)] = (
-                fp8_encode(k, ks),
-                fp8_encode(v, vs),
+                fp8.encode(k, ks),
+                fp8.encode(v, vs),
             )
         else:
             kc[self.rows(slot, start, end)], vc[self.rows(slot, start, end)] = k, v
@@ -106,7 +107,7 @@ class PagedKVCache:
         rows = self.rows(slot, 0, end)
         if self.fp8:
             ks, vs = self.scales[layer]
-            return fp8_decode(kc[rows], ks, k.dtype), fp8_decode(vc[rows], vs, k.dtype)
+            return fp8.decode(kc[rows], ks, k.dtype), fp8.decode(vc[rows], vs, k.dtype)
         return kc[rows], vc[rows]
 
     def append_step(
@@ -130,7 +131,7 @@ class PagedKVCache:
             whole = self.rows(slot, 0, cached + b - a)
             if self.fp8:
                 ks, vs = self.scales[layer]
-                out.append((fp8_decode(kc[whole], ks, k.dtype), fp8_decode(vc[whole], vs, v.dtype)))
+                out.append((fp8.decode(kc[whole], ks, k.dtype), fp8.decode(vc[whole], vs, v.dtype)))
             else:
                 out.append((kc[whole], vc[whole]))
         return out
@@ -194,9 +195,9 @@ class PagedKVCache:
             kc[rows], vc[rows] = k, v
             return k, v
         ks, vs = self.scale_t[i, 0], self.scale_t[i, 1]
-        kq, vq = fp8_encode(k, ks), fp8_encode(v, vs)
+        kq, vq = fp8.encode(k, ks), fp8.encode(v, vs)
         kc[rows], vc[rows] = kq, vq
-        return fp8_decode(kq, ks, k.dtype), fp8_decode(vq, vs, v.dtype)
+        return fp8.decode(kq, ks, k.dtype), fp8.decode(vq, vs, v.dtype)
 
     def advance(self, slot: int, length: int, layers=None) -> None:
         """After a fused step wrote position length-1 of every layer (or of ``layers``)."""

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from fp4moe.engine.sampler import SamplingParams
 from fp4moe.engine.sequence import Sequence
+from fp4moe.errors import UserError
 
 
-class PromptError(ValueError):
+class PromptError(UserError, ValueError):
     pass
 
 

@@ -17,6 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from fp4moe.errors import UserError
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
@@ -54,7 +56,7 @@ TORCH_DTYPES = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint directory that cannot be read as it claims to be."""
 
 

@@ -11,6 +11,9 @@
 from __future__ import annotations
 
 import enum
+import json
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -46,18 +49,24 @@ def quantized_linear_tensors(
     """The tensors of one 2-D NVFP4 linear, keyed by suffix. ``weight_amax`` decides the global scale
     (pass the joint amax of gate and up for both, so they share it)."""
     if fmt is OutputFormat.MODELOPT:
-        return {
-            "weight": q.packed,
-            "weight_scale": q.block_scales,
-            "weight_scale_2": nvfp4.weight_scale_2_from_amax(weight_amax).reshape(()),
-            "input_scale": nvfp4.input_scale_from_amax(input_amax).reshape(()),
-        }
+        return modelopt_linear(
+            q.packed,
+            q.block_scales,
+            nvfp4.weight_scale_2_from_amax(weight_amax),
+            nvfp4.input_scale_from_amax(input_amax),
+        )
     return {
         "weight_packed": q.packed,
         "weight_scale": q.block_scales,
         "weight_global_scale": q.global_scale.float().reshape(1),
         "input_global_scale": nvfp4.global_scale_from_amax(input_amax).reshape(1),
     }
+
+
+def modelopt_linear(packed, block_scales, weight_scale_2, input_scale) -> dict[str, torch.Tensor]:
+    """One ModelOpt NVFP4 linear's tensors keyed by ``SUFFIXES[MODELOPT]``, the two scalars stored 0-D."""
+    values = (packed, block_scales, weight_scale_2.reshape(()), input_scale.reshape(()))
+    return dict(zip(SUFFIXES[OutputFormat.MODELOPT], values, strict=True))
 
 
 def read_quantized_linear(
@@ -185,14 +194,52 @@ def compressed_tensors_quantization_config(ignore: list[str], targets: list[str]
     }
 
 
+def detect_format(
+    config: dict, path: Path | None = None
+) -> tuple[OutputFormat | None, list[str], str | None]:
+    """(format, exclude entries, problem) from config.json's quantization_config, or from ModelOpt's
+    hf_quant_config.json beside it when config.json has none."""
+    qc = config.get("quantization_config")
+    hf_file = Path(path) / "hf_quant_config.json" if path is not None else None
+    if not isinstance(qc, dict) and hf_file is not None and hf_file.exists():
+        try:
+            q = json.loads(hf_file.read_text()).get("quantization", {})
+        except (json.JSONDecodeError, AttributeError):
+            q = {}
+        if str(q.get("quant_algo", "")).upper() in ("NVFP4", "MIXED_PRECISION"):
+            return OutputFormat.MODELOPT, list(q.get("exclude_modules") or []), None
+    if not isinstance(qc, dict):
+        return None, [], "config.json has no quantization_config: not a quantized checkpoint"
+    method = qc.get("quant_method")
+    if method == "modelopt":
+        algo = str(qc.get("quant_algo", "")).upper()
+        if algo not in ("NVFP4", "W4A16_NVFP4", "MIXED_PRECISION"):
+            return None, [], f"quantization_config.quant_algo is {qc.get('quant_algo')!r}, not NVFP4"
+        if algo == "MIXED_PRECISION" and not isinstance(qc.get("quantized_layers"), dict):
+            return None, [], "MIXED_PRECISION quantization_config has no quantized_layers map"
+        entries = qc.get("ignore") or qc.get("exclude_modules") or []
+        return OutputFormat.MODELOPT, list(entries), None
+    if method == "compressed-tensors":
+        if qc.get("format") != "nvfp4-pack-quantized":
+            return None, [], f"compressed-tensors format is {qc.get('format')!r}, not nvfp4-pack-quantized"
+        return OutputFormat.COMPRESSED_TENSORS, list(qc.get("ignore") or []), None
+    return None, [], f"quantization_config.quant_method {method!r} is neither modelopt nor compressed-tensors"
+
+
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
-def excluded_modules(tensors: dict[str, tuple[str, tuple[int, ...]]], fmt: OutputFormat) -> list[str]:
+def excluded_modules(
+    tensors: dict[str, tuple[str, tuple[int, ...]]],
+    fmt: OutputFormat,
+    is_routed_expert: Callable[[str], bool],
+) -> list[str]:
     """Every module left in bf16, by the names that really exist in the shards.
 
-    ``tensors`` maps names to (safetensors dtype, shape). One exact entry per module with a >=2-D float
-    ``weight`` (already-quantized uint8 weights are never excluded) that is not a routed expert: attention and
+    ``tensors`` maps names to (safetensors dtype, shape); ``is_routed_expert(name)`` says which tensors are
+    routed experts (the architecture's knowledge: ``models.qwen3_5_moe.classify``). One exact entry per module
+    with a >=2-D float ``weight`` (already-quantized uint8 weights are never excluded) that is not a routed
+    expert: attention and
     Gated DeltaNet projections (vLLM fuses q/k/v -> qkv_proj, in_proj_qkv/z -> in_proj_qkvz, b/a ->
     in_proj_ba and checks each shard by exact name, so all shards are listed), conv1d, shared experts,
     routers, embeddings, lm_head, vision tower (not in vLLM's defaults), MTP. vLLM maps the
@@ -200,15 +247,13 @@ def excluded_modules(tensors: dict[str, tuple[str, tuple[int, ...]]], fmt: Outpu
     The MTP block's MoE is excluded as a module (``mtp.layers.N.mlp.experts``); compressed-tensors
     additionally gets ``re:`` entries, which vLLM does not remap (MTP and lm_head names are stable).
     """
-    from fp4moe.models.qwen3_5_moe import Role, classify
-
     modules: set[str] = set()
     for name, (dtype, shape) in tensors.items():
         if name.startswith("mtp.") and ".mlp.experts." in name:
             if fmt is OutputFormat.MODELOPT:  # compressed-tensors matches exactly: its re: entry covers these
                 modules.add(name[: name.index(".mlp.experts.") + len(".mlp.experts")])
             continue
-        if not name.endswith(".weight") or len(shape) < 2 or classify(name) is Role.ROUTED_EXPERT:
+        if not name.endswith(".weight") or len(shape) < 2 or is_routed_expert(name):
             continue
         if dtype not in FLOAT_DTYPES:
             continue

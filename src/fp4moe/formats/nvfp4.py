@@ -20,18 +20,21 @@ from dataclasses import dataclass
 
 import torch
 
+from fp4moe.errors import UserError
+from fp4moe.formats import fp8
+
 FP4_MAX = 6.0
-FP8_MAX = 448.0
+FP8_MAX = fp8.MAX
 BLOCK_SIZE = 16
 FP8_EPS = 0.125  # torch.finfo(float8_e4m3fn).eps; the scale given to all-zero blocks
-FP8_DTYPE = torch.float8_e4m3fn
+FP8_DTYPE = fp8.DTYPE
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
 # signed lookup table by 4-bit code (codes 8..15 are the negatives, 8 being -0.0)
 E2M1_TABLE = torch.cat([E2M1_VALUES, -E2M1_VALUES])
 
 
-class NVFP4Error(ValueError):
+class NVFP4Error(UserError, ValueError):
     """Input that cannot be represented in NVFP4 (bad shape, NaN/Inf)."""
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4moe.formats import nvfp4
+from fp4moe.formats import fp8, nvfp4
 
 
 class NVFP4Weight(nn.Module):
@@ -39,7 +39,7 @@ class FP8Weight(nn.Module):
         self.register_buffer("scale", torch.empty((), dtype=torch.float32))
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.weight.float() * self.scale).to(dtype)
+        return fp8.decode(self.weight, self.scale, dtype)
 
 
 class Linear(nn.Module):

@@ -113,7 +113,7 @@ def full_size_config(name: str = "qwen3.6-35b-a3b-nvfp4", quantize_extra: tuple[
 
 def _quantization_config(quantize_extra: tuple[str, ...]) -> dict:
     from fp4moe.formats.layouts import modelopt_mixed_configs, modelopt_quantization_config
-    from fp4moe.quantize.extra import GROUPS, parse_groups, split
+    from fp4moe.models.qwen3_5_moe import GROUPS, parse_groups, split
 
     options = parse_groups(list(quantize_extra))
     algos = dict(split(o) for o in options)

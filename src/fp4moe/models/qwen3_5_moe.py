@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from fp4moe.errors import UserError
 from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -65,7 +66,7 @@ def layer_types_of(text: dict) -> list[str]:
     ]
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError, ValueError):
     pass
 
 
@@ -199,6 +200,11 @@ def classify(name: str) -> Role:
     return Role.OTHER
 
 
+def is_routed_expert(name: str) -> bool:
+    """Whether a checkpoint tensor belongs to a routed expert (what ``formats.layouts`` needs to know)."""
+    return classify(name) is Role.ROUTED_EXPERT
+
+
 def layer_of(name: str) -> int | None:
     """Decoder layer index of a main-model tensor (None for MTP, vision and top-level tensors)."""
     if name.startswith("mtp.") or classify(name) is Role.VISION:
@@ -301,3 +307,60 @@ def parse_per_expert(rest: str) -> tuple[int, str, str] | None:
     """``mlp.experts.7.up_proj.weight_scale`` -> (7, "up_proj", "weight_scale")."""
     m = _PER_EXPERT_RE.match(rest)
     return (int(m["e"]), m["proj"], m["suffix"]) if m else None
+
+
+# ---- the linears ``fp4moe quantize --quantize GROUP[:fp8]`` can quantize beyond the routed experts ----------
+# (quantize.extra calibrates their inputs; vLLM fuses each inner list into one module, whose shards must
+# share one precision, one global scale and one input scale)
+
+GROUPS = {  # option -> fused groups of module names (relative to a decoder layer; lm_head: top level)
+    "attention": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"]],
+    "deltanet": [["linear_attn.in_proj_qkv", "linear_attn.in_proj_z"], ["linear_attn.out_proj"]],
+    "shared": [["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"], ["mlp.shared_expert.down_proj"]],
+    "lm_head": [["lm_head"]],
+}
+
+
+ALGOS = ("nvfp4", "fp8")
+
+
+def split(option: str) -> tuple[str, str]:
+    """``attention`` -> (attention, nvfp4); ``attention:fp8`` -> (attention, fp8)."""
+    name, _, algo = option.partition(":")
+    return name, algo or "nvfp4"
+
+
+def parse_groups(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """``attention,deltanet:fp8`` (or a list) -> validated options; ``experts`` (always NVFP4) is implied."""
+    if not value:
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value)
+    options = sorted({i.strip() for i in items if i.strip() and i.strip() != "experts"})
+    unknown = [o for o in options if split(o)[0] not in GROUPS]
+    if unknown:
+        choices = ", ".join(GROUPS)
+        raise ValueError(f"--quantize: unknown group(s) {', '.join(unknown)}; choose from experts, {choices}")
+    bad = [o for o in options if split(o)[1] not in ALGOS]
+    if bad:
+        raise ValueError(f"--quantize: unknown format in {', '.join(bad)}; use GROUP or GROUP:fp8")
+    names = [split(o)[0] for o in options]
+    if len(set(names)) != len(names):
+        raise ValueError("--quantize: a group is listed with two formats")
+    return tuple(options)
+
+
+def uses_fp8(options: tuple[str, ...]) -> bool:
+    return any(split(o)[1] == "fp8" for o in options)
+
+
+def layer_groups(options: tuple[str, ...], module_names: set[str]) -> list[tuple[list[str], str]]:
+    """(fused group, algo) of one decoder layer that exist in it (attention layers have no linear_attn)."""
+    out = []
+    for option in options:
+        name, algo = split(option)
+        if name == "lm_head":
+            continue
+        for group in GROUPS[name]:
+            if all(m in module_names for m in group):
+                out.append((group, algo))
+    return out

@@ -13,11 +13,12 @@ from pathlib import Path
 import torch
 
 from fp4moe.data import corpus_text
+from fp4moe.errors import UserError
 
 DATASET_ALIASES = {"wikitext": ("wikitext", "wikitext-2-raw-v1", "train")}
 
 
-class CalibrationDataError(ValueError):
+class CalibrationDataError(UserError, ValueError):
     pass
 
 

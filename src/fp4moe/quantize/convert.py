@@ -132,11 +132,8 @@ def convert_block(
             ("up_proj", u, shared, in_scale),
             ("down_proj", (dn[e], dn_bs[e], None), dn_s2[e, 0], dn_in[e, 0]),
         ):
-            base = f"{prefix}{e}.{proj}."
-            writer.add(base + "weight", p.clone())
-            writer.add(base + "weight_scale", bs.clone())
-            writer.add(base + "weight_scale_2", s2.reshape(()).clone())
-            writer.add(base + "input_scale", inp.reshape(()).clone())
+            for suffix, t in layouts.modelopt_linear(p, bs, s2, inp).items():
+                writer.add(f"{prefix}{e}.{proj}.{suffix}", t.clone())
     report.blocks_converted += 1
     report.experts_converted += num_e
 
@@ -194,7 +191,7 @@ def convert(
             dict.fromkeys(
                 [
                     *(qc.get("ignore") or qc.get("exclude_modules") or []),
-                    *layouts.excluded_modules(tensors, OutputFormat.MODELOPT),
+                    *layouts.excluded_modules(tensors, OutputFormat.MODELOPT, arch.is_routed_expert),
                 ]
             )
         )

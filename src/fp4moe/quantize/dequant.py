@@ -10,9 +10,8 @@ import torch
 
 from fp4moe.formats import layouts
 from fp4moe.formats.checkpoint import CheckpointReader
-from fp4moe.formats.layouts import SUFFIXES, OutputFormat
+from fp4moe.formats.layouts import SUFFIXES, OutputFormat, detect_format
 from fp4moe.models import qwen3_5_moe as arch
-from fp4moe.quantize.inspect import detect_format
 
 
 def dequantized_experts(

@@ -1,5 +1,6 @@
-"""NVFP4 for more than the routed experts (``--quantize``): which linears, in which fused groups, and the
-calibration of their inputs.
+"""NVFP4 for more than the routed experts (``--quantize``): the calibration of their inputs. Which linears,
+in which fused groups (``GROUPS``, ``parse_groups``, ``layer_groups``), is the architecture's knowledge:
+``models.qwen3_5_moe``.
 
 The reference build keeps attention, Gated DeltaNet projections, shared experts and lm_head in bf16 --
 about 85% of the bytes a decode step reads. Each group can be put in NVFP4 too, written so stock vLLM
@@ -18,58 +19,6 @@ quantized in_proj_qkvz and >= 0.23 for a quantized lm_head (Qwen3.5 only).
 from __future__ import annotations
 
 import torch
-
-GROUPS = {  # option -> fused groups of module names (relative to a decoder layer; lm_head: top level)
-    "attention": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"]],
-    "deltanet": [["linear_attn.in_proj_qkv", "linear_attn.in_proj_z"], ["linear_attn.out_proj"]],
-    "shared": [["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"], ["mlp.shared_expert.down_proj"]],
-    "lm_head": [["lm_head"]],
-}
-
-
-ALGOS = ("nvfp4", "fp8")
-
-
-def split(option: str) -> tuple[str, str]:
-    """``attention`` -> (attention, nvfp4); ``attention:fp8`` -> (attention, fp8)."""
-    name, _, algo = option.partition(":")
-    return name, algo or "nvfp4"
-
-
-def parse_groups(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
-    """``attention,deltanet:fp8`` (or a list) -> validated options; ``experts`` (always NVFP4) is implied."""
-    if not value:
-        return ()
-    items = value.split(",") if isinstance(value, str) else list(value)
-    options = sorted({i.strip() for i in items if i.strip() and i.strip() != "experts"})
-    unknown = [o for o in options if split(o)[0] not in GROUPS]
-    if unknown:
-        choices = ", ".join(GROUPS)
-        raise ValueError(f"--quantize: unknown group(s) {', '.join(unknown)}; choose from experts, {choices}")
-    bad = [o for o in options if split(o)[1] not in ALGOS]
-    if bad:
-        raise ValueError(f"--quantize: unknown format in {', '.join(bad)}; use GROUP or GROUP:fp8")
-    names = [split(o)[0] for o in options]
-    if len(set(names)) != len(names):
-        raise ValueError("--quantize: a group is listed with two formats")
-    return tuple(options)
-
-
-def uses_fp8(options: tuple[str, ...]) -> bool:
-    return any(split(o)[1] == "fp8" for o in options)
-
-
-def layer_groups(options: tuple[str, ...], module_names: set[str]) -> list[tuple[list[str], str]]:
-    """(fused group, algo) of one decoder layer that exist in it (attention layers have no linear_attn)."""
-    out = []
-    for option in options:
-        name, algo = split(option)
-        if name == "lm_head":
-            continue
-        for group in GROUPS[name]:
-            if all(m in module_names for m in group):
-                out.append((group, algo))
-    return out
 
 
 class InputAmax:

@@ -18,7 +18,7 @@ import torch
 
 from fp4moe.formats import layouts
 from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
-from fp4moe.formats.layouts import SUFFIXES, OutputFormat
+from fp4moe.formats.layouts import SUFFIXES, OutputFormat, detect_format
 from fp4moe.formats.nvfp4 import BLOCK_SIZE
 from fp4moe.models import qwen3_5_moe as arch
 
@@ -94,38 +94,6 @@ class _Problems:
         for kind, n in self.counts.items():
             if n > MAX_LISTED:
                 self.report.problems.append(f"... and {n - MAX_LISTED} more problems of kind '{kind}'")
-
-
-def detect_format(
-    config: dict, path: Path | None = None
-) -> tuple[OutputFormat | None, list[str], str | None]:
-    """(format, exclude entries, problem) from config.json's quantization_config, or from ModelOpt's
-    hf_quant_config.json beside it when config.json has none."""
-    qc = config.get("quantization_config")
-    hf_file = Path(path) / "hf_quant_config.json" if path is not None else None
-    if not isinstance(qc, dict) and hf_file is not None and hf_file.exists():
-        try:
-            q = json.loads(hf_file.read_text()).get("quantization", {})
-        except (json.JSONDecodeError, AttributeError):
-            q = {}
-        if str(q.get("quant_algo", "")).upper() in ("NVFP4", "MIXED_PRECISION"):
-            return OutputFormat.MODELOPT, list(q.get("exclude_modules") or []), None
-    if not isinstance(qc, dict):
-        return None, [], "config.json has no quantization_config: not a quantized checkpoint"
-    method = qc.get("quant_method")
-    if method == "modelopt":
-        algo = str(qc.get("quant_algo", "")).upper()
-        if algo not in ("NVFP4", "W4A16_NVFP4", "MIXED_PRECISION"):
-            return None, [], f"quantization_config.quant_algo is {qc.get('quant_algo')!r}, not NVFP4"
-        if algo == "MIXED_PRECISION" and not isinstance(qc.get("quantized_layers"), dict):
-            return None, [], "MIXED_PRECISION quantization_config has no quantized_layers map"
-        entries = qc.get("ignore") or qc.get("exclude_modules") or []
-        return OutputFormat.MODELOPT, list(entries), None
-    if method == "compressed-tensors":
-        if qc.get("format") != "nvfp4-pack-quantized":
-            return None, [], f"compressed-tensors format is {qc.get('format')!r}, not nvfp4-pack-quantized"
-        return OutputFormat.COMPRESSED_TENSORS, list(qc.get("ignore") or []), None
-    return None, [], f"quantization_config.quant_method {method!r} is neither modelopt nor compressed-tensors"
 
 
 def _check_hf_quant_config(path: Path, report: InspectReport) -> None:

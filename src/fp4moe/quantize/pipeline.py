@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from fp4moe.formats import layouts, nvfp4
+from fp4moe.errors import UserError
+from fp4moe.formats import fp8, layouts, nvfp4
 from fp4moe.formats.checkpoint import (
     INDEX_NAME,
     CheckpointReader,
@@ -34,12 +35,13 @@ from fp4moe.formats.nvfp4 import BLOCK_SIZE, NVFP4Error
 from fp4moe.layers.norm import rms_norm_zero_centred
 from fp4moe.models import qwen3_5_moe as arch
 from fp4moe.quantize import calib_data, calibrate, extra
-from fp4moe.quantize.scales import QuantizedExperts, ScaleMethod, quantize_experts, quantize_weight, to_cpu
+from fp4moe.quantize.experts import QuantizedExperts, quantize_experts, quantize_weight, to_cpu
+from fp4moe.quantize.scales import ScaleMethod
 
 MTP_FILE = "model-mtp.safetensors"
 
 
-class QuantizeError(RuntimeError):
+class QuantizeError(UserError, RuntimeError):
     pass
 
 
@@ -65,8 +67,8 @@ class QuantizeOptions:
 
     def __post_init__(self):
         self.format = OutputFormat(self.format)
-        self.quantize_extra = extra.parse_groups(self.quantize_extra)
-        if extra.uses_fp8(self.quantize_extra) and self.format is not OutputFormat.MODELOPT:
+        self.quantize_extra = arch.parse_groups(self.quantize_extra)
+        if arch.uses_fp8(self.quantize_extra) and self.format is not OutputFormat.MODELOPT:
             raise ValueError(
                 "--quantize GROUP:fp8 is written as ModelOpt MIXED_PRECISION: use --format modelopt"
             )
@@ -242,12 +244,11 @@ def write_linear_group(
     from their joint amax and one input scale, as vLLM's fused modules need."""
     amax = torch.stack([w.abs().amax().float().cpu() for w in weights.values()]).max()
     if algo == "fp8":
-        scale = torch.clamp(amax / nvfp4.FP8_MAX, min=torch.finfo(torch.float32).tiny)
+        scale = fp8.scale_from_amax(amax)
         for module, w in weights.items():
-            q = torch.clamp(w.float() / scale, -nvfp4.FP8_MAX, nvfp4.FP8_MAX).to(nvfp4.FP8_DTYPE)
-            writer.add(f"{module}.weight", q)
+            writer.add(f"{module}.weight", fp8.encode(w, scale))
             writer.add(f"{module}.weight_scale", scale.reshape(()).clone())
-            writer.add(f"{module}.input_scale", (input_amax.float() / nvfp4.FP8_MAX).reshape(()).clone())
+            writer.add(f"{module}.input_scale", (input_amax.float() / fp8.MAX).reshape(()).clone())
         return
     global_scale = nvfp4.global_scale_from_amax(amax).to(device)
     for module, w in weights.items():
@@ -342,7 +343,7 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
                 layer_tensors["mlp.experts.down_proj"] = down
                 layer = calibrate.build_layer(text_config, i, layer_tensors, dtype, device)
                 modules = {n.removesuffix(".weight") for n in layer_tensors if n.endswith(".weight")}
-                groups = extra.layer_groups(options.quantize_extra, modules)
+                groups = arch.layer_groups(options.quantize_extra, modules)
                 taps = extra.InputAmax(layer, [m for g, _ in groups for m in g])
                 try:
                     hidden, stats = calibrate.calibrate_layer(
@@ -385,7 +386,7 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             _release_freed_memory()
 
         with timer("write"):
-            head_algo = dict(extra.split(o) for o in options.quantize_extra).get("lm_head")
+            head_algo = dict(arch.split(o) for o in options.quantize_extra).get("lm_head")
             if head_algo is not None:
                 if "lm_head.weight" not in reader:
                     raise QuantizeError("--quantize lm_head: the checkpoint ties lm_head to the embedding")
@@ -417,9 +418,9 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             if arch.classify(n) is not arch.Role.ROUTED_EXPERT
             and n.removesuffix(".weight") not in quantized_modules
         }
-        exclude = layouts.excluded_modules(tensors, options.format)
+        exclude = layouts.excluded_modules(tensors, options.format, arch.is_routed_expert)
         qcfg, hf_qcfg = _quantization_configs(options.format, exclude, options.kv_cache_quant_algo)
-        if extra.uses_fp8(options.quantize_extra):  # some FP8, some NVFP4: ModelOpt MIXED_PRECISION
+        if arch.uses_fp8(options.quantize_extra):  # some FP8, some NVFP4: ModelOpt MIXED_PRECISION
             layers = {f"{prefix}layers.{i}.mlp.experts": "nvfp4" for i in range(cfg.text.num_layers)}
             layers.update(quantized_modules)
             qcfg, hf_qcfg = layouts.modelopt_mixed_configs(exclude, options.kv_cache_quant_algo, layers)
