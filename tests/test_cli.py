@@ -4,7 +4,8 @@ import argparse
 
 import pytest
 
-from fp4moe.cli import build_parser, main, vllm_command
+from fp4moe.cli import build_parser, main
+from fp4moe.cli.serve import vllm_command
 
 
 def _subparsers(parser):
@@ -60,7 +61,7 @@ def test_auto_speculation_is_off_on_the_cpu(checkpoints):
 
 def test_generate_and_serve_declare_the_engine_options_once():
     """One EngineConfig from the same options for both commands (declared by one function)."""
-    from fp4moe.cli import engine_config
+    from fp4moe.cli.options import engine_config
     from fp4moe.engine.config import EngineConfig
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices

@@ -110,7 +110,7 @@ def test_vllm_command(checkpoints, capsys):
 
 
 def test_vllm_command_speculation_and_flashinfer_less_install(checkpoints, capsys, monkeypatch):
-    import fp4moe.cli as cli
+    import fp4moe.cli.serve as cli
 
     path = str(checkpoints.quantized())
     monkeypatch.setattr(cli, "vllm_without_flashinfer", lambda: True)

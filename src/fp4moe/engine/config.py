@@ -1,5 +1,5 @@
 """How the engine runs a model: one ``EngineConfig`` that ``LLM``, ``fp4moe generate`` and ``fp4moe serve``
-share (the CLI declares its options once, ``cli._add_engine_options``)."""
+share (the CLI declares its options once, ``cli.options.add_engine_options``)."""
 
 from __future__ import annotations
 

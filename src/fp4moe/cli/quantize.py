@@ -1,0 +1,129 @@
+"""``fp4moe quantize``: a bf16 checkpoint to calibrated NVFP4 experts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add(sub) -> None:
+    p = sub.add_parser(
+        "quantize",
+        help="NVFP4-quantize the routed experts of a bf16 qwen3_5_moe checkpoint",
+        description=(
+            "Calibrate and quantize the routed experts of a bf16 qwen3_5_moe checkpoint (Qwen3.5/3.6-35B-A3B) "
+            "to NVFP4, one decoder layer at a time; everything else (attention, Gated DeltaNet, shared experts, "
+            "routers, embeddings, lm_head, vision tower, MTP head) is copied verbatim in bf16. The output loads "
+            "in stock vLLM. It is written to a temporary directory beside DST and renamed only after it passes "
+            "`fp4moe inspect`."
+        ),
+    )
+    p.add_argument("src", help="bf16 checkpoint directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
+    p.add_argument(
+        "--format",
+        choices=["modelopt", "compressed-tensors"],
+        default="modelopt",
+        help="on-disk layout: ModelOpt NVFP4 per-expert tensors (default; loads in vLLM 0.17-0.33) "
+        "or compressed-tensors nvfp4-pack-quantized",
+    )
+    p.add_argument(
+        "--calib-file", help='calibration text: a .txt file, or .jsonl with a "text" field per line'
+    )
+    p.add_argument(
+        "--calib-dataset",
+        help="calibration dataset through the `datasets` package (needs a network); "
+        "'wikitext' = wikitext-2-raw-v1 train",
+    )
+    p.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument(
+        "--calibrate-all-experts",
+        action="store_true",
+        help="collect statistics for every expert from every token (layer outputs stay routed "
+        "as usual); no expert falls back",
+    )
+    p.add_argument(
+        "--quantize",
+        default="experts",
+        metavar="GROUPS",
+        help="what is quantized, comma-separated: experts (always, NVFP4), attention (q/k/v/o_proj), deltanet "
+        "(in_proj_qkv+in_proj_z, out_proj), shared (shared expert), lm_head; GROUP:fp8 for per-tensor FP8 "
+        "instead of NVFP4 (written as ModelOpt MIXED_PRECISION, vLLM >= 0.17). Fused groups share one global "
+        "and input scale, as vLLM needs; a quantized in_proj_qkvz needs vLLM >= 0.20, lm_head >= 0.23",
+    )
+    p.add_argument(
+        "--scale-method",
+        choices=["rtn", "4over6", "mse"],
+        default="mse",
+        help="how block scales are chosen (routed experts and every --quantize group); default mse, which gave "
+        "19%% less KL than rtn on the trained reference model (BENCHMARKS.md): rtn = round-to-nearest from the "
+        "block amax (ModelOpt/llm-compressor default); 4over6 = per block, max maps to 6 or 4, whichever has the "
+        "smaller error; mse = per block, the e4m3 scale of least squared error among RTN's, its 6 "
+        "neighbours each side and 4-over-6's (never worse than rtn per block)",
+    )
+    p.add_argument(
+        "--gptq",
+        action="store_true",
+        help="GPTQ error compensation for the routed experts: each expert's input second moments are "
+        "gathered from the tokens routed to it during calibration, and every 16-column group is "
+        "quantized (scales by --scale-method) with the error of earlier columns folded in; memory: one "
+        "[E, H, H] fp32 matrix per layer (4.3 GB at full size); see BENCHMARKS.md for what it buys",
+    )
+    p.add_argument(
+        "--device", default="auto", help="calibration device: auto (cuda if present), cpu, cuda, cuda:N"
+    )
+    p.add_argument(
+        "--calib-dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="dtype the layers run in during calibration (auto: the checkpoint's own, bf16 for the real model)",
+    )
+    p.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default 8)")
+    p.add_argument(
+        "--max-shard-size",
+        default="2GB",
+        help="largest output shard; also bounds the write buffer (default 2GB)",
+    )
+    p.add_argument(
+        "--kv-cache-quant-algo",
+        choices=["FP8"],
+        default=None,
+        help="declare an FP8 KV cache in the quantization config (scales are computed by the engine)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed for choosing calibration windows")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DST if it exists (only once the new one is complete)",
+    )
+    p.add_argument("--report", help="also write the report as JSON to this file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args) -> int:
+    from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+
+    options = QuantizeOptions(
+        format=args.format,
+        num_samples=args.num_samples,
+        seq_len=args.seq_len,
+        calib_file=args.calib_file,
+        calib_dataset=args.calib_dataset,
+        calibrate_all_experts=args.calibrate_all_experts,
+        scale_method=args.scale_method,
+        gptq=args.gptq,
+        quantize_extra=args.quantize,
+        device=args.device,
+        calib_dtype=args.calib_dtype,
+        batch_size=args.batch_size,
+        max_shard_size=args.max_shard_size,
+        kv_cache_quant_algo=args.kv_cache_quant_algo,
+        overwrite=args.overwrite,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    report = quantize(args.src, args.dst, options)
+    print(report.summary())
+    if args.report:
+        Path(args.report).write_text(report.to_json() + "\n")
+    return 0

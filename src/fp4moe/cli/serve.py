@@ -1,0 +1,251 @@
+"""``fp4moe serve``: the OpenAI-compatible server on our engine, or the vLLM command (``--engine vllm``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from fp4moe.cli.options import (
+    add_engine_options,
+    engine_config,
+    limit_mm,
+    positive,
+)
+
+
+def add(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible server on our engine (or the vLLM command for the checkpoint)",
+        description=(
+            "Serve a qwen3_5_moe checkpoint over an OpenAI-compatible HTTP API with continuous batching: "
+            "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. With --engine vllm, print "
+            "(or --exec) the vLLM command for the checkpoint instead -- the way past one GPU."
+        ),
+    )
+    p.add_argument(
+        "model",
+        help="checkpoint directory; with --load-format dummy also a full-size name (qwen3.5-35b-a3b, "
+        "qwen3.6-35b-a3b, or either with -nvfp4: experts in NVFP4): config and a synthetic tokenizer are "
+        "written once under ~/.cache/fp4moe/full-size",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["fp4moe", "vllm"],
+        default="fp4moe",
+        help="serve with our engine or print vLLM's command",
+    )
+    p.add_argument(
+        "--exec", action="store_true", help="with --engine vllm: run the command instead of printing it"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument(
+        "--served-model-name", default=None, help="model name clients use (default: the directory name)"
+    )
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
+    p.add_argument(
+        "--max-waiting", type=int, default=256, help="waiting requests before answering 429 (default 256)"
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="reuse attention KV and Gated DeltaNet states of repeated prompt prefixes (block snapshots)",
+    )
+    p.add_argument(
+        "--prefix-block-size", type=int, default=64, help="prefix-cache block size in tokens (default 64)"
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        help="hosts remote image URLs may be fetched from (default: none; only data: URLs)",
+    )
+    p.add_argument(
+        "--prefix-cache-entries", type=int, default=64, help="prefix snapshots kept, LRU (default 64)"
+    )
+    p.add_argument(
+        "--prefix-cache-gib",
+        type=float,
+        default=16.0,
+        help="host memory the prefix snapshots may hold, GiB, LRU (default 16; a 512K-token prompt's snapshot "
+        "of the full-size model takes 5.5 GiB with an fp8 cache; a prompt whose snapshot alone is larger takes none)",
+    )
+    p.add_argument(
+        "--max-n-sequences",
+        type=positive,
+        default=16384,
+        help="largest `n` (choices per request) accepted; more is a 400 (default 16384, vLLM's)",
+    )
+    p.add_argument(
+        "--max-prompt-chars",
+        type=positive,
+        default=None,
+        help="characters a prompt may have before it is tokenized; more is a 400 without tokenizing "
+        "(default: 8 x --max-model-len)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=positive,
+        default=None,
+        help="largest request body; more is a 413 before it is parsed (default: 4 bytes per prompt character "
+        "allowed, the images --limit-mm-per-prompt allows as base64 at 20 MB each, and 1 MiB)",
+    )
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a GPU, compile every kernel variant and capture every CUDA graph before serving, so no "
+        "request waits for them (default on; --no-warmup starts faster)",
+    )
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the engine loop in its own process: HTTP, tokenizing, detokenizing, stop strings, parsers "
+        "and SSE stay in this one and never take the engine's GIL (vLLM V1's engine core). Default: on for "
+        "the CPU (torch's OpenMP threads run the engine's ops ~5x slower from a secondary thread than from a "
+        "process's main thread), off on a GPU (there the GPU bounds a step: the same tokens/s as a thread, "
+        "with slower synchronous steps in the child process; BENCHMARKS.md)",
+    )
+    p.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds open requests may run on; those still running 2 s before the end "
+        "are stopped (streams: an error event and [DONE]; others: 503) (default 30)",
+    )
+    p.add_argument(
+        "--reasoning-parser", choices=["qwen3"], default=None, help="split <think> into reasoning_content"
+    )
+    p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None, help="parse tool calls")
+    p.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"')
+    add_engine_options(p, max_num_seqs="auto", max_num_batched_tokens="auto")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="with --engine vllm: GPUs to shard over"
+    )
+
+
+def vllm_without_flashinfer() -> bool:
+    """vLLM installed here without flashinfer (an optional dependency on Hopper): its defaults then need the
+    Triton GDN prefill and VLLM_USE_FLASHINFER_SAMPLER=0."""
+    from importlib.util import find_spec
+
+    return find_spec("vllm") is not None and find_spec("flashinfer") is None
+
+
+def vllm_command(args) -> list[str]:
+    """The reference recipe for stock vLLM, adapted to this checkpoint."""
+
+    from fp4moe.engine.loader import load_config, text_config_of
+
+    config = load_config(args.model)
+    text = text_config_of(config)
+    name = args.served_model_name or Path(args.model).name
+    rope = dict(text.get("rope_parameters") or {})
+    yarn = {
+        "text_config": {
+            "rope_parameters": {
+                **rope,
+                "rope_type": "yarn",
+                "factor": 2.0,
+                "original_max_position_embeddings": text.get("max_position_embeddings", 262144),
+            },
+            "max_position_embeddings": 2 * int(text.get("max_position_embeddings", 262144)),
+        }
+    }
+    cmd = [
+        "vllm",
+        "serve",
+        str(args.model),
+        "--served-model-name",
+        name,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--kv-cache-dtype",
+        "fp8",
+        "--max-model-len",
+        str(args.max_model_len or yarn["text_config"]["max_position_embeddings"]),
+        "--hf-overrides",
+        json.dumps(args.hf_overrides and json.loads(args.hf_overrides) or yarn),
+        "--reasoning-parser",
+        "qwen3",
+        "--tool-call-parser",
+        "qwen3_coder",
+        "--enable-auto-tool-choice",
+        "--enable-prefix-caching",
+        "--enable-chunked-prefill",
+        "--limit-mm-per-prompt",
+        json.dumps(limit_mm(args.limit_mm_per_prompt)),
+    ]
+    if args.max_num_seqs != "auto":  # auto: vLLM's own default, bounded by its KV cache
+        cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    k = getattr(args, "num_speculative_tokens", "auto")
+    k = 2 if k == "auto" else int(k)  # the reference recipe's n = 2; 0 turns MTP off
+    if k and int(text.get("mtp_num_hidden_layers", 0) or 0) > 0:
+        cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k})]
+    if (
+        vllm_without_flashinfer()
+    ):  # on Hopper vLLM's "auto" GDN prefill picks FlashInfer without checking for it
+        cmd += ["--gdn-prefill-backend", "triton"]
+    if args.tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size), "--enable-expert-parallel"]
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    if args.load_format == "dummy":
+        cmd += ["--load-format", "dummy"]
+    return cmd
+
+
+def run(args) -> int:
+    import os
+    import shlex
+
+    from fp4moe.models.full_size import resolve
+
+    args.model = resolve(args.model, args.load_format)
+    if args.engine == "vllm":
+        cmd = vllm_command(args)
+        env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"} if vllm_without_flashinfer() else {}
+        if args.exec:
+            os.execvpe(cmd[0], cmd, {**os.environ, **env})
+        print(shlex.join([f"{k}={v}" for k, v in env.items()] + cmd))
+        return 0
+    from fp4moe.engine.core import AsyncEngine
+    from fp4moe.engine.process import EngineProcess, EngineSpec, start_engine
+    from fp4moe.server.app import ServerConfig, build_app
+    from fp4moe.server.uvicorn_server import serve
+
+    config = engine_config(args)
+    prefix = (
+        (args.prefix_block_size, args.prefix_cache_entries, int(args.prefix_cache_gib * 2**30))
+        if args.enable_prefix_caching
+        else None
+    )
+    spec = EngineSpec(str(args.model), config, args.warmup, args.max_waiting, prefix)
+    own = args.engine_process if args.engine_process is not None else not config.device.startswith("cuda")
+    engine = EngineProcess(spec) if own else AsyncEngine(start_engine(spec)[1])
+    where = f"in its own process (pid {engine.pid})" if own else "on a thread of the server"
+    print(f"fp4moe serve: the engine loop runs {where}", file=sys.stderr, flush=True)
+    app = build_app(
+        engine,
+        ServerConfig(
+            served_model_name=args.served_model_name or Path(args.model).name,
+            api_key=args.api_key,
+            reasoning_parser=args.reasoning_parser,
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            allowed_media_domains=frozenset(args.allowed_media_domains),
+            max_n_sequences=args.max_n_sequences,
+            max_prompt_chars=args.max_prompt_chars,
+            max_request_bytes=args.max_request_bytes,
+        ),
+    )
+    serve(app, args.host, args.port, args.timeout_graceful_shutdown)
+    return 0
