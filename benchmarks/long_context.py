@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import decode as dec  # noqa: E402
+import common  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256
-log = dec.log
+log = common.log
 
 
 def attention_flops(chunk: int, prefix: int, layers: int = 1) -> float:
@@ -82,7 +82,7 @@ def kernel_rows(chunk: int, prefixes: list[int], peak: float, tiles: list[tuple]
                 except Exception as e:  # a tile too large for shared memory
                     log(f"kernel tile {tile}: {type(e).__name__}: {str(e)[:120]}")
                     continue
-                t = statistics.median(dec.event_seconds(run, 5))
+                t = statistics.median(common.event_seconds(run, 5))
                 rows.append(dict(kind="kernel", kv=kv, chunk=chunk, prefix=prefix, tile=list(tile), seconds=t,
                                  tflops=flops / t / 1e12, pct_peak=flops / t / peak))  # fmt: skip
                 log(f"paged prefill kernel kv={kv:4s} chunk {chunk} after {prefix:7d}, tile {tile}: "
@@ -99,7 +99,7 @@ def kernel_rows(chunk: int, prefixes: list[int], peak: float, tiles: list[tuple]
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     flash()
-    t = statistics.median(dec.event_seconds(flash, 5))
+    t = statistics.median(common.event_seconds(flash, 5))
     flops = attention_flops(chunk, 0)
     rows.append(dict(kind="sdpa-flash", kv="auto", chunk=chunk, prefix=0, seconds=t, tflops=flops / t / 1e12,
                      pct_peak=flops / t / peak))  # fmt: skip
@@ -137,14 +137,14 @@ def chunked_prefill(model, tokens: int, chunk: int, kv_dtype: str, peak: float, 
                 )
                 model.compute_logits(h[-1:])
 
-            times += dec.event_seconds(step, 1)
+            times += common.event_seconds(step, 1)
         return times
 
     once() if tokens <= 32768 else None  # compiles (the longest runs once: it is the minute-long one)
     runs = sorted((once() for _ in range(repeats)), key=sum)
     middle = runs[len(runs) // 2]  # the median run
     t = sum(middle)
-    dense, _, _ = dec.weight_bytes(model)
+    dense, _, _ = common.weight_bytes(model)
     lm_head = a.vocab_size * a.hidden_size * 2
     active = (dense - lm_head) / 2 + a.num_layers * a.top_k * 3 * a.hidden_size * a.moe_intermediate_size
     n_attn = sum(x == "full_attention" for x in a.layer_types)
@@ -212,7 +212,7 @@ def main() -> int:
     skip = set(args.skip.split(","))
     out = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), torch=torch.__version__,
                argv=sys.argv[1:])  # fmt: skip
-    bw, peak = dec.copy_bandwidth(dev), dec.matmul_peak(dev)
+    bw, peak = common.copy_bandwidth(dev), common.matmul_peak(dev)
     out.update(copy_bandwidth=bw, matmul_peak=peak)
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
     rows = []
@@ -221,7 +221,7 @@ def main() -> int:
         tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles.split(";") if t]
         rows += kernel_rows(args.chunk, ints(args.kernel_prefixes), peak, tiles)
         save()
-    model = dec.build_model(True, dev)
+    model = common.build_model(True, dev)
     log(f"built the NVFP4 model: {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     if "capacity" not in skip:
         out["capacity"] = c = capacity(model, 524288)
@@ -250,7 +250,7 @@ def main() -> int:
                     continue
                 batches = sorted({b for b in ints(args.batches) if b <= fits[-1]} | {fits[-1]})
                 for b in batches:
-                    r = dec.decode_row(model, "nvfp4", b, ctx, kv, bw)
+                    r = common.decode_row(model, "nvfp4", b, ctx, kv, bw)
                     r["largest_that_fits"] = b == fits[-1]
                     rows.append(r)
                     log(f"decode kv={kv:4s} B={b:3d} ctx={ctx:7d}: {r['tok_s']:8.1f} tok/s engine, "

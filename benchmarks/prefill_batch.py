@@ -51,7 +51,7 @@ def main() -> int:
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args()
-    import decode as dec
+    import common
 
     from fp4moe.engine.context import StepContext
     from fp4moe.engine.cuda_runner import CudaModelRunner
@@ -60,7 +60,7 @@ def main() -> int:
 
     steps = [[args.tokens // n] * n for n in args.splits] + [_lengths(x) for x in args.lengths]
     dev = torch.device("cuda")
-    model = dec.build_model(True, dev)
+    model = common.build_model(True, dev)
     spec = args.profile
     profiled = (
         None if not spec else [args.tokens // int(spec)] * int(spec) if spec.isdigit() else _lengths(spec)
@@ -104,7 +104,7 @@ def main() -> int:
             step(lens)  # compiles
             torch.cuda.synchronize()
             host.clear()
-            times = dec.event_seconds(lambda lens=lens: step(lens), 3)
+            times = common.event_seconds(lambda lens=lens: step(lens), 3)
             t, tokens = statistics.median(times), sum(lens)
             graph = list(groups) if graphs else None
             rows.append(dict(sequences=len(lens), tokens=tokens, lengths=lens, seconds=t,
@@ -129,7 +129,7 @@ def main() -> int:
         result["host_ops"] = [
             dict(op=e.key[:90], calls=e.count, self_host_us=e.self_cpu_time_total) for e in by_host
         ]
-        result["kernels"] = dec._kernel_table(prof, 25)
+        result["kernels"] = common._kernel_table(prof, 25)
         print(f"\nprofile, {args.profile} sequences: ops by self host time")
         for r in result["host_ops"]:
             print(f"  {r['self_host_us'] / 1e3:8.2f} ms  {r['calls']:6d}  {r['op']}")

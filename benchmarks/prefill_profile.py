@@ -11,7 +11,7 @@ import argparse
 import json
 
 import torch
-from decode import build_model, matmul_peak, time_prefill
+from common import build_model, matmul_peak, time_prefill
 
 
 def main() -> None:

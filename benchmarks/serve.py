@@ -255,13 +255,13 @@ def top_functions(raw: Path, top: int = 30) -> dict:
 
 def engine_rates(batches: list[int], ctx: int) -> list[dict]:
     sys.path.insert(0, str(HERE))
-    import decode as dec
+    import common
 
     dev = torch.device("cuda")
-    model = dec.build_model(True, dev)
+    model = common.build_model(True, dev)
     rows = []
     for b in batches:
-        t = dec.time_decode(model, b, ctx, "auto")
+        t = common.time_decode(model, b, ctx, "auto")
         rows.append(
             dict(batch=b, context=ctx, replay_tok_s=b / t["replay_s"], engine_tok_s=b / t["engine_s"])
         )

@@ -167,23 +167,25 @@ SAMPLING = {
 
 def full_size(args) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
-    import decode as dec
+    import common
 
     from fp4moe.engine.cuda_spec import FusedSpecRound
     from fp4moe.engine.sampler import SamplingParams
 
     dev = torch.device("cuda")
     sampling_params = SamplingParams(**SAMPLING[args.sampling])
-    model = dec.build_model(True, dev)
-    dec.add_mtp_head(model)
+    model = common.build_model(True, dev)
+    common.add_mtp_head(model)
     rows = []
     for ctx in args.contexts:
         for b in args.batches:
-            step_s = dec.time_decode(model, b, ctx, "auto")["engine_s"]
+            step_s = common.time_decode(model, b, ctx, "auto")["engine_s"]
             rows.append(dict(k=0, batch=b, context=ctx, step_s=step_s, tok_s=b / step_s))
             print(json.dumps(rows[-1]), flush=True)
             for k in [k for k in args.ks if k > 0]:
-                runner = dec.random_runner(model, b, ctx, "auto", (args.rounds + 2) * (k + 1), spec_tokens=k)
+                runner = common.random_runner(
+                    model, b, ctx, "auto", (args.rounds + 2) * (k + 1), spec_tokens=k
+                )
                 fused = FusedSpecRound(runner, k)
                 fused.forced = torch.zeros(1, dtype=torch.long, device=dev)
                 slots, tokens = list(range(b)), [[1] * (k + 1) for _ in range(b)]
@@ -202,7 +204,7 @@ def full_size(args) -> int:
                         position += a + 1
 
                     one_round()  # captures the bucket's graph on the first use
-                    by_accepted[a] = statistics.median(dec.event_seconds(one_round, args.rounds))
+                    by_accepted[a] = statistics.median(common.event_seconds(one_round, args.rounds))
                 round_s = statistics.median(by_accepted.values())
                 row = dict(
                     k=k, batch=b, context=ctx, sampling=args.sampling, round_s=round_s,

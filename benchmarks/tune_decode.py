@@ -22,7 +22,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from decode import build_model, event_seconds, kernel_breakdown, log, random_runner
+from common import build_model, event_seconds, kernel_breakdown, log, random_runner
 
 from fp4moe import kernels
 from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES

@@ -16,7 +16,7 @@ import json
 import time
 
 import torch
-from tune_experts import LAYERS, graph_time
+from common import LAYERS, graph_time
 
 from fp4moe.kernels import nvfp4_gemm as gemm
 from fp4moe.kernels import nvfp4_gemv as gemv

@@ -22,65 +22,12 @@ import statistics
 import time
 
 import torch
+from common import DN_BYTES, GU_BYTES, LAYERS, E, H, I, K, graph_time, weights
 
 from fp4moe.kernels import moe_routing as mr
 from fp4moe.kernels import nvfp4_dequant as dq
 from fp4moe.kernels import nvfp4_gemm as gemm
 from fp4moe.kernels import nvfp4_gemv as gemv
-
-E, H, I, K = 256, 2048, 512, 8
-LAYERS = 40
-GU_BYTES = 2 * I * H // 2 + 2 * I * H // 16  # one expert's packed codes + block scales
-DN_BYTES = H * I // 2 + H * I // 16
-
-
-def graph_time(fn, reps: int = 20, layers: int = LAYERS) -> float:
-    """Seconds per launch of ``fn`` (which runs ``layers`` launches), from graph replays (a single timed call
-    without a GPU: a smoke test of the sweep under Triton's interpreter)."""
-    fn()
-    if not torch.cuda.is_available():
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) / layers
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return statistics.median(times) / layers
-
-
-def weights(dev, layers: int = LAYERS):
-    """``layers`` layers' random NVFP4 experts: {"gu": (packed, block scales, decode), "dn": (...)}."""
-
-    def fp8(*shape):
-        return (torch.rand(*shape, device=dev) + 0.5).to(torch.float8_e4m3fn)
-
-    out = []
-    for _ in range(layers):
-        out.append(
-            dict(
-                gu=(
-                    torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, device=dev),
-                    fp8(E, 2 * I, H // 16),
-                    torch.full((E, 2), 2e-3, device=dev),
-                ),
-                dn=(
-                    torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, device=dev),
-                    fp8(E, H, I // 16),
-                    torch.full((E,), 2e-3, device=dev),
-                ),
-            )
-        )
-    return out
 
 
 def main() -> None:

@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from decode import event_seconds
-from tune_experts import E, H, I, weights
-from tune_experts import K as TOPK
+from common import E, H, I, event_seconds, weights
+from common import K as TOPK
 
 from fp4moe.formats import nvfp4
 from fp4moe.kernels import moe_routing as mr

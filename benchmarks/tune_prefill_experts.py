@@ -15,7 +15,7 @@ import json
 import time
 
 import torch
-from tune_experts import E, H, I, K, graph_time, weights
+from common import E, H, I, K, graph_time, weights
 
 from fp4moe.kernels import moe_routing as mr
 from fp4moe.kernels import nvfp4_gemm as gemm

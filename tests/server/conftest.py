@@ -11,7 +11,8 @@ import uvicorn
 from fp4moe.engine.core import AsyncEngine, EngineCore
 from fp4moe.engine.llm import LLM
 from fp4moe.engine.scheduler import SchedulerConfig
-from fp4moe.server.app import ServerConfig, build_app
+from fp4moe.server.app import build_app
+from fp4moe.server.config import ServerConfig
 from fp4moe.server.uvicorn_server import Server
 
 

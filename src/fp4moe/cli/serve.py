@@ -219,7 +219,8 @@ def run(args) -> int:
         return 0
     from fp4moe.engine.core import AsyncEngine
     from fp4moe.engine.process import EngineProcess, EngineSpec, start_engine
-    from fp4moe.server.app import ServerConfig, build_app
+    from fp4moe.server.app import build_app
+    from fp4moe.server.config import ServerConfig
     from fp4moe.server.uvicorn_server import serve
 
     config = engine_config(args)

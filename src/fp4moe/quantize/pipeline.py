@@ -263,8 +263,148 @@ def _quantization_configs(fmt: OutputFormat, exclude: list[str], kv: str | None)
     return layouts.compressed_tensors_quantization_config(exclude, ["Linear"]), None
 
 
+@dataclass
+class _Run:
+    """What one ``quantize`` run carries from layer to layer: its inputs, the writer, and the tallies the
+    report and the config need."""
+
+    reader: CheckpointReader
+    writer: ShardedWriter
+    options: QuantizeOptions
+    prefix: str
+    text_config: object  # transformers' text config (calibration runs its decoder layer)
+    rotary: object
+    device: torch.device
+    dtype: torch.dtype
+    timer: StageTimer
+    done: set[str] = field(default_factory=set)  # tensors written
+    quantized_modules: dict[str, str] = field(default_factory=dict)  # --quantize linears -> nvfp4 | fp8
+    fallbacks: list[list[int]] = field(default_factory=list)  # [layer, expert] with no calibration token
+    num_calibrated: int = 0
+    min_tokens: int | None = None
+
+
+def _quantize_layer(run: _Run, i: int, block, hidden: torch.Tensor) -> torch.Tensor:
+    """Decoder layer ``i``: read it, calibrate it on ``hidden`` (the previous layer's outputs, returned for
+    the next), quantize its routed experts (and its ``--quantize`` groups), write it, free it."""
+    reader, options, timer, device = run.reader, run.options, run.timer, run.device
+    names = arch.layer_names(reader, run.prefix, i)
+    expert_names = set(block.source_names())
+    with timer("read"):
+        dense = {n: _finite(n, reader.get(n)) for n in names if n not in expert_names}
+        gate_up, down = block.read(reader)
+        _finite(f"{block.prefix}gate_up_proj", gate_up)
+        _finite(f"{block.prefix}down_proj", down)
+    with timer("calibrate"):
+        layer_tensors = {arch.strip_layer_prefix(n): t for n, t in dense.items()}
+        layer_tensors["mlp.experts.gate_up_proj"] = gate_up
+        layer_tensors["mlp.experts.down_proj"] = down
+        layer = calibrate.build_layer(run.text_config, i, layer_tensors, run.dtype, device)
+        modules = {n.removesuffix(".weight") for n in layer_tensors if n.endswith(".weight")}
+        groups = arch.layer_groups(options.quantize_extra, modules)
+        taps = extra.InputAmax(layer, [m for g, _ in groups for m in g])
+        try:
+            hidden, stats = calibrate.calibrate_layer(
+                layer,
+                hidden,
+                run.rotary,
+                all_experts=options.calibrate_all_experts,
+                batch_size=options.batch_size,
+                hessians=options.gptq,
+            )
+        finally:
+            taps.remove()
+        del layer, layer_tensors
+    with timer("quantize"):
+        # the checkpoint's own values (not the calibration-dtype copy), on the device
+        q = quantize_experts(
+            gate_up.to(device), down.to(device), stats, options.scale_method, name=block.prefix
+        )
+    with timer("write"):
+        head = f"{run.prefix}layers.{i}."
+        for group, algo in groups:
+            weights = {head + m: dense.pop(f"{head}{m}.weight") for m in group}
+            in_amax = torch.stack([taps.amax[m] for m in group]).max()
+            write_linear_group(
+                run.writer, options.format, weights, in_amax, options.scale_method, device, algo
+            )
+            run.quantized_modules.update(dict.fromkeys(weights, algo))
+        for name, t in dense.items():
+            run.writer.add(name, t)
+        write_experts(run.writer, options.format, block.prefix, q)
+    run.fallbacks += [[i, int(e)] for e in q.fallback.nonzero().flatten()]
+    run.num_calibrated += int(stats.calibrated.sum())
+    seen = stats.num_tokens[stats.calibrated]
+    if seen.numel():
+        run.min_tokens = int(seen.min()) if run.min_tokens is None else min(run.min_tokens, int(seen.min()))
+    run.done.update(names)
+    del dense, gate_up, down, q
+    _release_freed_memory()
+    return hidden
+
+
+def _write_rest(run: _Run, hidden: torch.Tensor, mtp_names: list[str]) -> None:
+    """After the layers: lm_head (quantized where ``--quantize lm_head`` asks, its input scale from the last
+    layer's normed outputs), every tensor not written yet, and the MTP head's tensors verbatim in their own
+    file."""
+    reader, options = run.reader, run.options
+    head_algo = dict(arch.split(o) for o in options.quantize_extra).get("lm_head")
+    if head_algo is not None:
+        if "lm_head.weight" not in reader:
+            raise QuantizeError("--quantize lm_head: the checkpoint ties lm_head to the embedding")
+        norm = reader.get(f"{run.prefix}norm.weight").to(device=run.device, dtype=run.dtype)
+        eps = float(getattr(run.text_config, "rms_norm_eps", 1e-6))
+        head_in = rms_norm_zero_centred(hidden, norm, eps).abs().amax().float().cpu()
+        weights = {"lm_head": _finite("lm_head.weight", reader.get("lm_head.weight"))}
+        write_linear_group(
+            run.writer, options.format, weights, head_in, options.scale_method, run.device, head_algo
+        )
+        run.quantized_modules["lm_head"] = head_algo
+        run.done.add("lm_head.weight")
+    for name in tqdm(
+        [n for n in reader.names() if n not in run.done and not n.startswith("mtp.")],
+        desc="other tensors",
+        unit="tensor",
+        disable=not options.progress,
+    ):
+        run.writer.add(name, _finite(name, reader.get(name)))
+    if mtp_names:
+        run.writer.write_file(MTP_FILE, {n: _finite(n, reader.get(n)) for n in mtp_names})
+
+
+def _write_config(run: _Run, cfg, tmp: Path, src: Path, has_mtp: bool) -> None:
+    """config.json with the quantization_config (and ModelOpt's hf_quant_config.json): the exclude list of
+    every module left in bf16, by the names in the shards; MIXED_PRECISION where some groups are FP8. A
+    config that declares MTP layers the source does not have declares none. The source's side files
+    (tokenizer, processor, generation config) are copied."""
+    reader, options = run.reader, run.options
+    tensors = {
+        n: (reader.info(n).dtype, reader.info(n).shape)
+        for n in reader.names()
+        if not arch.is_routed_expert(n) and n.removesuffix(".weight") not in run.quantized_modules
+    }
+    exclude = layouts.excluded_modules(tensors, options.format, arch.is_routed_expert)
+    qcfg, hf_qcfg = _quantization_configs(options.format, exclude, options.kv_cache_quant_algo)
+    if arch.uses_fp8(options.quantize_extra):  # some FP8, some NVFP4: ModelOpt MIXED_PRECISION
+        layers = {f"{run.prefix}layers.{i}.mlp.experts": "nvfp4" for i in range(cfg.text.num_layers)}
+        layers.update(run.quantized_modules)
+        qcfg, hf_qcfg = layouts.modelopt_mixed_configs(exclude, options.kv_cache_quant_algo, layers)
+    raw = json.loads(json.dumps(cfg.raw))
+    raw["quantization_config"] = qcfg
+    if not has_mtp:
+        text_cfg = raw.get("text_config", raw) if raw.get("model_type") == "qwen3_5_moe" else raw
+        if text_cfg.get("mtp_num_hidden_layers"):
+            text_cfg["mtp_num_hidden_layers"] = 0
+    write_json(tmp / "config.json", raw)
+    if hf_qcfg is not None:
+        write_json(tmp / "hf_quant_config.json", hf_qcfg)
+    copy_side_files(src, tmp, skip={"config.json", INDEX_NAME, "hf_quant_config.json"})
+
+
 def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None = None) -> QuantizeReport:
-    """Quantize the routed experts of a bf16 qwen3_5_moe checkpoint to NVFP4; everything else verbatim."""
+    """Quantize the routed experts of a bf16 qwen3_5_moe checkpoint to NVFP4; everything else verbatim: one
+    decoder layer at a time (``_quantize_layer``), then the rest and the config, written to a temporary
+    directory that is inspected against the source before it is renamed into place."""
     from fp4moe.quantize.inspect import inspect_checkpoint
 
     options = options or QuantizeOptions()
@@ -302,21 +442,17 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
     with timer("tokenize"):
         tokens, source = calibration_token_ids(src, cfg, options)
     text_config = calibrate.text_config_for(cfg.raw)
-    rotary = calibrate.rotary_for(text_config, device)
-    done: set[str] = set()
-    quantized_modules: dict[str, str] = {}  # non-expert linears quantized by --quantize -> nvfp4 | fp8
-    fallbacks: list[list[int]] = []
-    num_calibrated = 0
-    min_tokens = None
     show = options.progress
 
     with atomic_output_dir(dst, overwrite=options.overwrite) as tmp:
         writer = ShardedWriter(tmp, options.max_shard_bytes)
+        run = _Run(reader, writer, options, prefix, text_config, calibrate.rotary_for(text_config, device),
+                   device, dtype, timer)  # fmt: skip
         embed_name = f"{prefix}embed_tokens.weight"
         embed = _finite(embed_name, reader.get(embed_name))
         hidden = F.embedding(tokens.to(device), embed.to(device=device, dtype=dtype))  # [B, S, H]
         writer.add(embed_name, embed)
-        done.add(embed_name)
+        run.done.add(embed_name)
         del embed
 
         layer_bar = tqdm(blocks, desc="layers", unit="layer", disable=not show, position=0)
@@ -330,110 +466,15 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
         shard_bar = tqdm(desc="shards written", unit="shard", disable=not show, position=2)
         writer.on_flush = lambda index: shard_bar.update(1)
         for i, block in enumerate(layer_bar):
-            names = arch.layer_names(reader, prefix, i)
-            expert_names = set(block.source_names())
-            with timer("read"):
-                dense = {n: _finite(n, reader.get(n)) for n in names if n not in expert_names}
-                gate_up, down = block.read(reader)
-                _finite(f"{block.prefix}gate_up_proj", gate_up)
-                _finite(f"{block.prefix}down_proj", down)
-            with timer("calibrate"):
-                layer_tensors = {arch.strip_layer_prefix(n): t for n, t in dense.items()}
-                layer_tensors["mlp.experts.gate_up_proj"] = gate_up
-                layer_tensors["mlp.experts.down_proj"] = down
-                layer = calibrate.build_layer(text_config, i, layer_tensors, dtype, device)
-                modules = {n.removesuffix(".weight") for n in layer_tensors if n.endswith(".weight")}
-                groups = arch.layer_groups(options.quantize_extra, modules)
-                taps = extra.InputAmax(layer, [m for g, _ in groups for m in g])
-                try:
-                    hidden, stats = calibrate.calibrate_layer(
-                        layer,
-                        hidden,
-                        rotary,
-                        all_experts=options.calibrate_all_experts,
-                        batch_size=options.batch_size,
-                        hessians=options.gptq,
-                    )
-                finally:
-                    taps.remove()
-                del layer, layer_tensors
-            with timer("quantize"):
-                # the checkpoint's own values (not the calibration-dtype copy), on the device
-                q = quantize_experts(
-                    gate_up.to(device), down.to(device), stats, options.scale_method, name=block.prefix
-                )
-            with timer("write"):
-                head = f"{prefix}layers.{i}."
-                for group, algo in groups:
-                    weights = {head + m: dense.pop(f"{head}{m}.weight") for m in group}
-                    in_amax = torch.stack([taps.amax[m] for m in group]).max()
-                    write_linear_group(
-                        writer, options.format, weights, in_amax, options.scale_method, device, algo
-                    )
-                    quantized_modules.update(dict.fromkeys(weights, algo))
-                for name, t in dense.items():
-                    writer.add(name, t)
-                write_experts(writer, options.format, block.prefix, q)
-            fallbacks += [[i, int(e)] for e in q.fallback.nonzero().flatten()]
-            num_calibrated += int(stats.calibrated.sum())
-            seen = stats.num_tokens[stats.calibrated]
-            if seen.numel():
-                min_tokens = int(seen.min()) if min_tokens is None else min(min_tokens, int(seen.min()))
-            done.update(names)
+            hidden = _quantize_layer(run, i, block, hidden)
             expert_bar.update(block.num_experts)
-            expert_bar.set_postfix(calibrated=num_calibrated, fallbacks=len(fallbacks))
-            del dense, gate_up, down, q
-            _release_freed_memory()
-
+            expert_bar.set_postfix(calibrated=run.num_calibrated, fallbacks=len(run.fallbacks))
         with timer("write"):
-            head_algo = dict(arch.split(o) for o in options.quantize_extra).get("lm_head")
-            if head_algo is not None:
-                if "lm_head.weight" not in reader:
-                    raise QuantizeError("--quantize lm_head: the checkpoint ties lm_head to the embedding")
-                norm = reader.get(f"{prefix}norm.weight").to(device=device, dtype=dtype)
-                eps = float(getattr(text_config, "rms_norm_eps", 1e-6))
-                head_in = rms_norm_zero_centred(hidden, norm, eps).abs().amax().float().cpu()
-                weights = {"lm_head": _finite("lm_head.weight", reader.get("lm_head.weight"))}
-                write_linear_group(
-                    writer, options.format, weights, head_in, options.scale_method, device, head_algo
-                )
-                quantized_modules["lm_head"] = head_algo
-                done.add("lm_head.weight")
-            for name in tqdm(
-                [n for n in reader.names() if n not in done and not n.startswith("mtp.")],
-                desc="other tensors",
-                unit="tensor",
-                disable=not show,
-            ):
-                writer.add(name, _finite(name, reader.get(name)))
-            if mtp_names:
-                writer.write_file(MTP_FILE, {n: _finite(n, reader.get(n)) for n in mtp_names})
+            _write_rest(run, hidden, mtp_names)
             writer.close()
         for bar in (layer_bar, expert_bar, shard_bar):
             bar.close()
-
-        tensors = {
-            n: (reader.info(n).dtype, reader.info(n).shape)
-            for n in reader.names()
-            if arch.classify(n) is not arch.Role.ROUTED_EXPERT
-            and n.removesuffix(".weight") not in quantized_modules
-        }
-        exclude = layouts.excluded_modules(tensors, options.format, arch.is_routed_expert)
-        qcfg, hf_qcfg = _quantization_configs(options.format, exclude, options.kv_cache_quant_algo)
-        if arch.uses_fp8(options.quantize_extra):  # some FP8, some NVFP4: ModelOpt MIXED_PRECISION
-            layers = {f"{prefix}layers.{i}.mlp.experts": "nvfp4" for i in range(cfg.text.num_layers)}
-            layers.update(quantized_modules)
-            qcfg, hf_qcfg = layouts.modelopt_mixed_configs(exclude, options.kv_cache_quant_algo, layers)
-        raw = json.loads(json.dumps(cfg.raw))
-        raw["quantization_config"] = qcfg
-        if not mtp_names:
-            text_cfg = raw.get("text_config", raw) if raw.get("model_type") == "qwen3_5_moe" else raw
-            if text_cfg.get("mtp_num_hidden_layers"):
-                text_cfg["mtp_num_hidden_layers"] = 0
-        write_json(tmp / "config.json", raw)
-        if hf_qcfg is not None:
-            write_json(tmp / "hf_quant_config.json", hf_qcfg)
-        copy_side_files(src, tmp, skip={"config.json", INDEX_NAME, "hf_quant_config.json"})
+        _write_config(run, cfg, tmp, src, bool(mtp_names))
 
         with timer("inspect"):
             check = inspect_checkpoint(tmp, reference=reader)
@@ -456,10 +497,10 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
         bytes_in=reader.total_bytes(),
         bytes_out=bytes_out,
         experts_quantized=num_quantized,
-        experts_calibrated=num_calibrated,
+        experts_calibrated=run.num_calibrated,
         warnings=warnings,
-        fallback_experts=fallbacks,
-        min_tokens_per_expert=min_tokens or 0,
+        fallback_experts=run.fallbacks,
+        min_tokens_per_expert=run.min_tokens or 0,
         seconds=time.perf_counter() - t0,
         stage_seconds={k: round(v, 2) for k, v in timer.seconds.items()},
         peak_rss_bytes=peak_rss_bytes(),

@@ -1,0 +1,34 @@
+"""The server's settings and limits (``fp4moe serve``'s options)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROMPT_CHARS_PER_TOKEN = 8  # default --max-prompt-chars = this x max_model_len (English averages ~4)
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    reasoning_parser: str | None = None  # "qwen3"
+    tool_call_parser: str | None = None  # "qwen3_coder"
+    enable_auto_tool_choice: bool = False
+    max_image_bytes: int = 20 << 20
+    allowed_media_domains: frozenset[str] = frozenset()  # hosts remote image URLs may come from
+    max_n_sequences: int = 16384  # `n` at most (vLLM's VLLM_MAX_N_SEQUENCES default)
+    max_prompt_chars: int | None = None  # None: PROMPT_CHARS_PER_TOKEN x max_model_len
+    max_request_bytes: int | None = None  # None: room for max_prompt_chars of text and the images allowed
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        if self.max_prompt_chars is not None:
+            return self.max_prompt_chars
+        return PROMPT_CHARS_PER_TOKEN * max_model_len
+
+    def request_bytes(self, max_model_len: int, limit_images: int) -> int:
+        """Up to 4 bytes a character of text (UTF-8), each allowed image as base64, and 1 MiB for the rest."""
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return (
+            4 * self.prompt_chars(max_model_len) + limit_images * (self.max_image_bytes * 4 // 3) + (1 << 20)
+        )

@@ -1,0 +1,1 @@
+"""The API's routes, one module per endpoint family; each reads the app's ``Serving`` (``serving.serving``)."""

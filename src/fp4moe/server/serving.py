@@ -1,0 +1,115 @@
+"""What every route shares, per app: the engine (``AsyncEngine`` on a thread of this process or ``EngineProcess``),
+the server's limits (``ServerConfig``) and their checks, and a request's life -- tokenized and queued
+(``start``), its outputs' queue tracked until it ends (``finish``), and told when the shutdown grace period
+ends the streams still open (``end_streams``)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+from fp4moe.engine.core import EngineStoppedError
+from fp4moe.engine.multimodal import ImageError
+from fp4moe.engine.prompts import PromptError
+from fp4moe.engine.scheduler import QueueFullError
+from fp4moe.server.config import PROMPT_CHARS_PER_TOKEN, ServerConfig
+from fp4moe.server.errors import APIError, check
+from fp4moe.server.metrics import Metrics
+from fp4moe.server.protocol import clip
+from fp4moe.server.streaming import SHUTDOWN_MESSAGE, SHUTTING_DOWN
+
+
+class Serving:
+    def __init__(self, engine, config: ServerConfig):
+        self.engine, self.config = engine, config
+        self.llm = engine.prompts  # tokenizer, chat template, limits
+        self.metrics = Metrics(config.served_model_name)
+        self.max_prompt_chars = config.prompt_chars(self.llm.max_model_len)
+        self.live: set[asyncio.Queue] = set()  # the output queues of requests in flight (told at shutdown)
+        self.stopping = threading.Event()  # set when the shutdown grace period ends: new requests get a 503
+
+    def check_model(self, name: str | None) -> None:
+        if name and name != self.config.served_model_name:
+            raise APIError(
+                404,
+                f"model {clip(name)!r} does not exist; this server serves {self.config.served_model_name!r}",
+                "not_found_error",
+                "model",
+            )
+
+    def check_n(self, n: int) -> None:
+        check(
+            n <= self.config.max_n_sequences,
+            f"n is {n}; this server allows at most {self.config.max_n_sequences} (--max-n-sequences)",
+            "n",
+        )
+        waiting = self.engine.max_waiting
+        check(n <= waiting, f"n is {n}; the waiting queue holds at most {waiting} (--max-waiting)", "n")
+
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        check(
+            len(text) <= self.max_prompt_chars,
+            f"the prompt has {len(text)} characters; this server takes at most {self.max_prompt_chars} "
+            f"(--max-prompt-chars; default {PROMPT_CHARS_PER_TOKEN} per token of --max-model-len "
+            f"{self.llm.max_model_len})",
+            param,
+        )
+
+    def check_prompt_chars_at_least(self, chars: int) -> None:
+        check(
+            chars <= self.max_prompt_chars,
+            f"the messages have at least {chars} characters; this server takes at most {self.max_prompt_chars} "
+            f"(--max-prompt-chars)",
+            "messages",
+        )
+
+    def check_running(self) -> None:
+        if self.stopping.is_set():
+            raise APIError(503, SHUTDOWN_MESSAGE.split(";")[0], "service_unavailable")
+
+    async def start(self, prompt, params, requested: int | None, default: int | None, param: str):
+        """Tokenize, size ``max_tokens`` to the context's room (a request for more than the room is a 400;
+        ``default`` None = all of it) and queue the sequences."""
+        self.check_running()
+        try:
+            seqs = await asyncio.to_thread(self.engine.make_sequences, prompt, params)
+        except (PromptError, ImageError, ValueError) as e:
+            raise APIError(400, str(e)) from None
+        room = self.llm.max_model_len - len(seqs[0].prompt_ids)
+        if requested is not None and requested > room:
+            raise APIError(
+                400,
+                f"{param} is {requested}, more than the {room} tokens the context leaves after the prompt's "
+                f"{len(seqs[0].prompt_ids)} (--max-model-len {self.llm.max_model_len})",
+                param=param,
+            )
+        max_tokens = requested if requested is not None else min(default or room, room)
+        for seq in seqs:
+            seq.params = dataclasses.replace(seq.params, max_tokens=max_tokens)
+        try:
+            queue = self.engine.submit(seqs)
+        except QueueFullError as e:
+            raise APIError(429, str(e), "rate_limit_exceeded") from None
+        except EngineStoppedError as e:
+            raise APIError(503, str(e), "service_unavailable") from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        self.live.add(queue)
+        if self.stopping.is_set():  # the shutdown notice went out while this request was being tokenized
+            queue.put_nowait(SHUTTING_DOWN)
+        return seqs, queue
+
+    def finish(self, seqs, queue) -> None:
+        self.live.discard(queue)
+        self.engine.abort([s for s in seqs if not s.finished])
+
+    def end_streams(self) -> None:
+        self.stopping.set()
+        for queue in self.live:
+            queue.put_nowait(SHUTTING_DOWN)
+
+
+def serving(request) -> Serving:
+    """The ``Serving`` of the app a request came to."""
+    return request.app.state.serving
