@@ -54,29 +54,6 @@ def quantized(shape, gen, per=None):
     return q.packed.to(DEV), q.block_scales.to(DEV), (1.0 / q.global_scale).float().to(DEV)
 
 
-@pytest.mark.parametrize(
-    "tokens,experts,top_k", [(1, 16, 4), (7, 16, 4), (40, 32, 8), (64, 256, 8), (512, 256, 8)]
-)
-def test_align_matches_torch_sorting(tokens, experts, top_k):
-    gen = torch.Generator().manual_seed(tokens)
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
-    if tokens == 64:  # crowd a few experts: several row blocks each
-        ids[:, 0], ids[: tokens // 2, 1] = 3, 200
-    ids = ids.to(DEV)
-    for bm in (16, 32):
-        a, b = mr.align(ids, experts, bm), mr.align_reference(ids, experts, bm)
-        n = int(b.nblk)
-        assert int(a.nblk) == n
-        assert torch.equal(a.order.cpu(), b.order.cpu())
-        tables = zip(
-            (a.blk_expert, a.blk_start, a.blk_count), (b.blk_expert, b.blk_start, b.blk_count), strict=True
-        )
-        for x, y in tables:
-            assert torch.equal(x[:n].int().cpu(), y[:n].int().cpu())  # entries past nblk are never read
-        covered = sorted(int(p) for blk in range(n) for p in a.order[a.blk_start[blk] :][: a.blk_count[blk]])
-        assert covered == list(range(tokens * top_k))  # every pair exactly once
-
-
 @pytest.mark.parametrize("mode", [1, 4, 7])
 @pytest.mark.parametrize(
     "tokens,inter,split",
@@ -581,17 +558,6 @@ def test_deltanet_varlen_prefill_is_each_sequence_alone(monkeypatch):
         c_ref, r_ref = alone.get(0, slots[i], end)
         assert torch.equal(c_got, c_ref), i  # copies of the conv inputs
         assert rel(r_got, r_ref) < 1e-2, i
-
-
-def test_align_tables_are_16_byte_aligned_at_every_token_count():
-    """Triton specializes kernels on each pointer's 16-byte alignment: block tables whose rows were
-    misaligned for some token counts made new variants of the align and expert kernels, compiled while a
-    server answered (issue 20). Every table row starts on 16 bytes, whatever the count."""
-    gen = torch.Generator().manual_seed(14)
-    for t in [1, 2, 3, 5, 6, 7, 9, 13]:
-        ids = torch.randint(0, 16, (t, 4), generator=gen).to(DEV)
-        r = mr.align(ids, 16, 16)
-        assert all(x.data_ptr() % 16 == 0 for x in (r.order, r.blk_expert, r.blk_start, r.blk_count)), t
 
 
 @pytest.mark.parametrize("dtype", ["auto", "fp8"])
