@@ -34,8 +34,8 @@ def build_model(quantized: bool, device, mix: str = ""):
     """The full-size model with random weights; ``quantized``: NVFP4 routed experts, and ``mix`` (as
     ``fp4moe quantize --quantize``, e.g. ``attention,shared:fp8``) more groups in NVFP4 or FP8."""
     from fp4moe.layers.rope import Rotary
-    from fp4moe.models.qwen3_5_moe import parse_groups, split
-    from fp4moe.models.qwen3_5_moe_model import ModelArgs, Qwen3_5MoeModel
+    from fp4moe.models.qwen3_5_moe import ModelArgs, parse_groups, split
+    from fp4moe.models.qwen3_5_moe_model import Qwen3_5MoeModel
 
     args = ModelArgs.from_text_config(FULL)
     with torch.device("meta"):

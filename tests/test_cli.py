@@ -138,7 +138,7 @@ def test_max_num_seqs_auto_sizes_by_memory(checkpoints):
 
     from fp4moe.engine.memory import state_bytes_per_sequence
     from fp4moe.models.full_size import REAL_TEXT_CONFIG
-    from fp4moe.models.qwen3_5_moe_model import ModelArgs
+    from fp4moe.models.qwen3_5_moe import ModelArgs
 
     full = ModelArgs.from_text_config(REAL_TEXT_CONFIG)  # the figures below, from the full-size shapes
     assert round(state_bytes_per_sequence(full, torch.bfloat16) / mib) == 61

@@ -203,8 +203,7 @@ def test_fp8_kv_cache_stays_close_to_exact(checkpoints):
 
 def test_cache_budget_from_device_memory():
     from fp4moe.engine.memory import cache_budget_tokens, deltanet_bytes_per_sequence, kv_bytes_per_token
-    from fp4moe.models.qwen3_5_moe import REAL_TEXT_CONFIG
-    from fp4moe.models.qwen3_5_moe_model import ModelArgs
+    from fp4moe.models.qwen3_5_moe import REAL_TEXT_CONFIG, ModelArgs
 
     real = ModelArgs.from_text_config(REAL_TEXT_CONFIG)
     import torch

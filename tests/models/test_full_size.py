@@ -8,10 +8,9 @@ import torch
 
 from fp4moe.cli import main
 from fp4moe.engine.dummy import dummy_model
-from fp4moe.engine.loader import text_config_of
 from fp4moe.layers.linear import Linear
 from fp4moe.models import full_size
-from fp4moe.models.qwen3_5_moe_model import ModelArgs
+from fp4moe.models.qwen3_5_moe import ModelArgs, text_config_dict
 
 
 def _bytes(module) -> int:
@@ -21,7 +20,7 @@ def _bytes(module) -> int:
 def _meta_model(name, extra=()):
     config = full_size.full_size_config(name, extra)
     return dummy_model(
-        config, ModelArgs.from_text_config(text_config_of(config)), torch.bfloat16, torch.device("meta")
+        config, ModelArgs.from_text_config(text_config_dict(config)), torch.bfloat16, torch.device("meta")
     )
 
 

@@ -8,7 +8,8 @@ import httpx
 import pytest
 import uvicorn
 
-from fp4moe.engine.core import AsyncEngine, EngineCore
+from fp4moe.engine.async_engine import AsyncEngine
+from fp4moe.engine.core import EngineCore
 from fp4moe.engine.llm import LLM
 from fp4moe.engine.scheduler import SchedulerConfig
 from fp4moe.server.app import build_app

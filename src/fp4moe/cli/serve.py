@@ -141,10 +141,11 @@ def vllm_without_flashinfer() -> bool:
 def vllm_command(args) -> list[str]:
     """The reference recipe for stock vLLM, adapted to this checkpoint."""
 
-    from fp4moe.engine.loader import load_config, text_config_of
+    from fp4moe.engine.loader import load_config
+    from fp4moe.models.qwen3_5_moe import text_config_dict
 
     config = load_config(args.model)
-    text = text_config_of(config)
+    text = text_config_dict(config)
     name = args.served_model_name or Path(args.model).name
     rope = dict(text.get("rope_parameters") or {})
     yarn = {
@@ -217,7 +218,7 @@ def run(args) -> int:
             os.execvpe(cmd[0], cmd, {**os.environ, **env})
         print(shlex.join([f"{k}={v}" for k, v in env.items()] + cmd))
         return 0
-    from fp4moe.engine.core import AsyncEngine
+    from fp4moe.engine.async_engine import AsyncEngine
     from fp4moe.engine.process import EngineProcess, EngineSpec, start_engine
     from fp4moe.server.app import build_app
     from fp4moe.server.config import ServerConfig

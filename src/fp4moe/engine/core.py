@@ -1,17 +1,15 @@
 """The serving engine core: the scheduler's batches through the model runner, sampling, and bookkeeping.
 
-``EngineCore`` is synchronous and single-threaded (one ``step()`` at a time); ``AsyncEngine`` runs it on a
-background thread and hands each request's outputs to an asyncio queue, so a web server can await them.
+``EngineCore`` is synchronous and single-threaded (one ``step()`` at a time). ``async_engine.AsyncEngine``
+runs it on a background thread, ``process.EngineProcess`` in a process of its own; offline ``LLM.generate``
+steps it directly. ``FP4MOE_STEP_TRACE`` records its steps (``step_trace.StepTrace``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import json
 import logging
 import os
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,6 +21,7 @@ from fp4moe.engine.prefix_cache import PrefixCache
 from fp4moe.engine.sampler import SampleResult, SamplingParams, sample_tokens
 from fp4moe.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from fp4moe.engine.sequence import FinishReason, Sequence
+from fp4moe.engine.step_trace import StepTrace
 from fp4moe.engine.transfer import Readback, to_device
 
 if TYPE_CHECKING:
@@ -435,39 +434,6 @@ class EngineCore:
         return outputs
 
 
-class StepTrace:
-    """One JSON line per engine step (``FP4MOE_STEP_TRACE=path``): when it started and how long the host
-    spent in it (seconds; an async step returns once its successor is launched), the rows it scheduled --
-    decodes, prefill tokens and the sequences they belong to -- whether it was launched ahead of its
-    tokens, and the queue lengths after it. Served and offline runs of the same requests compare step by
-    step (``benchmarks/step_trace.py``)."""
-
-    _open: dict[str, StepTrace] = {}  # one per file: every ``generate`` makes an engine core
-
-    def __init__(self, path: str):
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 -- open for the process's life, a line a step
-
-    @classmethod
-    def of(cls, path: str) -> StepTrace:
-        if path not in cls._open:
-            cls._open[path] = cls(path)
-        return cls._open[path]
-
-    def write(self, start: float, core: EngineCore) -> None:
-        decodes, prefill_tokens, prefill_seqs = core.last_rows
-        line = dict(
-            t=round(start, 6),
-            dt=round(time.monotonic() - start, 6),
-            decode=decodes,
-            prefill_tokens=prefill_tokens,
-            prefill_seqs=prefill_seqs,
-            ahead=core._inflight is not None,
-            running=len(core.scheduler.running),
-            waiting=len(core.scheduler.waiting),
-        )
-        self._file.write(json.dumps(line) + "\n")
-
-
 @dataclass
 class _InFlight:
     """A decode step launched on the GPU whose tokens are not on the host yet (async scheduling)."""
@@ -502,138 +468,3 @@ def run_spec_batch(core: EngineCore, batch) -> list[Sequence]:
         seq.new_tokens = n
         progressed.append(seq)
     return progressed
-
-
-def deliver(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
-
-
-class AsyncEngine:
-    """EngineCore on a background thread; ``submit`` returns an asyncio queue of StepOutputs (then None)."""
-
-    def __init__(self, core: EngineCore):
-        self.core = core
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Sequence]] = {}
-        self._inbox: deque = deque()  # ("add" | "abort", sequences), appended by the event loop
-        self._registry = threading.Lock()  # submit's registration vs a dying thread's _fail_all
-        self._failed = False
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="fp4moe-engine", daemon=True)
-        self._thread.start()
-
-    @property
-    def prompts(self):
-        """The model's request side (tokenizer, chat template, limits): ``Prompts``."""
-        return self.core.llm.prompts
-
-    @property
-    def max_waiting(self) -> int:
-        return self.core.scheduler.config.max_waiting
-
-    def make_sequences(self, prompt, params: SamplingParams) -> list[Sequence]:
-        """Encode a prompt into ``params.n`` sequences (may raise; the images through the vision tower)."""
-        return self.core.make_sequences(prompt, params)
-
-    async def snapshot(self) -> dict:
-        """``EngineCore.snapshot``, between two steps."""
-        with self._lock:
-            return self.core.snapshot()
-
-    def submit(self, seqs: list[Sequence]) -> asyncio.Queue:
-        """Queue sequences for the engine without waiting for the current step (a lock-free inbox the engine
-        thread drains); raises QueueFullError / ValueError at once for requests it would refuse."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        sched = self.core.scheduler
-        for seq in seqs:
-            sched.check_fits(seq)
-        pending = sum(len(item[1]) for item in list(self._inbox) if item[0] == "add")
-        if len(sched.waiting) + pending + len(seqs) > sched.config.max_waiting:
-            raise QueueFullError(f"the waiting queue is full ({sched.config.max_waiting} requests)")
-        with self._registry:  # not between a dying thread's _fail_all and its end
-            if not self.alive:
-                raise EngineStoppedError("the engine is not running")
-            for seq in seqs:
-                self._queues[id(seq)] = (loop, queue, seq)
-        self._inbox.append(("add", seqs))
-        self._wake.set()
-        return queue
-
-    def abort(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            self._queues.pop(id(seq), None)
-        self._inbox.append(("abort", seqs))
-        self._wake.set()
-
-    def _drain_inbox(self) -> None:
-        while self._inbox:
-            kind, seqs = self._inbox.popleft()
-            if kind == "add":
-                try:
-                    self.core.add(seqs)
-                except (QueueFullError, ValueError) as e:  # raced past submit's checks
-                    for seq in seqs:
-                        target = self._queues.pop(id(seq), None)
-                        if target is not None:
-                            loop, queue, _ = target
-                            loop.call_soon_threadsafe(
-                                queue.put_nowait, StepOutput(seq, -1, "", True, error=str(e))
-                            )
-            else:
-                for seq in seqs:
-                    self.core.abort(seq)
-
-    def _loop(self) -> None:
-        try:
-            self._run()
-        except BaseException as e:  # the thread dies: no request may wait for it forever
-            logging.getLogger("fp4moe").exception("the engine thread stopped")
-            self._fail_all(f"the engine stopped ({type(e).__name__}: {e})")
-            raise
-
-    def _fail_all(self, error: str) -> None:
-        with self._registry:
-            self._failed = True
-            for loop, queue, seq in list(self._queues.values()):
-                loop.call_soon_threadsafe(queue.put_nowait, StepOutput(seq, -1, "", True, error=error))
-            self._queues.clear()
-
-    def _run(self) -> None:
-        while not self._stop:
-            with self._lock:
-                self._drain_inbox()
-                busy = self.core.has_work()
-                outputs = self.core.step_or_fail() if busy else []
-                targets = [(self._queues.get(id(o.seq)), o) for o in outputs]
-                for o in outputs:
-                    if o.finished:
-                        self._queues.pop(id(o.seq), None)
-            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-            for target, out in targets:
-                if target is not None:
-                    loop, queue, _ = target
-                    by_loop.setdefault(loop, []).append((queue, out))
-            for loop, items in by_loop.items():  # one wake-up of each event loop per step, not one per token
-                loop.call_soon_threadsafe(deliver, items)
-            if not busy:
-                self._wake.wait(0.05)
-                self._wake.clear()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop and not self._failed
-
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Finish in-flight requests (up to ``timeout`` seconds), then stop the thread."""
-        deadline = time.monotonic() + timeout
-        while self._thread.is_alive() and self.core.has_work() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        with self._lock:
-            for seq in list(self.core.scheduler.running) + list(self.core.scheduler.waiting):
-                self.core.abort(seq)
-        self._stop = True
-        self._wake.set()
-        self._thread.join(5)

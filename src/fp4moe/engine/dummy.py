@@ -18,7 +18,8 @@ from fp4moe.formats import nvfp4
 from fp4moe.formats.layouts import OutputFormat, exclude_entry_matches
 from fp4moe.layers.linear import Linear
 from fp4moe.layers.moe import RoutedExperts
-from fp4moe.models.qwen3_5_moe_model import ModelArgs, Qwen3_5MoeModel
+from fp4moe.models.qwen3_5_moe import ModelArgs, text_config_dict
+from fp4moe.models.qwen3_5_moe_model import Qwen3_5MoeModel
 
 # engine module names (relative to a decoder layer) that differ from the checkpoint's
 _CHECKPOINT_NAMES = {
@@ -82,7 +83,7 @@ def dummy_model(
     text_prefix = "model.language_model." if "text_config" in config else "model."
     with torch.device("meta"):
         model = Qwen3_5MoeModel(args)
-        if int((config.get("text_config") or config).get("mtp_num_hidden_layers", 0) or 0) > 0:
+        if int(text_config_dict(config).get("mtp_num_hidden_layers", 0) or 0) > 0:
             from fp4moe.models.qwen3_5_moe_model import MTPHead
 
             model.mtp = MTPHead(args)

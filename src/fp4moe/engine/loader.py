@@ -17,7 +17,8 @@ import torch
 from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
 from fp4moe.formats.layouts import SUFFIXES, OutputFormat, detect_format
 from fp4moe.models import qwen3_5_moe as arch
-from fp4moe.models.qwen3_5_moe_model import ModelArgs, Qwen3_5MoeModel
+from fp4moe.models.qwen3_5_moe import ModelArgs
+from fp4moe.models.qwen3_5_moe_model import Qwen3_5MoeModel
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -42,10 +43,6 @@ def merge_overrides(config: dict, overrides: dict | None) -> dict:
         else:
             out[key] = value
     return out
-
-
-def text_config_of(config: dict) -> dict:
-    return config.get("text_config", config) if config.get("model_type") == "qwen3_5_moe" else config
 
 
 def load_config(path: str | Path, hf_overrides: dict | None = None) -> dict:
@@ -114,7 +111,7 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r}: choose from {', '.join(LOAD_FORMATS)}")
     config = load_config(path, hf_overrides)
-    text = text_config_of(config)
+    text = arch.text_config_dict(config)
     args = ModelArgs.from_text_config(text)
     if load_format == "dummy":
         from fp4moe.engine.dummy import dummy_model

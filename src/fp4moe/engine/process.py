@@ -30,8 +30,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from fp4moe.engine.async_engine import deliver
 from fp4moe.engine.config import EngineConfig
-from fp4moe.engine.core import EngineStoppedError, StepOutput, deliver
+from fp4moe.engine.core import EngineStoppedError, StepOutput
 from fp4moe.engine.prompts import Prompts
 from fp4moe.engine.sampler import SampleResult, SamplingParams
 from fp4moe.engine.scheduler import QueueFullError, SchedulerConfig, check_fits

@@ -19,6 +19,7 @@ import torch
 
 from fp4moe.errors import UserError
 from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
+from fp4moe.layers.rope import RopeConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -90,6 +91,13 @@ class Role(enum.Enum):
     OTHER = "other"
 
 
+def text_config_dict(raw: dict) -> dict:
+    """The text model's fields of a config.json dict: its ``text_config`` (the multimodal ``qwen3_5_moe``), or
+    the dict itself (``qwen3_5_moe_text`` and text-only re-saves). Every reader of the config goes through this
+    rule: the loader, the engine, calibration, the quantizer."""
+    return raw.get("text_config", raw) if raw.get("model_type") == "qwen3_5_moe" else raw
+
+
 @dataclass
 class TextConfig:
     """The fields of the text config that quantization and validation need."""
@@ -103,6 +111,65 @@ class TextConfig:
     layer_types: list[str]
     mtp_num_hidden_layers: int = 0
     raw: dict = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The text model's shapes as the engine builds and runs it (``ModelArgs.from_text_config`` of
+    ``text_config_dict``): heads, Gated DeltaNet dims, experts, rotary (``RopeConfig``, YaRN included)."""
+
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    shared_intermediate_size: int
+    eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the Gated DeltaNet causal conv: q and k (key heads) and v (value heads)."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + (
+            self.linear_num_value_heads * self.linear_value_head_dim
+        )
+
+    @classmethod
+    def from_text_config(cls, text: dict) -> ModelArgs:
+        n = int(text["num_hidden_layers"])
+        types = layer_types_of(text)
+        return cls(
+            hidden_size=int(text["hidden_size"]),
+            num_layers=n,
+            layer_types=tuple(types),
+            vocab_size=int(text["vocab_size"]),
+            num_heads=int(text["num_attention_heads"]),
+            num_kv_heads=int(text["num_key_value_heads"]),
+            head_dim=int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]),
+            linear_num_key_heads=int(text["linear_num_key_heads"]),
+            linear_num_value_heads=int(text["linear_num_value_heads"]),
+            linear_key_head_dim=int(text["linear_key_head_dim"]),
+            linear_value_head_dim=int(text["linear_value_head_dim"]),
+            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+            num_experts=int(text["num_experts"]),
+            top_k=int(text["num_experts_per_tok"]),
+            moe_intermediate_size=int(text["moe_intermediate_size"]),
+            shared_intermediate_size=int(text["shared_expert_intermediate_size"]),
+            eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_text_config(text),
+            max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
+        )
 
 
 @dataclass
@@ -130,7 +197,7 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported model_type {model_type!r}; fp4moe supports {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        text = raw.get("text_config", raw) if model_type == "qwen3_5_moe" else raw
+        text = text_config_dict(raw)
         try:
             num_layers = int(text["num_hidden_layers"])
             layer_types = layer_types_of(text)

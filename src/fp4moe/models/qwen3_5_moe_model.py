@@ -8,7 +8,6 @@ where each sequence starts, how many of its tokens are cached, and which cache/s
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,64 +17,8 @@ from fp4moe.layers.deltanet import GatedDeltaNet
 from fp4moe.layers.linear import Linear
 from fp4moe.layers.moe import SparseMoE
 from fp4moe.layers.norm import RMSNorm
-from fp4moe.layers.rope import RopeConfig, Rotary
-from fp4moe.models.qwen3_5_moe import layer_types_of
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    hidden_size: int
-    num_layers: int
-    layer_types: tuple[str, ...]
-    vocab_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    conv_kernel: int
-    num_experts: int
-    top_k: int
-    moe_intermediate_size: int
-    shared_intermediate_size: int
-    eps: float
-    rope: RopeConfig
-    max_position_embeddings: int
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the Gated DeltaNet causal conv: q and k (key heads) and v (value heads)."""
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + (
-            self.linear_num_value_heads * self.linear_value_head_dim
-        )
-
-    @classmethod
-    def from_text_config(cls, text: dict) -> ModelArgs:
-        n = int(text["num_hidden_layers"])
-        types = layer_types_of(text)
-        return cls(
-            hidden_size=int(text["hidden_size"]),
-            num_layers=n,
-            layer_types=tuple(types),
-            vocab_size=int(text["vocab_size"]),
-            num_heads=int(text["num_attention_heads"]),
-            num_kv_heads=int(text["num_key_value_heads"]),
-            head_dim=int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]),
-            linear_num_key_heads=int(text["linear_num_key_heads"]),
-            linear_num_value_heads=int(text["linear_num_value_heads"]),
-            linear_key_head_dim=int(text["linear_key_head_dim"]),
-            linear_value_head_dim=int(text["linear_value_head_dim"]),
-            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
-            num_experts=int(text["num_experts"]),
-            top_k=int(text["num_experts_per_tok"]),
-            moe_intermediate_size=int(text["moe_intermediate_size"]),
-            shared_intermediate_size=int(text["shared_expert_intermediate_size"]),
-            eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope=RopeConfig.from_text_config(text),
-            max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
-        )
+from fp4moe.layers.rope import Rotary
+from fp4moe.models.qwen3_5_moe import ModelArgs
 
 
 class DecoderLayer(nn.Module):

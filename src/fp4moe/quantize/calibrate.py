@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fp4moe.models.qwen3_5_moe import text_config_dict
+
 
 @dataclass
 class ExpertStats:
@@ -41,7 +43,7 @@ def text_config_for(raw_config: dict):
     """transformers' text config from a checkpoint's config.json dict, set up for calibration."""
     from transformers import Qwen3_5MoeTextConfig
 
-    text = dict(raw_config.get("text_config", raw_config))
+    text = dict(text_config_dict(raw_config))
     for key in ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype"):
         text.pop(key, None)
     known = set(Qwen3_5MoeTextConfig.__dataclass_fields__) | {

@@ -392,7 +392,7 @@ def _write_config(run: _Run, cfg, tmp: Path, src: Path, has_mtp: bool) -> None:
     raw = json.loads(json.dumps(cfg.raw))
     raw["quantization_config"] = qcfg
     if not has_mtp:
-        text_cfg = raw.get("text_config", raw) if raw.get("model_type") == "qwen3_5_moe" else raw
+        text_cfg = arch.text_config_dict(raw)
         if text_cfg.get("mtp_num_hidden_layers"):
             text_cfg["mtp_num_hidden_layers"] = 0
     write_json(tmp / "config.json", raw)

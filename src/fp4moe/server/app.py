@@ -20,7 +20,7 @@ import asyncio
 
 from fastapi import FastAPI
 
-from fp4moe.engine.core import AsyncEngine
+from fp4moe.engine.async_engine import AsyncEngine
 from fp4moe.engine.process import EngineProcess
 from fp4moe.server.config import ServerConfig
 from fp4moe.server.errors import install_handlers
