@@ -39,7 +39,8 @@ def correctness_gate() -> dict:
     from fp4moe.engine.llm import LLM
     from fp4moe.engine.sampler import SamplingParams
     from fp4moe.models.tiny import TinySpec, write_tiny_checkpoint
-    from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+    from fp4moe.quantize.options import QuantizeOptions
+    from fp4moe.quantize.pipeline import quantize
 
     result = {}
     with tempfile.TemporaryDirectory() as tmp:

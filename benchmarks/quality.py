@@ -58,7 +58,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from fp4moe.eval.quality import evaluate
-    from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+    from fp4moe.quantize.options import QuantizeOptions
+    from fp4moe.quantize.pipeline import quantize
 
     texts = heldout_slices(args.slices)
 

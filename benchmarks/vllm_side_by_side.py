@@ -106,7 +106,8 @@ def cmd_make(args) -> None:
         write_checkpoint,
     )
     from fp4moe.quantize.convert import convert, fuse_experts
-    from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+    from fp4moe.quantize.options import QuantizeOptions
+    from fp4moe.quantize.pipeline import quantize
 
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -556,7 +557,8 @@ def cmd_train(args) -> None:
     then ``fp4moe quantize`` with its defaults -> DIR/trained. A random MTP head accepts nothing in either
     engine, which proves only that it loads; a trained one accepts at a rate the two can disagree on."""
     import fp4moe.data
-    from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+    from fp4moe.quantize.options import QuantizeOptions
+    from fp4moe.quantize.pipeline import quantize
 
     root = Path(args.dir)
     src, corpus = root / "trained-bf16", Path(fp4moe.data.__file__).parent / "pydocs-calib.txt.gz"

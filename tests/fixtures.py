@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from fp4moe.formats.checkpoint import INDEX_NAME, ShardedWriter
 from fp4moe.models.tiny import CheckpointLayout, TinySpec, write_tiny_checkpoint
-from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+from fp4moe.quantize.options import QuantizeOptions
+from fp4moe.quantize.pipeline import quantize
 
 # float32 calibration so expert statistics can be compared with transformers run in float32
 CALIB = dict(num_samples=8, seq_len=64, progress=False, calib_dtype="float32")

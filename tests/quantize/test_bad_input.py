@@ -18,7 +18,8 @@ from fp4moe.formats.nvfp4 import NVFP4Error
 from fp4moe.models.qwen3_5_moe import UnsupportedModelError
 from fp4moe.models.tiny import CheckpointLayout, TinySpec
 from fp4moe.quantize.calib_data import CalibrationDataError
-from fp4moe.quantize.pipeline import QuantizeError, QuantizeOptions, quantize
+from fp4moe.quantize.options import QuantizeError, QuantizeOptions
+from fp4moe.quantize.pipeline import quantize
 
 FAST = QuantizeOptions(num_samples=2, seq_len=32, progress=False)
 

@@ -74,7 +74,8 @@ def test_quantize_with_gptq_writes_a_sound_checkpoint_closer_in_output(checkpoin
     from fp4moe.quantize import gptq
     from fp4moe.quantize.dequant import dequantized_experts
     from fp4moe.quantize.inspect import inspect_checkpoint
-    from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+    from fp4moe.quantize.options import QuantizeOptions
+    from fp4moe.quantize.pipeline import quantize
 
     calls = []  # (weights [E, N, K], calibration Hessians [E, K, K]) in the order the pipeline quantizes
 

@@ -13,7 +13,8 @@ from fp4moe.models import qwen3_5_moe as arch
 from fp4moe.models.tiny import CheckpointLayout
 from fp4moe.quantize.dequant import dequantized_experts
 from fp4moe.quantize.inspect import inspect_checkpoint
-from fp4moe.quantize.pipeline import QuantizeOptions, calibration_token_ids
+from fp4moe.quantize.options import QuantizeOptions
+from fp4moe.quantize.pipeline import calibration_token_ids
 from fp4moe.quantize.quality import compare_with_reference, kl_stats, load_reference_model, logits
 
 try:

@@ -26,7 +26,8 @@ def run(args) -> int:
 
     from fp4moe.models.tiny import write_tiny_checkpoint
     from fp4moe.quantize.inspect import inspect_checkpoint
-    from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+    from fp4moe.quantize.options import QuantizeOptions
+    from fp4moe.quantize.pipeline import quantize
     from fp4moe.quantize.quality import compare_with_reference
 
     with tempfile.TemporaryDirectory(prefix="fp4moe-demo-") as tmp:

@@ -101,7 +101,8 @@ def add(sub) -> None:
 
 
 def run(args) -> int:
-    from fp4moe.quantize.pipeline import QuantizeOptions, quantize
+    from fp4moe.quantize.options import QuantizeOptions
+    from fp4moe.quantize.pipeline import quantize
 
     options = QuantizeOptions(
         format=args.format,

@@ -11,14 +11,13 @@ import ctypes
 import json
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from fp4moe.errors import UserError
 from fp4moe.formats import fp8, layouts, nvfp4
 from fp4moe.formats.checkpoint import (
     INDEX_NAME,
@@ -26,7 +25,6 @@ from fp4moe.formats.checkpoint import (
     ShardedWriter,
     atomic_output_dir,
     copy_side_files,
-    parse_size,
     recover_interrupted_output,
     write_json,
 )
@@ -36,108 +34,10 @@ from fp4moe.layers.norm import rms_norm_zero_centred
 from fp4moe.models import qwen3_5_moe as arch
 from fp4moe.quantize import calib_data, calibrate, extra
 from fp4moe.quantize.experts import QuantizedExperts, quantize_experts, quantize_weight, to_cpu
+from fp4moe.quantize.options import QuantizeError, QuantizeOptions, QuantizeReport
 from fp4moe.quantize.scales import ScaleMethod
 
 MTP_FILE = "model-mtp.safetensors"
-
-
-class QuantizeError(UserError, RuntimeError):
-    pass
-
-
-@dataclass
-class QuantizeOptions:
-    format: OutputFormat = OutputFormat.MODELOPT
-    num_samples: int = 128
-    seq_len: int = 512
-    calib_file: str | None = None
-    calib_dataset: str | None = None
-    calibrate_all_experts: bool = False
-    scale_method: ScaleMethod = ScaleMethod.MSE  # beat RTN on eval KL (BENCHMARKS.md, issue 7)
-    gptq: bool = False  # GPTQ error compensation for the routed experts (per-expert input Hessians)
-    device: str = "auto"
-    calib_dtype: str = "auto"
-    batch_size: int = 8
-    max_shard_size: str | int = "2GB"
-    kv_cache_quant_algo: str | None = None
-    overwrite: bool = False
-    seed: int = 0
-    progress: bool = True
-    quantize_extra: tuple[str, ...] = ()  # beyond the routed experts: attention, deltanet, shared, lm_head
-
-    def __post_init__(self):
-        self.format = OutputFormat(self.format)
-        self.quantize_extra = arch.parse_groups(self.quantize_extra)
-        if arch.uses_fp8(self.quantize_extra) and self.format is not OutputFormat.MODELOPT:
-            raise ValueError(
-                "--quantize GROUP:fp8 is written as ModelOpt MIXED_PRECISION: use --format modelopt"
-            )
-        self.scale_method = ScaleMethod(self.scale_method)
-        for name in ("num_samples", "seq_len", "batch_size"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.calib_dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(
-                f"calib_dtype must be auto, bfloat16, float16 or float32, got {self.calib_dtype!r}"
-            )
-        if self.kv_cache_quant_algo not in (None, "FP8"):
-            raise ValueError(f"kv_cache_quant_algo must be None or 'FP8', got {self.kv_cache_quant_algo!r}")
-        self.max_shard_bytes = parse_size(self.max_shard_size)
-
-    def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
-        """``auto``: run the layers in the checkpoint's own dtype (bf16 for the real model), as it is served."""
-        if self.calib_dtype == "auto":
-            return checkpoint_dtype if checkpoint_dtype.is_floating_point else torch.float32
-        return getattr(torch, self.calib_dtype)
-
-
-@dataclass
-class QuantizeReport:
-    src: str
-    dst: str
-    format: str
-    num_layers: int
-    num_experts: int
-    expert_layouts: dict[str, str]
-    calibration: str
-    calibration_tokens: int
-    device: str
-    calib_dtype: str
-    bytes_in: int
-    bytes_out: int
-    experts_quantized: int
-    experts_calibrated: int
-    fallback_experts: list[list[int]] = field(default_factory=list)  # [layer, expert]
-    warnings: list[str] = field(default_factory=list)
-    min_tokens_per_expert: int = 0
-    seconds: float = 0.0
-    stage_seconds: dict[str, float] = field(default_factory=dict)
-    peak_rss_bytes: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-    def summary(self) -> str:
-        gb = 1e9
-        lines = [
-            f"quantized {self.src} -> {self.dst} ({self.format})",
-            f"  layers {self.num_layers}, routed experts {self.experts_quantized} quantized "
-            f"({self.num_experts} per layer; input layouts: {', '.join(f'{k}={v}' for k, v in self.expert_layouts.items())})",
-            f"  calibration: {self.calibration}, {self.calibration_tokens} tokens on {self.device} ({self.calib_dtype})",
-            f"  experts calibrated: {self.experts_calibrated}/{self.experts_quantized}; "
-            f"fallbacks: {len(self.fallback_experts)}; fewest tokens for a calibrated expert: {self.min_tokens_per_expert}",
-            f"  size: {self.bytes_in / gb:.3f} GB -> {self.bytes_out / gb:.3f} GB "
-            f"({self.bytes_out / max(self.bytes_in, 1):.1%})",
-            *[f"  warning: {w}" for w in self.warnings],
-            f"  time {self.seconds:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in self.stage_seconds.items())}), "
-            f"peak RSS {self.peak_rss_bytes / gb:.2f} GB",
-        ]
-        return "\n".join(lines)
 
 
 def _release_freed_memory() -> None:
