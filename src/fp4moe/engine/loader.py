@@ -64,12 +64,9 @@ def _experts_state(
     reader, fmt: OutputFormat | None, prefix: str, args: ModelArgs, dtype
 ) -> dict[str, torch.Tensor]:
     """Engine tensors of one layer's routed experts (``mlp.experts.*``)."""
-    e_count, h, i = args.num_experts, args.hidden_size, args.moe_intermediate_size
+    e_count = args.num_experts
     if fmt is None:  # bf16
-        cfg = arch.TextConfig(
-            args.num_layers, h, e_count, args.top_k, i, args.vocab_size, list(args.layer_types)
-        )
-        gate_up, down = arch.expert_block(reader, prefix, cfg).read(reader)
+        gate_up, down = arch.expert_block(reader, prefix, args).read(reader)
         return {"mlp.experts.gate_up_proj": gate_up.to(dtype), "mlp.experts.down_proj": down.to(dtype)}
     packed_sfx, scale_sfx, global_sfx, _ = SUFFIXES[fmt]
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("gu_p", "gu_s", "gu_d", "d_p", "d_s", "d_d")}

@@ -98,25 +98,11 @@ def text_config_dict(raw: dict) -> dict:
     return raw.get("text_config", raw) if raw.get("model_type") == "qwen3_5_moe" else raw
 
 
-@dataclass
-class TextConfig:
-    """The fields of the text config that quantization and validation need."""
-
-    num_layers: int
-    hidden_size: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    vocab_size: int
-    layer_types: list[str]
-    mtp_num_hidden_layers: int = 0
-    raw: dict = field(default_factory=dict, repr=False)
-
-
 @dataclass(frozen=True)
 class ModelArgs:
-    """The text model's shapes as the engine builds and runs it (``ModelArgs.from_text_config`` of
-    ``text_config_dict``): heads, Gated DeltaNet dims, experts, rotary (``RopeConfig``, YaRN included)."""
+    """The text model's shapes, parsed once (``ModelArgs.from_text_config`` of ``text_config_dict``) and read
+    by the loader, the engine, calibration, the quantizer and ``inspect``: heads, Gated DeltaNet dims, experts,
+    rotary (``RopeConfig``, YaRN included), MTP layers."""
 
     hidden_size: int
     num_layers: int
@@ -137,6 +123,7 @@ class ModelArgs:
     eps: float
     rope: RopeConfig
     max_position_embeddings: int
+    mtp_num_hidden_layers: int = 0
 
     @property
     def conv_dim(self) -> int:
@@ -169,13 +156,14 @@ class ModelArgs:
             eps=float(text.get("rms_norm_eps", 1e-6)),
             rope=RopeConfig.from_text_config(text),
             max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
+            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
         )
 
 
 @dataclass
 class ModelConfig:
     model_type: str
-    text: TextConfig
+    text: ModelArgs
     has_vision: bool
     raw: dict = field(repr=False)
 
@@ -197,24 +185,13 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported model_type {model_type!r}; fp4moe supports {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        text = text_config_dict(raw)
         try:
-            num_layers = int(text["num_hidden_layers"])
-            layer_types = layer_types_of(text)
-            tc = TextConfig(
-                num_layers=num_layers,
-                hidden_size=int(text["hidden_size"]),
-                num_experts=int(text["num_experts"]),
-                num_experts_per_tok=int(text["num_experts_per_tok"]),
-                moe_intermediate_size=int(text["moe_intermediate_size"]),
-                vocab_size=int(text["vocab_size"]),
-                layer_types=list(layer_types),
-                mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
-                raw=text,
-            )
+            args = ModelArgs.from_text_config(text_config_dict(raw))
         except KeyError as e:
             raise CheckpointError(f"config.json: text config lacks {e.args[0]!r}") from None
-        return cls(model_type, tc, has_vision="vision_config" in raw, raw=raw)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"config.json: malformed text config ({e})") from None
+        return cls(model_type, args, has_vision="vision_config" in raw, raw=raw)
 
 
 _LAYER_RE = re.compile(r"^(?P<prefix>.*?layers\.)(?P<idx>\d+)\.(?P<rest>.+)$")
@@ -337,7 +314,7 @@ def _check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
         raise CheckpointError(f"{name}: shape {tuple(t.shape)}, expected {expected} from config.json")
 
 
-def expert_block(reader: CheckpointReader, experts_prefix: str, cfg: TextConfig) -> ExpertBlock:
+def expert_block(reader: CheckpointReader, experts_prefix: str, cfg: ModelArgs) -> ExpertBlock:
     layout = detect_expert_layout(reader, experts_prefix)
     if layout is None:
         raise CheckpointError(

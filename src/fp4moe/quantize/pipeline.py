@@ -102,7 +102,7 @@ def calibration_token_ids(
     return tokens, source
 
 
-def _validate_dims(cfg: arch.TextConfig) -> None:
+def _validate_dims(cfg: arch.ModelArgs) -> None:
     for what, dim in (("hidden_size", cfg.hidden_size), ("moe_intermediate_size", cfg.moe_intermediate_size)):
         if dim % BLOCK_SIZE:
             raise NVFP4Error(f"{what} {dim} is not divisible by the NVFP4 group size {BLOCK_SIZE}")
