@@ -10,7 +10,23 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fp4moe.server.middleware import log_client_closed
-from fp4moe.server.protocol import clip, error_body
+from fp4moe.server.protocol import ErrorResponse, clip, error_body
+
+# the error answers a route documents in the OpenAPI schema (every one has ErrorResponse's body)
+ERROR_RESPONSES: dict[int | str, dict] = {
+    400: {
+        "model": ErrorResponse,
+        "description": "The request is malformed or asks for more than this server allows.",
+    },
+    401: {
+        "model": ErrorResponse,
+        "description": "The server has an API key and the request did not carry it.",
+    },
+    404: {"model": ErrorResponse, "description": "The model named is not the one this server serves."},
+    413: {"model": ErrorResponse, "description": "The body is larger than --max-request-bytes."},
+    429: {"model": ErrorResponse, "description": "The waiting queue is full (--max-waiting)."},
+    503: {"model": ErrorResponse, "description": "The engine stopped or the server is shutting down."},
+}
 
 
 class APIError(Exception):

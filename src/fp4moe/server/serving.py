@@ -17,7 +17,7 @@ from fp4moe.server.config import PROMPT_CHARS_PER_TOKEN, ServerConfig
 from fp4moe.server.errors import APIError, check
 from fp4moe.server.metrics import Metrics
 from fp4moe.server.protocol import clip
-from fp4moe.server.streaming import SHUTDOWN_MESSAGE, SHUTTING_DOWN
+from fp4moe.server.streaming import SHUTDOWN_MESSAGE, SHUTTING_DOWN, drain
 
 
 class Serving:
@@ -99,6 +99,14 @@ class Serving:
         if self.stopping.is_set():  # the shutdown notice went out while this request was being tokenized
             queue.put_nowait(SHUTTING_DOWN)
         return seqs, queue
+
+    async def collect(self, seqs, queue, request) -> None:
+        """Wait until a non-streamed request's sequences finish (``drain``: a client that leaves stops them),
+        then free them."""
+        try:
+            await drain(queue, seqs, request)
+        finally:
+            self.finish(seqs, queue)
 
     def finish(self, seqs, queue) -> None:
         self.live.discard(queue)

@@ -1,17 +1,22 @@
 """What the routes share around a request's outputs: waiting for a non-streamed request while watching for a
-client that leaves (``drain``), the server-sent events that end a stream early (``error_event``, with
-``SHUTTING_DOWN`` when the shutdown grace period ends it) and the usage event and body."""
+client that leaves (``drain``), one request's server-sent events (``event_stream``), the events that end a
+stream early (``error_event``, with ``SHUTTING_DOWN`` when the shutdown grace period ends it) and the usage."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from fastapi import Request
+from pydantic import BaseModel
 
 from fp4moe.server.errors import APIError
-from fp4moe.server.protocol import error_body
+from fp4moe.server.protocol import UsageInfo, error_body
+
+DONE = "data: [DONE]\n\n"
 
 
 class _ShuttingDown:
@@ -61,20 +66,49 @@ def error_event(cause) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-def usage_event(rid: str, obj: str, created: int, model: str, seqs) -> str:
-    """The final stream event carrying ``usage`` (stream_options.include_usage)."""
-    body = {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage(seqs),
-    }
-    return f"data: {json.dumps(body)}\n\n"
+def sse(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
 
 
-def usage(seqs) -> dict:
+async def event_stream(
+    srv,
+    seqs,
+    queue: asyncio.Queue,
+    events: Callable[[int, object], Iterable[BaseModel]],
+    opening: Iterable[BaseModel] = (),
+    closing: Callable[[], BaseModel] | None = None,
+) -> AsyncIterator[str]:
+    """One request's server-sent events: ``opening`` first, then ``events(i, output)`` for each output of
+    sequence ``i`` as the engine delivers it, then ``closing()`` (the usage event, when asked for) and [DONE].
+    An engine failure, the end of the shutdown grace period or a bug here ends the stream with an error event
+    and [DONE], never a cut connection. The request's sequences are freed however the stream ends (a client
+    that leaves cancels the generator)."""
+    index = {id(s): i for i, s in enumerate(seqs)}
+    try:
+        for body in opening:
+            yield sse(body)
+        remaining = len(seqs)
+        while remaining:
+            out = SHUTTING_DOWN if srv.stopping.is_set() else await queue.get()  # a backlog waits
+            if out is SHUTTING_DOWN or out.error:
+                yield error_event(out)
+                yield DONE
+                return
+            for body in events(index[id(out.seq)], out):
+                yield sse(body)
+            remaining -= out.finished
+        if closing is not None:
+            yield sse(closing())
+        yield DONE
+    except Exception as e:
+        logging.getLogger("fp4moe.server").exception("a stream failed")
+        yield error_event(e)
+        yield DONE
+    finally:
+        srv.finish(seqs, queue)
+
+
+def usage(seqs) -> UsageInfo:
     prompt = len(seqs[0].prompt_ids)
     completion = sum(len(s.output_ids) for s in seqs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

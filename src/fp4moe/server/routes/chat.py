@@ -4,8 +4,6 @@ parsed from the output, images, logprobs; whole responses or server-sent events.
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import time
 import uuid
 
@@ -13,18 +11,34 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from fp4moe.server.config import ServerConfig
-from fp4moe.server.errors import APIError, check
+from fp4moe.server.errors import ERROR_RESPONSES, APIError, check
 from fp4moe.server.media import fetch_images, prepare_messages
 from fp4moe.server.parsers.reasoning import ReasoningParser
 from fp4moe.server.parsers.tool_calls import ToolCallParser, openai_tool_calls
-from fp4moe.server.protocol import ChatCompletionRequest, clip
+from fp4moe.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprob,
+    ChatLogprobs,
+    ChatStreamChoice,
+    DeltaMessage,
+    TopLogprob,
+    clip,
+)
 from fp4moe.server.serving import Serving, serving
-from fp4moe.server.streaming import SHUTTING_DOWN, drain, error_event, usage, usage_event
+from fp4moe.server.streaming import event_stream, usage
 
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}},
+)
 async def chat(req: ChatCompletionRequest, request: Request):
     srv = serving(request)
     srv.check_model(req.model)
@@ -72,96 +86,71 @@ async def chat(req: ChatCompletionRequest, request: Request):
         tool = ToolCallParser(tools) if tools and srv.config.tool_call_parser else None
         return reasoning, tool, forced
 
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": srv.config.served_model_name,
+    }
     if req.stream:
+        chunk = ChatCompletionChunk(**head, choices=[])
         return StreamingResponse(
-            _chat_stream(srv, rid, req, seqs, queue, make_parsers), media_type="text/event-stream"
+            _chat_stream(srv, chunk, req, seqs, queue, make_parsers), media_type="text/event-stream"
         )
-    try:
-        await drain(queue, seqs, request)
-    finally:
-        srv.finish(seqs, queue)
-    choices = []
+    await srv.collect(seqs, queue, request)
+    tokenizer, choices = srv.llm.tokenizer, []
     for i, seq in enumerate(seqs):
         reasoning_parser, tool_parser, prefix = make_parsers()
         reasoning, content, calls = _parse_whole(prefix + seq.text, reasoning_parser, tool_parser)
-        message = {"role": "assistant", "content": content if (content or not calls) else None}
-        if srv.config.reasoning_parser:
-            message["reasoning_content"] = reasoning or None
-        if calls:
-            message["tool_calls"] = calls
-        choice = {
-            "index": i,
-            "message": message,
-            "finish_reason": "tool_calls" if calls else seq.finish_reason.value,
-            "logprobs": None,
-        }
+        message = AssistantMessage(
+            content=content if (content or not calls) else None,
+            reasoning_content=reasoning if srv.config.reasoning_parser else None,
+            tool_calls=calls or None,
+        )
+        logprobs = None
         if req.logprobs:
-            choice["logprobs"] = {"content": [_chat_logprob(srv.llm.tokenizer, r) for r in seq.logprobs]}
-        choices.append(choice)
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": srv.config.served_model_name,
-        "choices": choices,
-        "usage": usage(seqs),
-    }
+            logprobs = ChatLogprobs(content=[_chat_logprob(tokenizer, r) for r in seq.logprobs])
+        finish = "tool_calls" if calls else seq.finish_reason.value
+        choices.append(ChatChoice(index=i, message=message, finish_reason=finish, logprobs=logprobs))
+    return ChatCompletionResponse(**head, choices=choices, usage=usage(seqs))
 
 
-async def _chat_stream(srv: Serving, rid, req, seqs, queue, make_parsers):
-    created, model = int(time.time()), srv.config.served_model_name
-    index = {id(s): i for i, s in enumerate(seqs)}
+def _chat_stream(srv: Serving, chunk: ChatCompletionChunk, req, seqs, queue, make_parsers):
+    """The stream's events: each sequence's role first, then its text deltas through the reasoning and
+    tool-call parsers, then its finish reason; usage last when asked for."""
     parsers = [make_parsers() for _ in seqs]
     called = [False] * len(seqs)
     pending = [p[2] for p in parsers]  # a forced tool-call start, parsed with the first delta
+    tokenizer = srv.llm.tokenizer
 
-    def chunk(i, delta, finish=None, logprobs=None):
-        body = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
-        }
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    def event(i, delta: dict, finish=None, logprobs=None) -> ChatCompletionChunk:
+        choice = ChatStreamChoice(
+            index=i, delta=DeltaMessage(**delta), finish_reason=finish, logprobs=logprobs
+        )
+        return chunk.model_copy(update={"choices": [choice]})
 
-    try:
-        for i in range(len(seqs)):
-            yield chunk(i, {"role": "assistant", "content": ""})
-        remaining = len(seqs)
-        while remaining:
-            out = SHUTTING_DOWN if srv.stopping.is_set() else await queue.get()  # a backlog waits
-            if out is SHUTTING_DOWN or out.error:
-                yield error_event(out)
-                yield "data: [DONE]\n\n"
-                return
-            i = index[id(out.seq)]
-            texts = [pending[i] + out.delta]
-            pending[i] = ""
-            if out.finished:
-                texts.append(None)  # flush marker
-            for text in texts:
-                delta = _stream_delta(text, *parsers[i][:2])
-                if delta.get("tool_calls"):
-                    called[i] = True
-                lp = None
-                if req.logprobs and text is not None and out.logprob is not None:
-                    lp = {"content": [_chat_logprob(srv.llm.tokenizer, out.logprob)]}
-                if delta or lp:
-                    yield chunk(i, delta, logprobs=lp)
-            if out.finished:
-                remaining -= 1
-                yield chunk(i, {}, "tool_calls" if called[i] else out.seq.finish_reason.value)
-        if req.stream_options and req.stream_options.include_usage:
-            yield usage_event(rid, "chat.completion.chunk", created, model, seqs)
-        yield "data: [DONE]\n\n"
-    except Exception as e:  # a bug mid-stream: the client gets an error event, not a cut connection
-        logging.getLogger("fp4moe.server").exception("chat stream failed")
-        yield error_event(e)
-        yield "data: [DONE]\n\n"
-    finally:  # client gone (the task is cancelled) or done: free whatever is left
-        srv.finish(seqs, queue)
+    def events(i, out):
+        texts = [pending[i] + out.delta]
+        pending[i] = ""
+        if out.finished:
+            texts.append(None)  # flush marker
+        for text in texts:
+            delta = _stream_delta(text, *parsers[i][:2])
+            if delta.get("tool_calls"):
+                called[i] = True
+            lp = None
+            if req.logprobs and text is not None and out.logprob is not None:
+                lp = ChatLogprobs(content=[_chat_logprob(tokenizer, out.logprob)])
+            if delta or lp:
+                yield event(i, delta, logprobs=lp)
+        if out.finished:
+            yield event(i, {}, "tool_calls" if called[i] else out.seq.finish_reason.value)
+
+    def closing():
+        return chunk.model_copy(update={"usage": usage(seqs)})
+
+    want_usage = req.stream_options and req.stream_options.include_usage
+    opening = [event(i, {"role": "assistant", "content": ""}) for i in range(len(seqs))]
+    return event_stream(srv, seqs, queue, events, opening, closing if want_usage else None)
 
 
 def _tools_for(req: ChatCompletionRequest, config: ServerConfig) -> list[dict] | None:
@@ -236,14 +225,10 @@ def _stream_delta(text: str | None, reasoning_parser, tool_parser) -> dict:
     return delta
 
 
-def _chat_logprob(tokenizer, r) -> dict:
-    token = tokenizer.decode([r.token_id])
-    return {
-        "token": token,
-        "logprob": r.logprob,
-        "bytes": list(token.encode()),
-        "top_logprobs": [
-            {"token": tokenizer.decode([t]), "logprob": lp, "bytes": list(tokenizer.decode([t]).encode())}
-            for t, lp in (r.top_logprobs or {}).items()
-        ],
-    }
+def _chat_logprob(tokenizer, r) -> ChatLogprob:
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        token = tokenizer.decode([token_id])
+        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+    first = top(r.token_id, r.logprob)
+    return ChatLogprob(**dict(first), top_logprobs=[top(t, lp) for t, lp in (r.top_logprobs or {}).items()])

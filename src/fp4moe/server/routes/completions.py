@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
-import json
-import logging
 import time
 import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from fp4moe.server.errors import APIError, check
-from fp4moe.server.protocol import CompletionRequest
-from fp4moe.server.serving import Serving, serving
-from fp4moe.server.streaming import SHUTTING_DOWN, drain, error_event, usage, usage_event
+from fp4moe.server.errors import ERROR_RESPONSES, APIError, check
+from fp4moe.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from fp4moe.server.serving import serving
+from fp4moe.server.streaming import event_stream, usage
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    response_model=CompletionResponse,
+    responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}},
+)
 async def completions(req: CompletionRequest, request: Request):
     srv = serving(request)
     srv.check_model(req.model)
@@ -45,94 +52,56 @@ async def completions(req: CompletionRequest, request: Request):
     seqs, queue = await srv.start(
         req.prompt, params, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens"
     )
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    if req.stream:
-        return StreamingResponse(
-            _completion_stream(srv, rid, req, seqs, queue), media_type="text/event-stream"
-        )
-    try:
-        await drain(queue, seqs, request)
-    finally:
-        srv.finish(seqs, queue)
-    choices = [
-        {
-            "index": i,
-            "text": s.text,
-            "finish_reason": s.finish_reason.value,
-            "logprobs": _completion_logprobs(srv.llm.tokenizer, s) if req.logprobs is not None else None,
-        }
-        for i, s in enumerate(seqs)
-    ]
-    return {
-        "id": rid,
-        "object": "text_completion",
+    head = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
         "created": int(time.time()),
         "model": srv.config.served_model_name,
-        "choices": choices,
-        "usage": usage(seqs),
     }
+    tokenizer = srv.llm.tokenizer
+    if req.stream:
+        response = CompletionResponse(**head, choices=[])
 
-
-async def _completion_stream(srv: Serving, rid, req, seqs, queue):
-    created, model = int(time.time()), srv.config.served_model_name
-    index = {id(s): i for i, s in enumerate(seqs)}
-    try:
-        remaining = len(seqs)
-        while remaining:
-            out = SHUTTING_DOWN if srv.stopping.is_set() else await queue.get()  # a backlog waits
-            if out is SHUTTING_DOWN or out.error:
-                yield error_event(out)
-                yield "data: [DONE]\n\n"
-                return
+        def events(i, out):
             logprobs = None
             if req.logprobs is not None and out.logprob is not None:
-                r = out.logprob
-                token = srv.llm.tokenizer.decode([r.token_id])
-                logprobs = {
-                    "tokens": [token],
-                    "token_logprobs": [r.logprob],
-                    "top_logprobs": [
-                        {srv.llm.tokenizer.decode([t]): v for t, v in (r.top_logprobs or {}).items()}
-                    ],
-                    "text_offset": [len(out.seq.text) - len(out.delta)],
-                }
-            choice = {
-                "index": index[id(out.seq)],
-                "text": out.delta,
-                "finish_reason": out.seq.finish_reason.value if out.finished else None,
-                "logprobs": logprobs,
-            }
-            remaining -= out.finished
-            body = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-            yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-        if req.stream_options and req.stream_options.include_usage:
-            yield usage_event(rid, "text_completion", created, model, seqs)
-        yield "data: [DONE]\n\n"
-    except Exception as e:
-        logging.getLogger("fp4moe.server").exception("completion stream failed")
-        yield error_event(e)
-        yield "data: [DONE]\n\n"
-    finally:
-        srv.finish(seqs, queue)
+                logprobs = _logprobs(tokenizer, [out.logprob], len(out.seq.text) - len(out.delta))
+            finish = out.seq.finish_reason.value if out.finished else None
+            choice = CompletionChoice(index=i, text=out.delta, finish_reason=finish, logprobs=logprobs)
+            yield response.model_copy(update={"choices": [choice]})
+
+        def closing():
+            return response.model_copy(update={"usage": usage(seqs)})
+
+        want_usage = req.stream_options and req.stream_options.include_usage
+        return StreamingResponse(
+            event_stream(srv, seqs, queue, events, closing=closing if want_usage else None),
+            media_type="text/event-stream",
+        )
+    await srv.collect(seqs, queue, request)
+    choices = [
+        CompletionChoice(
+            index=i,
+            text=s.text,
+            finish_reason=s.finish_reason.value,
+            logprobs=_logprobs(tokenizer, s.logprobs, 0) if req.logprobs is not None else None,
+        )
+        for i, s in enumerate(seqs)
+    ]
+    return CompletionResponse(**head, choices=choices, usage=usage(seqs))
 
 
-def _completion_logprobs(tokenizer, seq) -> dict:
-    tokens = [tokenizer.decode([r.token_id]) for r in seq.logprobs]
-    offsets, pos = [], 0
+def _logprobs(tokenizer, records, offset: int) -> CompletionLogprobs:
+    """Logprobs of tokens whose text starts at character ``offset`` of the output."""
+    tokens = [tokenizer.decode([r.token_id]) for r in records]
+    offsets = []
     for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [r.logprob for r in seq.logprobs],
-        "top_logprobs": [
-            {tokenizer.decode([t]): lp for t, lp in (r.top_logprobs or {}).items()} for r in seq.logprobs
+        offsets.append(offset)
+        offset += len(t)
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[r.logprob for r in records],
+        top_logprobs=[
+            {tokenizer.decode([t]): lp for t, lp in (r.top_logprobs or {}).items()} for r in records
         ],
-        "text_offset": offsets,
-    }
+        text_offset=offsets,
+    )

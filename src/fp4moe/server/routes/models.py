@@ -4,30 +4,24 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from fp4moe.server.errors import ERROR_RESPONSES
+from fp4moe.server.protocol import ModelCard, ModelList
 from fp4moe.server.serving import serving
 
 router = APIRouter()
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=ModelList)
 async def models(request: Request):
-    srv = serving(request)
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": srv.config.served_model_name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "fp4moe",
-                "max_model_len": srv.llm.max_model_len,
-            }
-        ],
-    }
+    return ModelList(data=[_card(request)])
 
 
-@router.get("/v1/models/{model_id}")
+@router.get("/v1/models/{model_id}", response_model=ModelCard, responses=ERROR_RESPONSES)
 async def model(model_id: str, request: Request):
+    serving(request).check_model(model_id)
+    return _card(request)
+
+
+def _card(request: Request) -> ModelCard:
     srv = serving(request)
-    srv.check_model(model_id)
-    return (await models(request))["data"][0]
+    return ModelCard(id=srv.config.served_model_name, max_model_len=srv.llm.max_model_len)
