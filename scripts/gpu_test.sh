@@ -20,6 +20,7 @@ echo "== gpu-marked tests" | tee -a "$log"
 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests "$@" 2>&1 | tee -a "$log" || status=1
 echo "== kernels, runner, speculative sampling, server" | tee -a "$log"
 python3 -m pytest -q -p no:cacheprovider -rfEs -m "not gpu" tests/kernels tests/engine/test_cuda_runner.py \
+  tests/engine/test_cuda_spec.py tests/engine/test_async_steps.py tests/layers/test_fused_linear.py \
   tests/engine/test_spec_sampling.py tests/server --ignore=tests/server/test_fuzz.py "$@" 2>&1 | tee -a "$log" \
   || status=1  # the fuzz suite (schemathesis, not carried) exercises the HTTP layer: the CPU's CI runs it
 exit $status

@@ -1,5 +1,5 @@
 """The decode expert GEMVs (``kernels.nvfp4_gemv``) against the dequantized reference and against the
-grouped GEMM they stand in for. Tolerances as in test_kernels.py (relative L2 2e-2: same bf16 roundings,
+grouped GEMM they stand in for. Tolerances as in kernel_refs.py (relative L2 2e-2: same bf16 roundings,
 another fp32 summation order)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_kernels import BF16, BF16_INTERPRETER, DEV, RTOL, quantized, rel  # noqa: E402
+from kernel_refs import BF16, BF16_INTERPRETER, DEV, RTOL, quantized, rel  # noqa: E402
 
 from fp4moe.kernels import moe_router  # noqa: E402
 from fp4moe.kernels import moe_routing as mr  # noqa: E402

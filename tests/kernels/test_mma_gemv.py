@@ -1,5 +1,5 @@
 """The tensor-core expert GEMVs (``kernels.nvfp4_mma_gemv``, Gluon: GPU only, no interpreter) against the
-dequantized reference and against the CUDA-core GEMV they stand in for. Tolerances as in test_kernels.py
+dequantized reference and against the CUDA-core GEMV they stand in for. Tolerances as in kernel_refs.py
 (relative L2 2e-2 against the float64 reference: the same bf16 roundings of gate, up, silu and the weighted
 output; another fp32 summation order), and the activations within a bf16 ulp of the CUDA-core GEMV's (1e-2)."""
 
@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernel_refs import BF16, DEV, RTOL, rel  # noqa: E402
 from test_gemv import _experts  # noqa: E402
-from test_kernels import BF16, DEV, RTOL, rel  # noqa: E402
 
 from fp4moe.kernels import moe_dispatch as dispatch  # noqa: E402
 from fp4moe.kernels import moe_router  # noqa: E402

@@ -1,0 +1,162 @@
+"""The paged attention kernels (decode, the cache append, prefill over the cached prefix; bf16 and fp8 pages)
+against the torch layer attending over each whole sequence. Tolerances (kernel_refs.py): relative L2 error
+2e-2 for bf16 outputs; integer outputs exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernel_refs import BF16, DEV, RTOL, rel  # noqa: E402
+
+from fp4moe.engine.cache import DeltaNetStates, KVCache  # noqa: E402
+from fp4moe.engine.context import StepContext  # noqa: E402
+from fp4moe.kernels import attention as attn_k  # noqa: E402
+from fp4moe.layers.attention import GatedAttention  # noqa: E402
+from fp4moe.layers.rope import RopeConfig, Rotary  # noqa: E402
+
+
+def _attention_layer(gen, h=4, hkv=2, d=32, hidden=64):
+    layer = GatedAttention(hidden, h, hkv, d, 1e-6, layer_id=0)
+    for p in layer.parameters():
+        p.data = (torch.randn(p.shape, generator=gen) * 0.2).to(BF16)
+    return layer.to(DEV)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_paged_attention_matches_the_layer(kv_dtype):
+    gen = torch.Generator().manual_seed(6)
+    layer = _attention_layer(gen)
+    h, hkv, d, page = 4, 2, 32, 16
+    rope = Rotary(RopeConfig(head_dim=d, mrope_section=(2, 1, 1)), DEV)
+    lengths = [1, 37, 80]  # prompt lengths; then one decode step each
+    kv = KVCache(kv_dtype)
+    states = DeltaNetStates(8, 4, 1, 4, 4, BF16, DEV)
+    cache_dtype = torch.float8_e4m3fn if kv_dtype == "fp8" else BF16
+    pages = 24
+    k_cache = torch.randn(pages, page, hkv, d).to(cache_dtype).to(DEV)
+    v_cache = torch.randn(pages, page, hkv, d).to(cache_dtype).to(DEV)
+    perm = torch.randperm(pages, generator=gen)
+    table = torch.zeros(len(lengths), 8, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(lengths):
+        need = -(-(n + 1) // page)
+        table[s, :need] = perm[used : used + need]
+        used += need
+    table = table.to(DEV)
+    w_qkv = torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight])
+    kv_scales = torch.ones(2, device=DEV)
+
+    def slot_map(s, positions):
+        return (table[s, positions // page].long() * page + positions % page).to(torch.int32)
+
+    for s, n in enumerate(lengths):  # prefill: reference forward; kernel writes the same keys/values
+        x = torch.randn(n, 64, generator=gen).to(BF16).to(DEV)
+        pos = torch.arange(n, device=DEV)
+        cos, sin = rope.cos_sin(pos, BF16)
+        layer(x, cos, sin, StepContext([n], [0], [s], kv, states))
+        if kv_dtype == "fp8":
+            kv_scales = torch.stack(kv.scales[0]).float().to(DEV)
+        attn_k.qk_norm_rope_store(
+            x @ w_qkv.T, cos, sin, layer.q_norm.weight, layer.k_norm.weight, k_cache, v_cache,
+            slot_map(s, pos), kv_scales, 1e-6, (h, hkv, d),
+        )  # fmt: skip
+    x = torch.randn(len(lengths), 64, generator=gen).to(BF16).to(DEV)
+    pos = torch.tensor(lengths, device=DEV)
+    cos, sin = rope.cos_sin(pos, BF16)
+    ref = layer(x, cos, sin, StepContext([1] * len(lengths), lengths, list(range(len(lengths))), kv, states))
+    qkv = x @ w_qkv.T
+    slots = torch.cat([slot_map(s, pos[s : s + 1]) for s in range(len(lengths))])
+    q = attn_k.qk_norm_rope_store(
+        qkv,
+        cos,
+        sin,
+        layer.q_norm.weight,
+        layer.k_norm.weight,
+        k_cache,
+        v_cache,
+        slots,
+        kv_scales,
+        1e-6,
+        (h, hkv, d),
+    )
+    out = attn_k.paged_decode_attention(
+        q,
+        qkv,
+        k_cache,
+        v_cache,
+        table,
+        (pos + 1).to(torch.int32),
+        kv_scales,
+        max_len=128,
+        dims=(h, hkv, d),
+        min_split=32,
+        target_programs=264,  # several splits of 32 tokens, as on the GPU (the interpreter's default: one)
+    )
+    assert rel(layer.o_proj(out), ref) < RTOL
+
+
+@pytest.mark.parametrize("dtype", ["auto", "fp8"])
+def test_paged_append_step_is_append_per_sequence(dtype):
+    """A step's keys/values stored at once (one scatter, the step's device layout) against ``append`` one
+    sequence at a time: the same pages, lengths and returned k/v (exact: copies, and the same fp8 rounding
+    with the scale from the first sequence's rows), fresh prompts and continuing chunks mixed."""
+    from fp4moe.engine.paged_cache import PagedKVCache
+
+    gen = torch.Generator().manual_seed(15)
+    caches = [PagedKVCache([3], 64, 4, 2, 8, 6, 64, dtype, BF16, DEV) for _ in range(2)]
+    history = {5: 6, 1: 3}  # slot -> tokens already cached (the rest are fresh)
+    for slot, n in history.items():
+        k, v = (torch.randn(n, 2, 8, generator=gen).to(BF16).to(DEV) for _ in range(2))
+        for cache in caches:
+            cache.append(3, slot, k, v)
+    slots, lengths = [0, 5, 2, 1], [7, 2, 1, 5]
+    cached = [history.get(s, 0) for s in slots]
+    k, v = (torch.randn(sum(lengths), 2, 8, generator=gen).to(BF16).to(DEV) for _ in range(2))
+    ctx = StepContext(lengths, cached, slots, caches[0], None)
+    got = caches[0].append_step(3, ctx, k, v)
+    want = [caches[1].append(3, s, k[a:b], v[a:b]) for s, (a, b) in zip(slots, ctx.spans(), strict=True)]
+    for (gk, gv), (wk, wv) in zip(got, want, strict=True):
+        assert torch.equal(gk.cpu(), wk.cpu()) and torch.equal(gv.cpu(), wv.cpu())
+    for slot, n, m in zip(slots, cached, lengths, strict=True):
+        assert caches[0].length(3, slot) == caches[1].length(3, slot) == n + m
+        rows = [c.rows(slot, 0, n + m) for c in caches]
+        for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+            flat = (a.shape[0], -1, *a.shape[3:])
+            assert torch.equal(a.view(flat)[:, rows[0]].cpu().float(), b.view(flat)[:, rows[1]].cpu().float())
+
+
+@pytest.mark.parametrize("dtype", ["auto", "fp8"])
+def test_paged_prefill_attention_is_attend_over_each_whole_cache(dtype):
+    """The paged cache's ``attend_step`` for a step with cached tokens (the paged prefill kernel over every
+    row) against the CPU cache's (``attend`` over each sequence's whole k/v, causal from its cached length):
+    continuing chunks longer than a program's tokens, a prefix longer than a key tile and spread over pages
+    of 4 (tiles cross pages), single-row decodes and a fresh prompt in the same step, GQA groups of 4.
+    Relative L2 < 2e-2 per sequence (bf16 probabilities into the value dot, fp32 softmax); the same pages
+    and lengths as ``append`` would leave."""
+    from fp4moe.engine.paged_cache import PagedKVCache
+
+    gen = torch.Generator().manual_seed(16)
+    h, hkv, d = 8, 2, 32
+    paged = PagedKVCache([3], 256, 4, hkv, d, 6, 512, dtype, BF16, DEV)
+    cpu = KVCache(dtype)
+    history = {5: 130, 1: 3, 4: 70}  # slot -> tokens already cached
+    for slot, n in history.items():
+        k, v = (torch.randn(n, hkv, d, generator=gen).to(BF16) for _ in range(2))
+        paged.append(3, slot, k.to(DEV), v.to(DEV))
+        cpu.append(3, slot, k, v)
+    slots, lengths = [0, 5, 1, 4], [9, 37, 1, 1]
+    cached = [history.get(s, 0) for s in slots]
+    q = torch.randn(sum(lengths), h, d, generator=gen).to(BF16)
+    k, v = (torch.randn(sum(lengths), hkv, d, generator=gen).to(BF16) for _ in range(2))
+    got = paged.attend_step(
+        3, StepContext(lengths, cached, slots, paged, None), q.to(DEV), k.to(DEV), v.to(DEV)
+    )
+    ctx = StepContext(lengths, cached, slots, cpu, None)
+    want = cpu.attend_step(3, ctx, q, k, v)
+    for i, (a, b) in enumerate(ctx.spans()):
+        assert rel(got[a:b].cpu(), want[a:b]) < RTOL, i
+    for slot, n, m in zip(slots, cached, lengths, strict=True):
+        assert paged.length(3, slot) == cpu.length(3, slot) == n + m
