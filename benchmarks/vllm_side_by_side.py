@@ -227,8 +227,8 @@ def cmd_ours(args) -> None:
     from fp4moe.engine.llm import LLM
     from fp4moe.engine.sampler import SamplingParams
     from fp4moe.eval.quality import window_outputs
+    from fp4moe.eval.reference_kl import load_reference_model
     from fp4moe.quantize.dequant import dequantized_state_dict
-    from fp4moe.quantize.quality import load_reference_model
 
     root = Path(args.dir)
     windows, gen = prompts(root / "bf16")

@@ -18,7 +18,7 @@ ROOT = pathlib.Path(fp4moe.__file__).parent
 LAYERS = {
     "__init__": 0,
     "errors": 0,
-    "data": 0,
+    "data": 1,
     "formats": 1,
     "kernels": 2,
     "layers": 3,

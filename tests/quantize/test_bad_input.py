@@ -13,6 +13,7 @@ import torch
 
 from fixtures import load_all, rewrite_tensors
 from fp4moe.cli import main
+from fp4moe.data.windows import WindowError
 from fp4moe.formats.checkpoint import INDEX_NAME, CheckpointError
 from fp4moe.formats.nvfp4 import NVFP4Error
 from fp4moe.models.qwen3_5_moe import UnsupportedModelError
@@ -146,7 +147,7 @@ def test_bad_calibration_inputs(checkpoints, tmp_path):
         quantize(checkpoints.bf16(), tmp_path / "out", QuantizeOptions(calib_file=str(bad), progress=False))
     short = tmp_path / "short.txt"
     short.write_text("too short")
-    with pytest.raises(CalibrationDataError, match="fewer than --seq-len"):
+    with pytest.raises(WindowError, match="fewer than --seq-len"):
         quantize(
             checkpoints.bf16(),
             tmp_path / "out",

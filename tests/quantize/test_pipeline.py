@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fixtures import load_all
+from fp4moe.eval.reference_kl import compare_with_reference, kl_stats, load_reference_model, logits
 from fp4moe.formats import layouts
 from fp4moe.formats.checkpoint import CheckpointReader
 from fp4moe.formats.layouts import OutputFormat
@@ -15,7 +16,6 @@ from fp4moe.quantize.dequant import dequantized_experts
 from fp4moe.quantize.inspect import inspect_checkpoint
 from fp4moe.quantize.options import QuantizeOptions
 from fp4moe.quantize.pipeline import calibration_token_ids
-from fp4moe.quantize.quality import compare_with_reference, kl_stats, load_reference_model, logits
 
 try:
     import compressed_tensors.compressors.nvfp4.base as ct_nvfp4

@@ -24,11 +24,11 @@ def add(sub) -> None:
 def run(args) -> int:
     import torch
 
+    from fp4moe.eval.reference_kl import compare_with_reference
     from fp4moe.models.tiny import write_tiny_checkpoint
     from fp4moe.quantize.inspect import inspect_checkpoint
     from fp4moe.quantize.options import QuantizeOptions
     from fp4moe.quantize.pipeline import quantize
-    from fp4moe.quantize.quality import compare_with_reference
 
     with tempfile.TemporaryDirectory(prefix="fp4moe-demo-") as tmp:
         root = Path(args.out) if args.out else Path(tmp)

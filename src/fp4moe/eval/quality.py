@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from fp4moe.data.windows import consecutive_windows
 from fp4moe.engine.context import StepContext
 from fp4moe.engine.sampler import SamplingParams
 from fp4moe.engine.sequence import Sequence
+from fp4moe.eval.divergence import token_kl, top1_agrees
 
 
 @dataclass
@@ -66,18 +68,6 @@ class EvalResult:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
-
-
-def token_windows(tokenizer, text: str, seq_len: int, limit: int) -> list[list[int]]:
-    """Consecutive windows of ``seq_len`` tokens, up to ``limit`` tokens in all (at least one window)."""
-    if seq_len < 3:
-        raise ValueError(f"--seq-len must be at least 3, got {seq_len}")
-    ids = tokenizer(text)["input_ids"]
-    count = max(1, min(len(ids), limit) // seq_len)
-    windows = [ids[i * seq_len : (i + 1) * seq_len] for i in range(count)]
-    if len(windows[0]) < 3:
-        raise ValueError(f"the text has only {len(ids)} tokens")
-    return windows
 
 
 @torch.no_grad()
@@ -129,9 +119,8 @@ def evaluate(
             raise ValueError(f"the {which} {m.path} has no tokenizer")
     if llm.tokenizer.get_vocab() != ref_llm.tokenizer.get_vocab():
         raise ValueError("the model and the reference have different tokenizers; eval needs the same one")
-    windows = token_windows(
-        llm.tokenizer, text if text is not None else corpus_text("heldout"), seq_len, limit
-    )
+    text = text if text is not None else corpus_text("heldout")
+    windows = consecutive_windows(llm.tokenizer(text)["input_ids"], seq_len, limit)
     nll = {"model": 0.0, "reference": 0.0}
     accepted = {"model": 0, "reference": 0}
     drafted = 0
@@ -142,14 +131,14 @@ def evaluate(
         target = torch.tensor(ids[1:])
         nll["reference"] -= float(ref_lp[:-1].gather(1, target[:, None]).sum())
         nll["model"] -= float(lp[:-1].gather(1, target[:, None]).sum())
-        kls.append((ref_lp.exp() * (ref_lp - lp)).sum(-1))
-        agree += int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
+        kls.append(token_kl(ref_lp, lp))
+        agree += int(top1_agrees(ref_lp, lp).sum())
         count += len(ids)
         drafted += len(ids) - 2
         for name, d, own in (("model", drafts, lp), ("reference", ref_drafts, ref_lp)):
             if d is not None:
                 accepted[name] += int((d == own[1:-1].argmax(-1)).sum())
-    kl = torch.cat(kls).clamp(min=0)  # fp32 rounding can give -1e-9 where the two agree
+    kl = torch.cat(kls)
     predicted = sum(len(w) - 1 for w in windows)
 
     def scores(name: str, m) -> ModelScores:

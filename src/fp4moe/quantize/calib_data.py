@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from fp4moe.data import corpus_text
 from fp4moe.errors import UserError
 
@@ -71,25 +69,6 @@ def calibration_text(
     if calib_dataset:
         return load_dataset_text(calib_dataset), f"dataset {calib_dataset}"
     return corpus_text("calib"), "packaged CPython 3.11 docs (tutorial, howto, faq)"
-
-
-def token_windows(token_ids: list[int], num_samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
-    """``num_samples`` windows of ``seq_len`` tokens at seeded random, distinct-as-possible offsets."""
-    if num_samples <= 0 or seq_len <= 0:
-        raise CalibrationDataError(f"num_samples and seq_len must be positive (got {num_samples}, {seq_len})")
-    ids = torch.tensor(token_ids, dtype=torch.long)
-    if ids.numel() < seq_len:
-        raise CalibrationDataError(
-            f"calibration text has {ids.numel()} tokens, fewer than --seq-len {seq_len}"
-        )
-    num_starts = ids.numel() - seq_len + 1
-    gen = torch.Generator().manual_seed(seed)
-    if num_samples * seq_len <= ids.numel():
-        # non-overlapping windows, chosen at random among the len // seq_len slots
-        slots = torch.randperm(ids.numel() // seq_len, generator=gen)[:num_samples] * seq_len
-    else:
-        slots = torch.randint(0, num_starts, (num_samples,), generator=gen)
-    return torch.stack([ids[s : s + seq_len] for s in slots.tolist()])
 
 
 def tokenize(tokenizer, text: str, chunk_chars: int = 1 << 16) -> list[int]:

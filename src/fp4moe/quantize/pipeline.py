@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from fp4moe.data.windows import random_windows
 from fp4moe.formats import fp8, layouts, nvfp4
 from fp4moe.formats.checkpoint import (
     INDEX_NAME,
@@ -96,7 +97,7 @@ def calibration_token_ids(
     text, source = calib_data.calibration_text(options.calib_file, options.calib_dataset)
     tokenizer = _load_tokenizer(src)
     ids = calib_data.tokenize(tokenizer, text)
-    tokens = calib_data.token_windows(ids, options.num_samples, options.seq_len, options.seed)
+    tokens = random_windows(ids, options.num_samples, options.seq_len, options.seed)
     if int(tokens.max()) >= cfg.text.vocab_size:
         raise QuantizeError(f"tokenizer produced id {int(tokens.max())} >= vocab_size {cfg.text.vocab_size}")
     return tokens, source

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from fp4moe.eval.divergence import token_kl, top1_agrees
 from fp4moe.quantize.dequant import dequantized_state_dict
 
 
@@ -33,10 +34,8 @@ def logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def kl_stats(ref_logits: torch.Tensor, logits_q: torch.Tensor) -> KLResult:
-    ref_lp = F.log_softmax(ref_logits, dim=-1)
-    q_lp = F.log_softmax(logits_q, dim=-1)
-    kl = (ref_lp.exp() * (ref_lp - q_lp)).sum(-1).flatten()  # [tokens]
-    top1 = (ref_logits.argmax(-1) == logits_q.argmax(-1)).float().mean()
+    kl = token_kl(F.log_softmax(ref_logits, dim=-1), F.log_softmax(logits_q, dim=-1)).flatten()
+    top1 = top1_agrees(ref_logits, logits_q).float().mean()
     return KLResult(float(kl.mean()), float(kl.max()), float(top1), kl.numel())
 
 
