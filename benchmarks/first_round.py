@@ -1,7 +1,8 @@
 """Where a fresh greedy request's first speculative round goes (issue 20): the full-size model with random
 weights (``--load-format dummy``), k = 2 with forced 80% acceptance, one 512-token prompt at a time. Times
-``MTPSpeculator._first_drafts`` (CUDA-synchronized) and a 1-token vs a 2-token generate, then profiles one
-``_first_drafts`` call with torch's profiler (host and device time per op).
+``MTPSpeculator._first_drafts`` (CUDA-synchronized) and 1-, 2- and 16-token generates, then profiles one
+``_first_drafts`` call with torch's profiler (host and device time per op): with the first drafts' graphs
+(``FirstDrafts``) and without (the eager MTP rows), in the same process.
 
     python3 benchmarks/first_round.py --out first-round.json
 """
@@ -54,32 +55,39 @@ def main() -> None:
         return out
 
     spec_decode.MTPSpeculator._first_drafts = timed
-    rng = random.Random(0)
-    gen = {1: [], 2: [], 16: []}
-    for run in range(args.runs):
-        for n in (1, 2, 16):
-            prompt = [rng.randrange(1000, 100000) for _ in range(args.pp)]
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-            torch.cuda.synchronize()
-            gen[n].append(time.perf_counter() - t)
-        if run == args.runs - 2:
-            profile["on"] = True
-    res = dict(
-        first_drafts_ms=[t * 1e3 for t in times],
-        generate_ms={n: [t * 1e3 for t in v] for n, v in gen.items()},
-        median_first_drafts_ms=statistics.median(times[1:]) * 1e3,
-        median_generate_ms={n: statistics.median(v[1:]) * 1e3 for n, v in gen.items()},
-    )
-    print(json.dumps(res, indent=1))
-    print(profile.get("cpu", ""))
-    print(profile.get("cuda", ""))
+    results = {}
+    for mode in ("graph", "eager"):
+        llm.runner.first_drafts.use_graphs = mode == "graph"
+        times.clear()
+        profile.clear()
+        rng = random.Random(0)
+        gen = {1: [], 2: [], 16: []}
+        for run in range(args.runs):
+            for n in (1, 2, 16):
+                prompt = [rng.randrange(1000, 100000) for _ in range(args.pp)]
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+                torch.cuda.synchronize()
+                gen[n].append(time.perf_counter() - t)
+            if run == args.runs - 2:
+                profile["on"] = True
+        results[mode] = dict(
+            first_drafts_ms=[t * 1e3 for t in times],
+            generate_ms={n: [t * 1e3 for t in v] for n, v in gen.items()},
+            median_first_drafts_ms=statistics.median(times[1:]) * 1e3,
+            median_generate_ms={n: statistics.median(v[1:]) * 1e3 for n, v in gen.items()},
+            profile_cpu=profile.get("cpu"),
+            profile_cuda=profile.get("cuda"),
+        )
+        summary = {k: v for k, v in results[mode].items() if not k.startswith("profile")}
+        print(mode, json.dumps(summary, indent=1))
+        print(profile.get("cpu", ""))
+        print(profile.get("cuda", ""))
+    llm.runner.first_drafts.use_graphs = True
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(
-                {**res, "profile_cpu": profile.get("cpu"), "profile_cuda": profile.get("cuda")}, f, indent=1
-            )
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

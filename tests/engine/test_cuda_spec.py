@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from runner_cases import DEV, PROMPTS, _agree, _all_pages_back, _fused  # noqa: E402
+from runner_cases import DEV, PROMPTS, _agree, _all_pages_back, _emulate_graphs, _fused  # noqa: E402
 
 from fp4moe.engine.llm import LLM  # noqa: E402
 from fp4moe.engine.sampler import SamplingParams  # noqa: E402
@@ -56,11 +56,14 @@ def test_a_rejected_draft_head_stops_drafting_after_its_probe(checkpoints):
     assert spec.stats.backed_off == 2 and rounds == [2] * spec_decode.PROBE_ROUNDS
 
 
-def test_first_drafts_on_the_fused_mtp_rows_are_the_module_paths(checkpoints):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_first_drafts_on_the_fused_mtp_rows_are_the_module_paths(checkpoints, graphs):
     """A greedy request's first drafts (after its prompt) come from the fused MTP rows: the head catches up
-    on the whole prompt, only each sequence's last row on through the MoE. They are the module path's
-    drafts up to a near tie of its draft logits (both bf16, summed in other orders: the tie of
-    fp4moe.engine.compare), and the head's cache and inputs end where the module path leaves them."""
+    on the whole prompt, only each sequence's last row on through the MoE -- eagerly, or replaying the graph
+    of the prompts' bucket (``FirstDrafts``; emulated on the CPU), padded rows and a padded sequence writing
+    only the scratch slot. They are the module path's drafts up to a near tie of its draft logits (both bf16,
+    summed in other orders: the tie of fp4moe.engine.compare), and the head's cache and inputs end where the
+    module path leaves them."""
     from fp4moe.engine.core import EngineCore
     from fp4moe.engine.scheduler import SchedulerConfig
 
@@ -78,7 +81,14 @@ def test_first_drafts_on_the_fused_mtp_rows_are_the_module_paths(checkpoints):
     module = spec._mtp_drafts_many(seqs, kv, states)
     for s, (cached, tail) in zip(seqs, inputs, strict=True):
         s.mtp_cached, s.hidden_tail = cached, tail
+    if graphs and DEV == "cpu":
+        _emulate_graphs(llm.runner)
+    llm.runner.cuda_graphs = graphs
+    replays = []
+    replay = llm.runner.first_drafts.replay
+    llm.runner.first_drafts.replay = lambda *a: replays.append(a[2]) or replay(*a)
     fused = spec._first_drafts(seqs, kv)
+    assert replays == ([(4, 96)] if graphs else [])  # 3 prompts of up to 70 tokens: the 4 x 96 prefill graph
     compared = 0
     for (drafts, logits), got in zip(module, fused, strict=True):
         for want, row, token in zip(drafts, logits, got, strict=True):

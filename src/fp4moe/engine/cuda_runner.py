@@ -18,6 +18,7 @@ from itertools import accumulate
 
 import torch
 
+from fp4moe.engine.first_drafts import FirstDrafts
 from fp4moe.engine.model_runner import ModelRunner
 from fp4moe.engine.paged_cache import PagedKVCache, SlotStates
 from fp4moe.engine.sequence import Sequence
@@ -115,6 +116,10 @@ class CudaModelRunner(ModelRunner):
         self.prompt_rows = torch.arange(top, device=device)
         self.prompt_len = torch.zeros(PROMPT_GRAPH_SEQS[-1], dtype=torch.long, device=device)
         self.prompt_slot = torch.full((PROMPT_GRAPH_SEQS[-1],), self.scratch, dtype=torch.long, device=device)
+        # the MTP head's first drafts after a prompt, through graphs of the prefill graphs' buckets
+        self.first_drafts = (
+            FirstDrafts(self, spec_tokens, top, PROMPT_GRAPH_SEQS[-1]) if spec_tokens else None
+        )
 
     # ---- set-up -------------------------------------------------------------------------------------
 
@@ -341,11 +346,19 @@ class CudaModelRunner(ModelRunner):
         """Capture every prefill graph ahead of serving (else each is captured on first use, compiling
         kernels for its shapes on a user's request): all that ``prompt_bucket`` can choose, also the padded
         ones larger than a step's token budget (three prompts of 65 tokens in a 256-token step take 4 x 96
-        rows: the GPU no-compile test met that one)."""
-        for t in PROMPT_GRAPH_TOKENS:
-            for b in PROMPT_GRAPH_SEQS:
-                if self.prompt_bucket([t] * b) == (b, t) and (b, t) not in self.prompt_graphs:
-                    self._capture_prompt(b, t)
+        rows: the GPU no-compile test met that one); with speculation, the first drafts' graphs of the same
+        buckets."""
+        buckets = [
+            (b, t)
+            for t in PROMPT_GRAPH_TOKENS
+            for b in PROMPT_GRAPH_SEQS
+            if self.prompt_bucket([t] * b) == (b, t)
+        ]
+        for b, t in buckets:
+            if (b, t) not in self.prompt_graphs:
+                self._capture_prompt(b, t)
+        if self.first_drafts is not None:
+            self.first_drafts.capture(buckets)
 
     def prompt_forward(self, b: int, t: int) -> torch.Tensor:
         """``b`` fresh prompts from the graph inputs (``prompt_ids``, ``prompt_len``, ``prompt_slot``), each

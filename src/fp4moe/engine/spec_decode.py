@@ -20,7 +20,6 @@ GPU, by cache slot). Sequences with penalties or logprobs keep the module path's
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 
 import torch
@@ -29,7 +28,6 @@ from fp4moe.engine.context import StepContext
 from fp4moe.engine.sampler import SampleResult, apply_penalties, filter_logits, sample, sample_result
 from fp4moe.engine.sequence import Sequence
 from fp4moe.engine.spec_stats import SpecStats
-from fp4moe.engine.transfer import to_device, upload
 
 
 def _probs(logits: torch.Tensor, seq: Sequence, history: list[int]) -> torch.Tensor:
@@ -292,38 +290,20 @@ class MTPSpeculator:
         then drafts k tokens, read back once. ``_mtp_drafts_many`` does the same on the module path: every
         row through the MoE and a read-back per draft, 18-31 ms at pp 512 on the H200 (about ten plain
         steps) before each request's first round. Sampled sequences keep it: their drafts are drawn on the
-        host with their own generators."""
-        r, dev, k = self.llm.runner, self.llm.device, self.k
+        host with their own generators. A fresh prompt's catch-up replays a graph (``FirstDrafts``)."""
+        r, k = self.llm.runner, self.k
         ps = [s.num_tokens - 1 for s in seqs]
         lens = [p - s.mtp_cached for s, p in zip(seqs, ps, strict=True)]
         if any(n <= 0 or n != len(s.hidden_tail) for s, n in zip(seqs, lens, strict=True)):
             raise RuntimeError("the MTP head's inputs do not cover the positions it has not seen")
         for s, p in zip(seqs, ps, strict=True):
             kv.reserve(s.slot, p + k)  # the catch-up to p - 1, the drafts' rows to p + k - 2
-        spans = list(zip(seqs, ps, strict=True))
-        ids = [t for s, p in spans for t in s.tokens(s.mtp_cached + 1, p + 1)]
-        pos = [q for s, p in spans for q in range(s.mtp_cached, p)]
-        slots = [s.slot for s, n in zip(seqs, lens, strict=True) for _ in range(n)]
-        rope = torch.cat([s.positions(s.mtp_cached, p) for s, p in spans], dim=1)
-        last = list(itertools.accumulate(lens))
-        hidden = r.mtp_rows(
-            to_device(ids, torch.long, dev), torch.cat([s.hidden_tail for s in seqs]),
-            to_device(pos, torch.int32, dev), to_device(slots, torch.int32, dev), upload(rope, dev),
-            keep=to_device([n - 1 for n in last], torch.long, dev),
-        )  # fmt: skip
-        own = to_device([s.slot for s in seqs], torch.int32, dev)
-        drafts = []
-        for j in range(k):
-            drafts.append(r.model.lm_head(hidden).argmax(-1))
-            if j + 1 < k:  # the next draft from the head's own output at p + j
-                at = to_device([p + j for p in ps], torch.int32, dev)
-                rope = torch.cat([s.positions(p + j, p + j + 1) for s, p in spans], dim=1)
-                hidden = r.mtp_rows(drafts[-1], hidden, at, own, upload(rope, dev))
+        drafts = r.first_drafts(seqs, ps)
         layer = self.model.mtp.layer_id
-        for s, p in spans:  # the head holds positions < p; its draft rows are the round's to overwrite
+        for s, p in zip(seqs, ps, strict=True):  # the head holds positions < p; the round overwrites drafts
             kv.advance(s.slot, p, layers=[layer])
             s.mtp_cached, s.hidden_tail = p, s.hidden_tail[:0]
-        return torch.stack(drafts, 1).tolist()
+        return drafts.tolist()
 
     def _uniforms(self, seqs: list[Sequence]):
         """The fused round's sampling input: None where every sequence is greedy, else (parameters, 2k+1
