@@ -160,9 +160,6 @@ class EngineCore:
         if boundary > seq.num_cached and not pc.contains(seq.prompt_ids, boundary) and pc.fits(boundary):
             seq.stop_at = boundary
 
-    def _spec_batch(self, batch) -> list[Sequence]:
-        return run_spec_batch(self, batch)
-
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
@@ -237,7 +234,8 @@ class EngineCore:
             results = self.llm.runner.run(batch, self.kv, self.states)
             progressed = [seq for seq, _ in results]
         else:
-            results, progressed = [], self._spec_batch(batch)
+            results = []
+            progressed = spec.run_batch(batch, self.kv, self.states, self.llm.max_model_len)
         if self.prefix_cache is not None:
             for seq, _ in batch:
                 if seq.stop_at and seq.num_cached == seq.stop_at:
@@ -442,29 +440,3 @@ class _InFlight:
     tokens: torch.Tensor | None  # [b] the sampled ids on the device: the next step's inputs (plain steps)
     readback: Readback | tuple  # the same ids on their way to the host (a round: ``FusedSpecRound.finish``'s)
     round: bool = False  # a fused speculative round (``MTPSpeculator.launch_round``)
-
-
-def run_spec_batch(core: EngineCore, batch) -> list[Sequence]:
-    """Run a scheduled batch with MTP speculative decoding: prefill chunks in one flat forward (their hidden
-    states kept for the MTP head), then a draft-and-verify round for every decoding sequence."""
-    spec = core.llm.speculator
-    decoding = [
-        s for s, n in batch if n == 1 and s.num_cached == s.num_tokens - 1 and s.hidden_tail is not None
-    ]
-    prefill = [(s, n) for s, n in batch if s not in decoding]
-    progressed = spec.prefill(prefill, core.kv, core.states) if prefill else []
-    if spec.disable_by_batch_size and len(decoding) > spec.disable_by_batch_size:
-        # under load one batched plain step beats per-sequence draft-and-verify; the MTP head keeps its
-        # inputs (hidden states) and catches up when the batch shrinks again
-        spec.stats.disabled_steps += 1
-        spec.plain_steps(decoding, core.kv, core.states)  # drafts kept for the fused round are dropped
-        for seq in decoding:
-            seq.new_tokens = 1
-            progressed.append(seq)
-        return progressed
-    for seq, n in zip(
-        decoding, spec.decode_round(decoding, core.kv, core.states, core.llm.max_model_len), strict=True
-    ):
-        seq.new_tokens = n
-        progressed.append(seq)
-    return progressed

@@ -47,7 +47,7 @@ class Sequence:
     spec_rounds: int = 0
     spec_accepted: list[int] = field(default_factory=list)
     spec_backoff: int = 0
-    # speculation's inputs for the MTP head (MTPSpeculator, run_spec_batch): the target's hidden states the
+    # speculation's inputs for the MTP head (MTPSpeculator.run_batch): the target's hidden states the
     # head has not consumed yet, how many positions it has, the drafts kept for the next fused round
     hidden_tail: torch.Tensor | None = None
     mtp_cached: int = 0

@@ -85,6 +85,28 @@ class MTPSpeculator:
             self.fused = FusedSpecRound(llm.runner, num_speculative_tokens)
 
     @torch.no_grad()
+    def run_batch(self, batch: list[tuple[Sequence, int]], kv, states, max_model_len: int) -> list[Sequence]:
+        """A scheduled batch with speculation: prefill chunks in one flat forward (their hidden states kept
+        for the head), then a draft-and-verify round for every decoding sequence (each one's ``new_tokens``
+        set); returns the sequences that progressed."""
+        decoding = [
+            s for s, n in batch if n == 1 and s.num_cached == s.num_tokens - 1 and s.hidden_tail is not None
+        ]
+        prefill = [(s, n) for s, n in batch if s not in decoding]
+        progressed = self.prefill(prefill, kv, states) if prefill else []
+        if self.disable_by_batch_size and len(decoding) > self.disable_by_batch_size:
+            # under load one batched plain step beats per-sequence draft-and-verify; the head keeps its
+            # inputs (hidden states) and catches up when the batch shrinks again
+            self.stats.disabled_steps += 1
+            self.plain_steps(decoding, kv, states)  # drafts kept for the fused round are dropped
+            for seq in decoding:
+                seq.new_tokens = 1
+            return progressed + decoding
+        for seq, n in zip(decoding, self.decode_round(decoding, kv, states, max_model_len), strict=True):
+            seq.new_tokens = n
+        return progressed + decoding
+
+    @torch.no_grad()
     def prefill(self, batch: list[tuple[Sequence, int]], kv, states) -> list[Sequence]:
         """Prompt chunks (sequence, tokens) through the runner's step (``ModelRunner.run``), their hidden
         states kept for the MTP head; samples the first token of each sequence whose prompt is now all in.
