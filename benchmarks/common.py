@@ -349,15 +349,7 @@ def graph_time(fn, reps: int = 20, layers: int = LAYERS) -> float:
     with torch.cuda.graph(g):
         fn()
     g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return statistics.median(times) / layers
+    return statistics.median(event_seconds(g.replay, reps)) / layers
 
 
 def weights(dev, layers: int = LAYERS):

@@ -16,6 +16,7 @@ import statistics
 import torch
 import triton
 import triton.language as tl
+from common import event_seconds
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
@@ -43,15 +44,7 @@ def graph_us(fn, replays: int = 20) -> tuple[torch.cuda.CUDAGraph, float]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return graph, statistics.median(times)
+    return graph, statistics.median(event_seconds(graph.replay, replays)) * 1e6
 
 
 def main() -> None:
