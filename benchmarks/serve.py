@@ -6,7 +6,8 @@ client, beside the engine's own decode-step rate and offline ``LLM.generate`` on
 
 1. For each ``--spec`` mode, ``fp4moe serve qwen3.6-35b-a3b-nvfp4 --load-format dummy --device cuda`` starts
    in a subprocess (``off``: --num-speculative-tokens 0; ``forced``: k = 2 with each draft accepted with
-   probability 0.8 (FP4MOE_FORCE_ACCEPTANCE, the fused round's benchmark switch); ``rejected``: k = 2 with the
+   probability 0.8 (FP4MOE_FORCE_ACCEPTANCE, the fused round's benchmark switch; ``forced-vocab``: the same,
+   the MTP head drafting from a 32,768-id draft vocabulary); ``rejected``: k = 2 with the
    random MTP head, whose drafts are all but never accepted). Its start-up time is recorded.
 2. ``fp4moe bench``'s client (streaming /v1/completions, usage from the server) runs the reference card's sweep:
    pp 512, tg 128 at concurrency ``--concurrency`` (1 4 8 16 32 48 64), then pp 8192 tg 128 at 1, and with
@@ -51,7 +52,9 @@ import torch
 
 HERE = Path(__file__).parent
 DECODE_SHAPE = (128, 1024)  # the issue's decode-dominated target shape (pp, tg)
-SPEC = {"off": ("0", None), "forced": ("2", "0.8"), "rejected": ("2", None)}
+SPEC = {"off": ("0", None), "forced": ("2", "0.8"), "rejected": ("2", None), "forced-vocab": ("2", "0.8")}
+# modes whose MTP head drafts from a draft vocabulary (--speculative-draft-vocab): the 32,768 lowest ids
+DRAFT_VOCAB = {"forced-vocab": 32768}
 # a mode is a SPEC name, or one with "-process": the engine loop in its own process (--engine-process)
 # instead of a thread of the server's
 MODES = [*SPEC, *(f"{s}-process" for s in SPEC)]
@@ -103,6 +106,8 @@ def start_server(model: str, spec: str, args, port: int) -> tuple[subprocess.Pop
         str(args.max_model_len),
     ]
     cmd += ["--num-speculative-tokens", k]
+    if spec.removesuffix("-process") in DRAFT_VOCAB:
+        cmd += ["--speculative-draft-vocab", str(DRAFT_VOCAB[spec.removesuffix("-process")])]
     if spec.endswith("-process"):
         cmd += ["--engine-process"]
     if args.max_num_batched_tokens:

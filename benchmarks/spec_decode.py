@@ -72,6 +72,11 @@ def main() -> int:
         help="--full-size: the fused round's variant to time: greedy (default), temperature (0.7: sampled, "
         "no sort) or top-p (0.7 and top-p 0.95: sampled with a sort of each vocabulary row)",
     )
+    ap.add_argument(
+        "--draft-vocabs", nargs="+", type=int, default=[0],
+        help="--full-size: MTP draft vocabulary sizes to time each k with (engine.draft_vocab; 0: the whole "
+        "vocabulary, the default)",
+    )  # fmt: skip
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
         "--ks", nargs="+", type=int, default=[0, 1, 2, 3], help="draft tokens per step to compare"
@@ -170,6 +175,7 @@ def full_size(args) -> int:
     import common
 
     from fp4moe.engine.cuda_spec import FusedSpecRound
+    from fp4moe.engine.draft_vocab import draft_token_ids
     from fp4moe.engine.sampler import SamplingParams
 
     dev = torch.device("cuda")
@@ -182,7 +188,11 @@ def full_size(args) -> int:
             step_s = common.time_decode(model, b, ctx, "auto")["engine_s"]
             rows.append(dict(k=0, batch=b, context=ctx, step_s=step_s, tok_s=b / step_s))
             print(json.dumps(rows[-1]), flush=True)
-            for k in [k for k in args.ks if k > 0]:
+            for k, vocab in [(k, v) for k in args.ks if k > 0 for v in args.draft_vocabs]:
+                if vocab:
+                    model.mtp.use_draft_vocab(model, draft_token_ids(model.args.vocab_size, vocab))
+                else:
+                    model.mtp.draft_ids = model.mtp.draft_head = None
                 runner = common.random_runner(
                     model, b, ctx, "auto", (args.rounds + 2) * (k + 1), spec_tokens=k
                 )
@@ -207,7 +217,7 @@ def full_size(args) -> int:
                     by_accepted[a] = statistics.median(common.event_seconds(one_round, args.rounds))
                 round_s = statistics.median(by_accepted.values())
                 row = dict(
-                    k=k, batch=b, context=ctx, sampling=args.sampling, round_s=round_s,
+                    k=k, batch=b, context=ctx, sampling=args.sampling, draft_vocab=vocab, round_s=round_s,
                     round_over_step=round_s / step_s,
                     round_s_by_accepted=by_accepted,
                     tok_s_by_accepted={a: b * (a + 1) / t for a, t in by_accepted.items()},
@@ -221,20 +231,22 @@ def full_size(args) -> int:
                rows=rows)  # fmt: skip
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(
-        "\n| context | batch | k | step or round ms | round / step | "
+        "\n| context | batch | k | draft vocabulary | step or round ms | round / step | "
         + " | ".join(f"x at {a:.0%}" for a in ALPHAS)
         + " |"
     )
-    print("|---|---|---|---|---|" + "---|" * len(ALPHAS))
+    print("|---|---|---|---|---|---|" + "---|" * len(ALPHAS))
     for r in rows:
         if r["k"] == 0:
             print(
-                f"| {r['context']} | {r['batch']} | 0 | {r['step_s'] * 1e3:.2f} | - |" + " - |" * len(ALPHAS)
+                f"| {r['context']} | {r['batch']} | 0 | - | {r['step_s'] * 1e3:.2f} | - |"
+                + " - |" * len(ALPHAS)
             )
         else:
             gains = " | ".join(f"{r['speedup_at_alpha'][a]:.2f}" for a in ALPHAS)
             print(
-                f"| {r['context']} | {r['batch']} | {r['k']} | {r['round_s'] * 1e3:.2f} | {r['round_over_step']:.2f} | {gains} |"
+                f"| {r['context']} | {r['batch']} | {r['k']} | {r['draft_vocab'] or 'all'} | {r['round_s'] * 1e3:.2f} | "
+                f"{r['round_over_step']:.2f} | {gains} |"
             )
     return 0
 

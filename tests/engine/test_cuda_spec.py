@@ -107,7 +107,11 @@ def test_first_drafts_on_the_fused_mtp_rows_are_the_module_paths(checkpoints, gr
     assert _all_pages_back(llm.runner)
 
 
-@pytest.mark.parametrize("drafts", ["mtp", "oracle", "second-wrong", "kv-fp8"])
+# "draft-vocab": the MTP head's own drafts from a 64-id draft vocabulary, on the GPU only (its logits are
+# tests/engine/test_draft_vocab.py's on the CPU; the interpreter's round costs CI minutes)
+@pytest.mark.parametrize(
+    "drafts", ["mtp", "oracle", "second-wrong", "kv-fp8", pytest.param("draft-vocab", marks=pytest.mark.gpu)]
+)
 def test_fused_speculative_round_gives_plain_greedy_tokens(checkpoints, drafts):
     """The fused greedy round (verify k+1 rows, accept, roll back from per-token states, draft the next
     round): with the MTP head's own drafts (the random head's are mostly rejected), with drafts that are
@@ -125,7 +129,7 @@ def test_fused_speculative_round_gives_plain_greedy_tokens(checkpoints, drafts):
     oracle = drafts in ("oracle", "second-wrong")
     llm = LLM(
         path, dtype="bfloat16", device=DEV, num_speculative_tokens=k, kv_cache_dtype=kv_dtype,
-        async_scheduling=not oracle,
+        async_scheduling=not oracle, speculative_draft_vocab=64 if drafts == "draft-vocab" else 0,
     )  # fmt: skip
     if DEV == "cpu":
         _fused(llm, kv_dtype, spec_tokens=k)

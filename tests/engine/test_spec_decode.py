@@ -34,6 +34,15 @@ def test_greedy_is_identical_with_the_mtp_head(path, reference, k):
     assert llm.speculator.stats.draft_tokens > 0
 
 
+def test_greedy_is_identical_with_a_draft_vocabulary(path, reference):
+    """Drafts from 64 of the 1,024 ids (the lowest and the special ones): fewer accepted, the same tokens."""
+    llm = LLM(path, dtype="float32", num_speculative_tokens=2, speculative_draft_vocab=64)
+    ids = set(llm.model.mtp.draft_ids.tolist())
+    assert 64 <= len(ids) < llm.model.args.vocab_size and set(range(64)) <= ids and llm.prompts.eos_ids <= ids
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    assert llm.speculator.stats.draft_tokens > 0
+
+
 def _oracle(llm, reference, corrupt_at=None):
     """A drafter that proposes the true continuation (optionally wrong at one draft position)."""
     by_prompt = {}
@@ -95,10 +104,13 @@ def test_rejection_sampling_reproduces_the_target_distribution(path):
     assert abs(accepted / trials - torch.minimum(p, q).sum()) < 0.02
 
 
-def test_sampling_end_to_end_matches_plain_sampling(path):
-    """Sampled generation with the MTP head: the 2nd token's distribution equals plain sampling's."""
+@pytest.mark.parametrize("draft_vocab", [0, 64])
+def test_sampling_end_to_end_matches_plain_sampling(path, draft_vocab):
+    """Sampled generation with the MTP head: the 2nd token's distribution equals plain sampling's, also with
+    the drafts from a draft vocabulary (their distributions zero outside it)."""
     params = dict(max_tokens=2, temperature=1.0, top_k=4, ignore_eos=True)
-    plain, spec = LLM(path, dtype="float32"), LLM(path, dtype="float32", num_speculative_tokens=2)
+    plain = LLM(path, dtype="float32")
+    spec = LLM(path, dtype="float32", num_speculative_tokens=2, speculative_draft_vocab=draft_vocab)
     counts = {"plain": collections.Counter(), "spec": collections.Counter()}
     n = 300
     for seed in range(n):

@@ -20,6 +20,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the compute dtype) or fp8 (e4m3 with per-layer scales)
     num_speculative_tokens: int | str = 0  # MTP drafts per step; "auto": 2 on the GPU with an MTP head
     speculative_disable_by_batch_size: int = 0  # no drafts while more sequences than this decode; 0: never
+    speculative_draft_vocab: int = 0  # the MTP head drafts from this many token ids (draft_vocab); 0: all
     # sequences decoding at once (the GPU runner's state slots and graph buckets); "auto": as many as GPU
     # memory holds beside the KV cache (memory.auto_max_num_seqs), AUTO_CPU_SEQS on the CPU
     max_num_seqs: int | str = 64

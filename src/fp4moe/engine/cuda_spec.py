@@ -264,10 +264,11 @@ class FusedSpecRound:
     def _draft(self, hidden: torch.Tensor, b: int, mode: int, j: int) -> torch.Tensor:
         """Draft j of the next round from the MTP head's output: argmax for greedy rows; sampled rows draw
         from the filtered distribution, which goes into ``q`` for the next round's acceptance test."""
-        logits = self.runner.model.lm_head(hidden)
-        choice = logits.argmax(-1)
+        model = self.runner.model
         if mode == GREEDY:
-            return choice
+            return model.mtp.greedy(model, hidden)
+        logits = model.mtp.logits(model, hidden)
+        choice = logits.argmax(-1)
         q = self._filter(logits, b, mode)
         self.q[:, j].index_copy_(0, self.slots[:b].long(), q)
         drawn = sample_rows(q, self.sampling[:b, PARAMS + self.k + 1 + j])

@@ -74,7 +74,7 @@ class FirstDrafts:
         own = to_device([s.slot for s in seqs], torch.int32, dev)
         drafts = []
         for j in range(self.k):
-            drafts.append(r.model.lm_head(hidden).argmax(-1))
+            drafts.append(r.model.mtp.greedy(r.model, hidden))
             if j + 1 < self.k:  # the next draft from the head's own output at p + j
                 at = to_device([p + j for p in ps], torch.int32, dev)
                 rope = torch.cat([s.positions(p + j, p + j + 1) for s, p in spans], dim=1)
@@ -119,7 +119,7 @@ class FirstDrafts:
         )
         drafts = []
         for j in range(self.k):
-            drafts.append(r.model.lm_head(hidden).argmax(-1))
+            drafts.append(r.model.mtp.greedy(r.model, hidden))
             if j + 1 < self.k:  # the next draft from the head's own output at p + j
                 at = self.at[:b] + j
                 hidden = r.mtp_rows(drafts[-1], hidden, at, self.own[:b], at)

@@ -86,6 +86,13 @@ class LLM:
         fused = self.device.type == "cuda" and self.model.embed_tokens.dtype == torch.bfloat16
         if k == "auto":  # where the fused round pays: the GPU engine, with an MTP head
             k = AUTO_SPECULATIVE_TOKENS if fused and self.model.mtp is not None else 0
+        if k and config.speculative_draft_vocab and self.model.mtp is not None:
+            from fp4moe.engine.draft_vocab import draft_token_ids
+
+            ids = draft_token_ids(
+                args.vocab_size, config.speculative_draft_vocab, self.tokenizer, self.prompts.eos_ids
+            )
+            self.model.mtp.use_draft_vocab(self.model, ids)
         if config.max_num_seqs == "auto":
             config = replace(config, max_num_seqs=self._auto_max_num_seqs(k if fused else 0))
             self.engine_config = config
@@ -242,6 +249,7 @@ class LLM:
 
         from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
         from fp4moe.kernels import compiles
+        from fp4moe.layers.attention import warm_cudnn
 
         compiles.watch()
         start = time.perf_counter()
@@ -274,6 +282,8 @@ class LLM:
             self.generate([[1] * 4] * b, sampled)
         self.runner.capture()  # the plain step's graphs (speculating warm-ups ran rounds)
         self.runner.capture_prompts()
+        a = self.model.args  # cuDNN's attention plans for long fresh prompts, one per padded length
+        warm_cudnn(max_batch_tokens, a.num_heads, a.num_kv_heads, a.head_dim, self.runner.device)
         self.runner.reset_kv_scales()
         if self.speculator is not None:  # the warm-up's drafts are not the server's: neither in its counts
             self.speculator.forget()  # nor in the rounds that judge whether new requests start drafting

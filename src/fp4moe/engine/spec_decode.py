@@ -159,7 +159,7 @@ class MTPSpeculator:
         logits = [[] for _ in seqs]
         histories = [list(seq.output_ids) for seq in seqs]
         for j in range(k):
-            rows = self.model.compute_logits(last).cpu()
+            rows = self.model.mtp.logits(self.model, last).float().cpu()
             for i, seq in enumerate(seqs):
                 token = sample(rows[i], seq.prompt_ids, histories[i], seq.params, seq.generator).token_id
                 drafts[i].append(token)

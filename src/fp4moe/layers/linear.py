@@ -64,6 +64,25 @@ class Linear(nn.Module):
         self.weight = None
         self.fp8 = FP8Weight(self.out_features, self.in_features)
 
+    def rows(self, ids: torch.Tensor) -> Linear:
+        """A Linear of the output rows ``ids`` alone, in the same format (its tensors copied)."""
+        with torch.device("meta"):
+            out = Linear(self.in_features, len(ids))
+        if self.nvfp4 is not None:  # block scales are per row; the decode scale is the whole matrix's
+            out.use_nvfp4()
+            q, r = self.nvfp4, out.nvfp4
+            r.packed, r.block_scales, r.decode_scale = (
+                q.packed[ids],
+                q.block_scales[ids],
+                q.decode_scale.clone(),
+            )
+        elif self.fp8 is not None:
+            out.use_fp8()
+            out.fp8.weight, out.fp8.scale = self.fp8.weight[ids], self.fp8.scale.clone()
+        else:
+            out.weight = nn.Parameter(self.weight[ids], requires_grad=False)
+        return out
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         if self.fp8 is not None:
             return self.fp8.dequantize(dtype)

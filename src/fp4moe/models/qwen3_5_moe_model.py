@@ -104,6 +104,29 @@ class MTPHead(nn.Module):
         self.norm = RMSNorm(h, args.eps)
         mtp_args = dataclasses.replace(args, layer_types=(*args.layer_types, "full_attention"))
         self.layer = DecoderLayer(mtp_args, self.layer_id)
+        # a draft vocabulary (``use_draft_vocab``): its ids and the lm_head's rows for them
+        self.draft_ids: torch.Tensor | None = None
+        self.draft_head: Linear | None = None
+
+    def use_draft_vocab(self, model, ids: torch.Tensor) -> None:
+        """Draft from the token ``ids`` alone (``engine.draft_vocab``): their rows of the target's lm_head."""
+        self.draft_ids = ids.to(model.embed_tokens.device)
+        self.draft_head = model.lm_head.rows(self.draft_ids)
+
+    def logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits [T, V] of the head's states h': the target's lm_head, or with a draft vocabulary its
+        rows for those ids and -inf elsewhere (so every sampler and acceptance test sees a full-width row)."""
+        if self.draft_head is None:
+            return model.lm_head(hidden)
+        out = hidden.new_full((hidden.shape[0], model.args.vocab_size), float("-inf"))
+        out[:, self.draft_ids] = self.draft_head(hidden).to(out.dtype)
+        return out
+
+    def greedy(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of ``logits`` [T] (the lowest id among ties), without the full-width row."""
+        if self.draft_head is None:
+            return model.lm_head(hidden).argmax(-1)
+        return self.draft_ids[self.draft_head(hidden).argmax(-1)]
 
     def forward(
         self, model, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx

@@ -1,0 +1,57 @@
+"""Fresh prompts' causal attention through cuDNN (GPU): padded to whole CUDNN_STEP rows, so that a server
+meets a few shapes, each with its cuDNN plan built at start-up. The padding must not change the real rows:
+on the CPU, the same padded call (through SDPA's math backend) against ``attend`` in fp32 (the padded rows
+only add exact zeros to each real row's sums: 1e-6); on the GPU, cuDNN against flash attention within bf16
+rounding (relative L2 2e-2, as the attention kernels' tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend
+
+from fp4moe.layers import attention
+
+
+@pytest.fixture
+def cudnn_on(monkeypatch):
+    monkeypatch.setattr(attention, "_cudnn_attention", lambda: True)
+
+
+def test_cudnn_lengths_are_whole_steps_between_the_bounds(cudnn_on):
+    step, low, high = attention.CUDNN_STEP, attention.CUDNN_MIN, attention.CUDNN_MAX
+    assert attention.cudnn_length(low) == 0  # flash attention at and below the lower bound
+    assert attention.cudnn_length(low + 1) == low + step
+    assert attention.cudnn_length(low + step) == low + step
+    assert attention.cudnn_length(8000) == 8192
+    assert attention.cudnn_length(high) == high
+    assert attention.cudnn_length(high + 1) == 0
+    padded = {attention.cudnn_length(n) for n in range(low + 1, 8193)}
+    assert len(padded) == (8192 - low) // step  # the plans warm_cudnn builds for an 8,192-token budget
+
+
+def test_padded_causal_attention_is_attend_on_the_real_rows(cudnn_on):
+    gen = torch.Generator().manual_seed(0)
+    n, h, hkv, d = attention.CUDNN_MIN + 77, 4, 2, 16
+    q, k, v = (torch.randn(n, heads, d, generator=gen) for heads in (h, hkv, hkv))
+    got = attention.causal_cudnn(q, k, v, backend=SDPBackend.MATH)
+    want = attention.attend(q, k, v, 0)  # the CPU: plain causal SDPA of the n rows
+    assert got.shape == want.shape == (n, h, d)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cudnn_attention_matches_flash_attention_on_the_gpu():
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    n, h, hkv, d = 3000, 16, 2, 256  # the model's shapes; 3,000 rows pad to 3,072
+    q, k, v = (torch.randn(n, heads, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+               for heads in (h, hkv, hkv))  # fmt: skip
+    assert attention.cudnn_length(n) == 3072
+    got = attention.attend(q, k, v, 0)  # cuDNN, padded
+    with torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            *(x.transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, enable_gqa=True
+        )[0].transpose(0, 1)
+    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert rel < 2e-2
