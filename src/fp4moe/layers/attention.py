@@ -4,6 +4,7 @@ mRoPE, GQA, output * sigmoid(gate), o_proj. Attention runs per sequence over its
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -111,7 +112,10 @@ CUDNN_MIN, CUDNN_STEP, CUDNN_MAX = 2048, 512, 16384
 
 @functools.cache
 def _cudnn_attention() -> bool:
-    """cuDNN's attention where it was measured: Hopper (sm90) and later, cuDNN present."""
+    """cuDNN's attention where it was measured: Hopper (sm90) and later, cuDNN present, and not turned off
+    (FP4MOE_CUDNN_ATTENTION=0: flash attention throughout, for comparisons)."""
+    if os.environ.get("FP4MOE_CUDNN_ATTENTION", "1") == "0":
+        return False
     return torch.backends.cudnn.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
