@@ -55,3 +55,33 @@ def test_cudnn_attention_matches_flash_attention_on_the_gpu():
         )[0].transpose(0, 1)
     rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
     assert rel < 2e-2
+
+
+def test_the_engine_thread_builds_its_own_cudnn_plans(checkpoints, monkeypatch):
+    """cuDNN's plans are per thread: after a warm-up, the server's engine thread warms again before serving
+    (``LLM.warm_thread`` at the start of ``AsyncEngine``'s loop), for the step budget the warm-up ran at."""
+    import threading
+
+    from fp4moe.engine.async_engine import AsyncEngine
+    from fp4moe.engine.core import EngineCore
+    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.scheduler import SchedulerConfig
+
+    calls = []
+    monkeypatch.setattr(
+        attention, "warm_cudnn", lambda *a: calls.append((threading.current_thread().name, *a))
+    )
+    llm = LLM(checkpoints.bf16(), dtype="float32")
+    llm.warm_thread()
+    assert calls == []  # nothing before a warm-up
+    llm._warm_tokens = 4096  # as ``warmup(4096)`` leaves it (the CPU runs no warm-up)
+    engine = AsyncEngine(EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256)))
+    try:
+        a = llm.model.args
+        for _ in range(100):
+            if calls:
+                break
+            threading.Event().wait(0.05)
+        assert calls == [("fp4moe-engine", 4096, a.num_heads, a.num_kv_heads, a.head_dim, llm.runner.device)]
+    finally:
+        engine.shutdown()

@@ -99,6 +99,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         try:
+            self.core.llm.warm_thread()  # the warm-up ran on the thread that built the engine
             self._run()
         except BaseException as e:  # the thread dies: no request may wait for it forever
             logging.getLogger("fp4moe").exception("the engine thread stopped")

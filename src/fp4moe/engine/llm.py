@@ -118,6 +118,7 @@ class LLM:
             self.speculator = MTPSpeculator(self, k)
             self.speculator.disable_by_batch_size = max(0, int(config.speculative_disable_by_batch_size))
         self.eos_ids = self.prompts.eos_ids
+        self._warm_tokens = 0  # the step budget ``warmup`` ran for (0: not warmed up)
 
     def _auto_max_num_seqs(self, spec_tokens: int) -> int:
         """``max_num_seqs="auto"``: memory-sized on the GPU (``memory.auto_max_num_seqs``), AUTO_CPU_SEQS on
@@ -249,7 +250,6 @@ class LLM:
 
         from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
         from fp4moe.kernels import compiles
-        from fp4moe.layers.attention import warm_cudnn
 
         compiles.watch()
         start = time.perf_counter()
@@ -282,13 +282,23 @@ class LLM:
             self.generate([[1] * 4] * b, sampled)
         self.runner.capture()  # the plain step's graphs (speculating warm-ups ran rounds)
         self.runner.capture_prompts()
-        a = self.model.args  # cuDNN's attention plans for long fresh prompts, one per padded length
-        warm_cudnn(max_batch_tokens, a.num_heads, a.num_kv_heads, a.head_dim, self.runner.device)
+        self._warm_tokens = max_batch_tokens
+        self.warm_thread()
         self.runner.reset_kv_scales()
         if self.speculator is not None:  # the warm-up's drafts are not the server's: neither in its counts
             self.speculator.forget()  # nor in the rounds that judge whether new requests start drafting
         compiles.mark()  # from here on, a compile is a request waiting for the compiler: warned and counted
         return time.perf_counter() - start
+
+    def warm_thread(self) -> None:
+        """What the warm-up fills per thread, for the thread that calls it (the server's engine thread, where
+        the warm-up ran in another): cuDNN's attention plans for long fresh prompts, one per padded length
+        (PyTorch keeps them thread-local). Nothing before ``warmup`` ran."""
+        if self._warm_tokens:
+            from fp4moe.layers.attention import warm_cudnn
+
+            a = self.model.args
+            warm_cudnn(self._warm_tokens, a.num_heads, a.num_kv_heads, a.head_dim, self.runner.device)
 
     def generate(
         self,
