@@ -133,7 +133,15 @@ class _ChainRunner:
         self.spec_tokens, self.max_num_seqs, self.scratch, self.device = k, max_num_seqs, max_num_seqs, "cpu"
         self.args = type("Args", (), {"vocab_size": v})()
         weight = torch.cat([p.log(), q.log()])  # [2V, V]
-        self.model = type("Model", (), {"lm_head": staticmethod(lambda h: h @ weight)})()
+        head = type(
+            "MTP",
+            (),  # the MTP head's draft logits: the whole vocabulary through the shared lm_head
+            {
+                "logits": staticmethod(lambda model, h: model.lm_head(h)),
+                "greedy": staticmethod(lambda model, h: model.lm_head(h).argmax(-1)),
+            },
+        )()
+        self.model = type("Model", (), {"lm_head": staticmethod(lambda h: h @ weight), "mtp": head})()
         self.kv = type("KV", (), {"reserve": lambda *_: None, "advance": lambda *_: None})()
         self.states = type("States", (), {"rec": torch.zeros(1, max_num_seqs + 1)})()
         self.history = torch.zeros(1, max_num_seqs * (k + 1))
