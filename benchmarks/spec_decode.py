@@ -189,10 +189,8 @@ def full_size(args) -> int:
             rows.append(dict(k=0, batch=b, context=ctx, step_s=step_s, tok_s=b / step_s))
             print(json.dumps(rows[-1]), flush=True)
             for k, vocab in [(k, v) for k in args.ks if k > 0 for v in args.draft_vocabs]:
-                if vocab:
-                    model.mtp.use_draft_vocab(model, draft_token_ids(model.args.vocab_size, vocab))
-                else:
-                    model.mtp.draft_ids = model.mtp.draft_head = None
+                ids = draft_token_ids(model.args.vocab_size, vocab) if vocab else None
+                model.mtp.use_draft_vocab(model, ids)
                 runner = common.random_runner(
                     model, b, ctx, "auto", (args.rounds + 2) * (k + 1), spec_tokens=k
                 )

@@ -49,6 +49,15 @@ def test_speculative_tokens_default_to_auto(command):
     )
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, *base, "--num-speculative-tokens", "-1"])
+    assert build_parser().parse_args([command, *base]).speculative_draft_vocab == 0  # off
+    assert (
+        build_parser()
+        .parse_args([command, *base, "--speculative-draft-vocab", "32768"])
+        .speculative_draft_vocab
+        == 32768
+    )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, *base, "--speculative-draft-vocab", "-5"])
 
 
 def test_auto_speculation_is_off_on_the_cpu(checkpoints):

@@ -18,12 +18,17 @@ def spec_tokens(value: str) -> int | str:
     if value == "auto":
         return value
     try:
-        k = int(value)
+        return non_negative(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {value!r}") from None
-    if k < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more tokens, got {k}")
-    return k
+
+
+def non_negative(value: str) -> int:
+    """A count >= 0 (--num-speculative-tokens, --speculative-draft-vocab)."""
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {n}")
+    return n
 
 
 def seqs(value: str) -> int | str:
@@ -165,7 +170,7 @@ def add_engine_options(p, max_num_seqs: int | str, max_num_batched_tokens: int |
     )
     p.add_argument(
         "--speculative-draft-vocab",
-        type=int,
+        type=non_negative,
         default=0,
         metavar="N",
         help="with speculation: the MTP head drafts from N token ids only -- the N lowest (a byte-level BPE's "

@@ -108,8 +108,12 @@ class MTPHead(nn.Module):
         self.draft_ids: torch.Tensor | None = None
         self.draft_head: Linear | None = None
 
-    def use_draft_vocab(self, model, ids: torch.Tensor) -> None:
-        """Draft from the token ``ids`` alone (``engine.draft_vocab``): their rows of the target's lm_head."""
+    def use_draft_vocab(self, model, ids: torch.Tensor | None) -> None:
+        """Draft from the token ``ids`` alone (``engine.draft_vocab``): their rows of the target's lm_head
+        (None: the whole vocabulary again)."""
+        if ids is None:
+            self.draft_ids = self.draft_head = None
+            return
         self.draft_ids = ids.to(model.embed_tokens.device)
         self.draft_head = model.lm_head.rows(self.draft_ids)
 
