@@ -314,11 +314,13 @@ def test_fresh_prompts_through_their_prefill_graph(checkpoints):
     """A step of four fresh prompts (66 tokens in a 1 x 96-row graph, whose padding runs past the last page
     of the CPU runner's 72-token context; 20 tokens alone in 1 x 32 rows; 12 and 9 tokens in 2 x 16 rows:
     ``prompt_forward``; on the CPU through a stand-in graph, on the GPU the real one) beside a continuing
-    chunk (the module path), against the same runner's eager prefill (``hidden_states``) of the same step: the same hidden states, keys/values
-    and Gated DeltaNet states up to rounding (the padded rule and the fused projections sum in another
-    order), the padding's keys/values nowhere but the scratch page (every other page as it was). The
-    padding is what could go wrong: its decay and write strength are masked, or the states would have run
-    on for the padded rows. (Tokens through the graphs: the GPU runs of this file.)"""
+    chunk (3 tokens after 3 cached, in the 1 x 16-row graph of chunks over cached prefixes: paged attention
+    over its prefix, the slot's states), against the same runner's eager prefill (``hidden_states``) of the
+    same step: the same hidden states, keys/values and Gated DeltaNet states up to rounding (the padded rule
+    and the fused projections sum in another order), the padding's keys/values nowhere but the scratch page
+    (every other page as it was). The padding is what could go wrong: its decay and write strength are
+    masked, or the states would have run on for the padded rows. (Tokens through the graphs: the GPU runs of
+    this file.)"""
     from fp4moe.engine.sequence import Sequence
 
     path = checkpoints.bf16()  # (the experts' format is the MoE's business, the same on both paths)
@@ -349,6 +351,7 @@ def test_fresh_prompts_through_their_prefill_graph(checkpoints):
         hidden, spans = runner.forward(step, kv, runner.states)
         # one graph per row bucket: the 20 tokens are not padded to the 66's 96 rows
         assert sorted(runner.prompt_graphs) == ([(1, 16), (1, 32), (1, 96), (2, 16)] if graphs else [])
+        assert sorted(runner.chunk_graphs) == ([(1, 16)] if graphs else [])
         assert spans == [(0, 12), (12, 15), (15, 24), (24, 44), (44, 110)]
         rows = {i: kv.rows(i, 0, len(p)) for i, p in prompts.items()}
         mine = torch.zeros(kv.k.shape[1] * kv.page_size, dtype=torch.bool)

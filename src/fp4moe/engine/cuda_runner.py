@@ -3,9 +3,11 @@
 
 A step in which every sequence decodes one token runs ``decode_forward`` (the fused forward's ``rows``: no
 host syncs, static shapes), captured once per batch-size bucket and replayed. Fresh text prompts replay a
-captured prefill graph per (prompts, padded length) bucket (``prompt_forward``); the rest of a step --
-prefill chunks over cached prefixes, images -- runs the modules' mixers with the fused MoE between them
-(``hidden_states``), and a step that mixes chunks with decodes keeps the decodes on the graph (``run``).
+captured prefill graph per (prompts, padded length) bucket (``prompt_forward``), and chunks that continue a
+cached prefix (the tail of a prompt longer than a step, a prefix-cache hit) one of the same buckets over the
+pages (``chunk_graphs``); the rest of a step -- chunks longer than a graph's rows, images -- runs the modules'
+mixers with the fused MoE between them (``hidden_states``), and a step that mixes chunks with decodes keeps
+the decodes on the graph (``run``).
 Every Triton kernel is launched with programmatic dependent launch on Hopper (``kernels.pdl_args``), so
 launches overlap the tails of the kernels ahead of them. The runner owns the caches (``PagedKVCache``,
 ``SlotStates``, the speculative rounds' ``history``), the graphs' input buffers and the graphs.
@@ -110,12 +112,17 @@ class CudaModelRunner(ModelRunner):
         # (rows of one graph at most: its inputs below are sized once, before any capture reads them)
         self.max_prompt_graph_tokens = top = prefill_graph_tokens
         self.use_prompt_graphs = True  # off: fresh prompts take the module path too (the warm-up compiles it)
-        self.prompt_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.prompt_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # chunks over cached prefixes, by the same buckets: a 93-token chunk after an 8K prompt took 138 ms
+        # through the module path on the H200, all of it the host enqueueing 18 ms of kernels
+        # (benchmarks/chunk_profile.py)
+        self.chunk_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prompt_pool = None
         self.prompt_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.prompt_rows = torch.arange(top, device=device)
         self.prompt_len = torch.zeros(PROMPT_GRAPH_SEQS[-1], dtype=torch.long, device=device)
         self.prompt_slot = torch.full((PROMPT_GRAPH_SEQS[-1],), self.scratch, dtype=torch.long, device=device)
+        self.prompt_cached = torch.zeros(PROMPT_GRAPH_SEQS[-1], dtype=torch.long, device=device)
         # the MTP head's first drafts after a prompt, through graphs of the prefill graphs' buckets
         self.first_drafts = (
             FirstDrafts(self, spec_tokens, top, PROMPT_GRAPH_SEQS[-1]) if spec_tokens else None
@@ -219,17 +226,17 @@ class CudaModelRunner(ModelRunner):
 
     @torch.no_grad()
     def forward(self, batch: list[tuple[Sequence, int]], kv, states):
-        """As ``ModelRunner.forward``; the step's fresh text prompts (or first chunks) replay a captured
-        prefill graph (``prompt_forward``) instead of enqueueing the layers' kernels one by one from Python,
-        and only the rest (continuing chunks, images) go through the module path."""
-        groups = self._prompt_groups(batch, kv)
+        """As ``ModelRunner.forward``; the step's fresh text prompts (or first chunks) and its text chunks over
+        cached prefixes replay a captured prefill graph (``prompt_forward``) instead of enqueueing the layers'
+        kernels one by one from Python, and only the rest (longer chunks, images) go through the module path."""
+        groups = [(g, b, False) for g, b in self._prompt_groups(batch, kv)]
+        groups += [(g, b, True) for g, b in self._prompt_groups(batch, kv, continuing=True)]
         if not groups:
             return super().forward(batch, kv, states)
         pieces = {}
-        for group, bucket in groups:
-            pieces |= dict(
-                zip(group, self._run_prompt_graph([batch[i] for i in group], *bucket), strict=True)
-            )
+        for group, bucket, continuing in groups:
+            hidden = self._run_prompt_graph([batch[i] for i in group], *bucket, continuing=continuing)
+            pieces |= dict(zip(group, hidden, strict=True))
         rest = [i for i in range(len(batch)) if i not in pieces]
         if rest:
             hidden, spans = super().forward([batch[i] for i in rest], kv, states)
@@ -239,18 +246,18 @@ class CudaModelRunner(ModelRunner):
         return torch.cat(ordered), [(e - len(p), e) for e, p in zip(ends, ordered, strict=True)]
 
     def _prompt_groups(
-        self, batch: list[tuple[Sequence, int]], kv
+        self, batch: list[tuple[Sequence, int]], kv, continuing: bool = False
     ) -> list[tuple[list[int], tuple[int, int]]]:
-        """The step's fresh prompts (indices into ``batch``) in groups that one prefill graph each takes, each
-        with its graph (``prompt_bucket``): the partition of the prompts, longest first, into consecutive
+        """The step's fresh prompts (``continuing``: its chunks over cached prefixes; indices into ``batch``) in
+        groups that one prefill graph each takes, each with its graph (``prompt_bucket``): the partition of the prompts, longest first, into consecutive
         groups with the fewest rows, counting each replay as ``REPLAY_ROWS`` more (dynamic programming over
         where the groups end). Fifteen prompts of 466-530 tokens take one 16 x 576 graph (9,216 rows; they
         took two 8 x 576 ones and a 1 x 512: 232 ms on the H200, where one replay of 9,216 rows runs at about
         20 ms + 17.5 us a row); a 20-token prompt beside a 1,000-token one joins its graph (1,004 rows of
         padding against a replay of its own: about even); a 600-token one beside a 2,000-token one does not."""
+        fits = self._chunk_graph_fits if continuing else self._prompt_graph_fits
         fresh = sorted(
-            (i for i, (seq, n) in enumerate(batch) if self._prompt_graph_fits(seq, n, kv)),
-            key=lambda i: -batch[i][1],
+            (i for i, (seq, n) in enumerate(batch) if fits(seq, n, kv)), key=lambda i: -batch[i][1]
         )
         fresh = [i for i in fresh if self.prompt_bucket([batch[i][1]]) is not None]
         # best[k]: (cost, rows, first index of the last group) of the first k prompts. Some best partition
@@ -277,8 +284,8 @@ class CudaModelRunner(ModelRunner):
         return groups[::-1]
 
     def whole_prompts(self) -> bool:
-        """Fresh prompts go through graphs, their continuing chunks through the module path: split none that
-        a step can take whole."""
+        """Fresh prompts go through graphs, continuing chunks longer than a graph's rows through the module
+        path: split none that a step can take whole."""
         return self.cuda_graphs and self.use_prompt_graphs and self.fused_prefill
 
     def prompt_bucket(self, lens: list[int]) -> tuple[int, int] | None:
@@ -308,43 +315,66 @@ class CudaModelRunner(ModelRunner):
             and (not kv.fp8 or all(layer in kv.scales for layer in self.attn_ids))
         )
 
-    def _run_prompt_graph(self, batch: list[tuple[Sequence, int]], b: int, t: int) -> list[torch.Tensor]:
-        """Replay the prefill graph of ``b`` sequences x ``t`` rows for the fresh prompts of ``batch`` ->
-        each one's final-normed hidden [n, H] (views of one copy). Their pages are reserved here; the graph
-        writes them and the slots' states."""
+    def _chunk_graph_fits(self, seq: Sequence, n: int, kv) -> bool:
+        """Whether a text chunk over a cached prefix can take a prefill graph: as ``_prompt_graph_fits``, with
+        every attention layer holding exactly the prefix (else the module path appends each at its length)."""
+        return (
+            kv is self.kv
+            and self.fused_prefill
+            and seq.num_cached > 0
+            and n >= 2
+            and seq.image_embeds is None
+            and seq.prompt_positions is None
+            and (not kv.fp8 or all(layer in kv.scales for layer in self.attn_ids))
+            and all(kv.length(layer, seq.slot) == seq.num_cached for layer in self.attn_ids)
+        )
+
+    def _run_prompt_graph(
+        self, batch: list[tuple[Sequence, int]], b: int, t: int, continuing: bool = False
+    ) -> list[torch.Tensor]:
+        """Replay the prefill graph of ``b`` sequences x ``t`` rows for the fresh prompts of ``batch``
+        (``continuing``: for their chunks over cached prefixes) -> each one's final-normed hidden [n, H]
+        (views of one copy). Their pages are reserved here; the graph writes them and the slots' states."""
         for seq, n in batch:
-            self.kv.reserve(seq.slot, n)
-        if (b, t) not in self.prompt_graphs:
-            self._capture_prompt(b, t)
-        host = torch.zeros(b * t + 2 * b, dtype=torch.long)
-        host[b * t + b :] = self.scratch  # unused sequences: no rows, the scratch slot
+            self.kv.reserve(seq.slot, seq.num_cached + n)
+        graphs = self.chunk_graphs if continuing else self.prompt_graphs
+        if (b, t) not in graphs:
+            self._capture_prompt(b, t, continuing)
+        host = torch.zeros(b * t + 3 * b, dtype=torch.long)
+        lens, slots, cached = host[b * t :].split(b)
+        slots.fill_(self.scratch)  # unused sequences: no rows, the scratch slot
         for i, (seq, n) in enumerate(batch):
-            host[i * t : i * t + n] = torch.tensor(seq.tokens(0, n))
-            host[b * t + i], host[b * t + b + i] = n, seq.slot
+            host[i * t : i * t + n] = torch.tensor(seq.tokens(seq.num_cached, seq.num_cached + n))
+            lens[i], slots[i], cached[i] = n, seq.slot, seq.num_cached
         dev = upload(host, self.device)
         self.prompt_ids[: b * t].copy_(dev[: b * t])
         self.prompt_len[:b].copy_(dev[b * t : b * t + b])
-        self.prompt_slot[:b].copy_(dev[b * t + b :])
-        graph, hidden = self.prompt_graphs[(b, t)]
+        self.prompt_slot[:b].copy_(dev[b * t + b : b * t + 2 * b])
+        self.prompt_cached[:b].copy_(dev[b * t + 2 * b :])
+        graph, hidden = graphs[(b, t)]
         graph.replay()
         hidden = hidden.clone()
         for seq, n in batch:
-            self.kv.advance(seq.slot, n, self.attn_ids)
+            self.kv.advance(seq.slot, seq.num_cached + n, self.attn_ids)
         return [hidden[i * t : i * t + n] for i, (_, n) in enumerate(batch)]
 
-    def _capture_prompt(self, b: int, t: int) -> None:
-        """Capture the prefill graph of ``b`` x ``t`` rows; the warm-up run and the capture have no real row
-        (every length 0), so they write only the scratch slot and page."""
+    def _capture_prompt(self, b: int, t: int, continuing: bool = False) -> None:
+        """Capture the prefill graph of ``b`` x ``t`` rows (``continuing``: of chunks over cached prefixes);
+        the warm-up run and the capture have no real row (every length 0), so they write only the scratch
+        slot and page."""
         self.prompt_len.zero_()
         self.prompt_slot.fill_(self.scratch)
+        self.prompt_cached.zero_()
         self.prompt_ids.zero_()
         if self._prompt_pool is None and self.device.type == "cuda":
             self._prompt_pool = torch.cuda.graph_pool_handle()
-        self.prompt_graphs[(b, t)] = self.graph_of(lambda: self.prompt_forward(b, t), pool=self._prompt_pool)
+        graphs = self.chunk_graphs if continuing else self.prompt_graphs
+        graphs[(b, t)] = self.graph_of(lambda: self.prompt_forward(b, t, continuing), pool=self._prompt_pool)
 
     def capture_prompts(self) -> None:
         """Capture every prefill graph ahead of serving (else each is captured on first use, compiling
-        kernels for its shapes on a user's request): all that ``prompt_bucket`` can choose, also the padded
+        kernels for its shapes on a user's request), of fresh prompts and of chunks over cached prefixes:
+        all that ``prompt_bucket`` can choose, also the padded
         ones larger than a step's token budget (three prompts of 65 tokens in a 256-token step take 4 x 96
         rows: the GPU no-compile test met that one); with speculation, the first drafts' graphs of the same
         buckets."""
@@ -354,18 +384,20 @@ class CudaModelRunner(ModelRunner):
             for b in PROMPT_GRAPH_SEQS
             if self.prompt_bucket([t] * b) == (b, t)
         ]
-        for b, t in buckets:
-            if (b, t) not in self.prompt_graphs:
-                self._capture_prompt(b, t)
+        for continuing, graphs in ((False, self.prompt_graphs), (True, self.chunk_graphs)):
+            for b, t in buckets:
+                if (b, t) not in graphs:
+                    self._capture_prompt(b, t, continuing)
         if self.first_drafts is not None:
             self.first_drafts.capture(buckets)
 
-    def prompt_forward(self, b: int, t: int) -> torch.Tensor:
-        """``b`` fresh prompts from the graph inputs (``prompt_ids``, ``prompt_len``, ``prompt_slot``), each
-        padded to ``t`` rows -> final-normed hidden [b * t, H] (``Qwen3_5MoeFused.prompts``)."""
-        return self.fwd.prompts(
-            self.prompt_ids[: b * t], self.prompt_len[:b], self.prompt_slot[:b], self.prompt_rows, b, t
-        )
+    def prompt_forward(self, b: int, t: int, continuing: bool = False) -> torch.Tensor:
+        """``b`` fresh prompts (``continuing``: chunks after ``prompt_cached`` tokens) from the graph inputs
+        (``prompt_ids``, ``prompt_len``, ``prompt_slot``), each padded to ``t`` rows -> final-normed hidden
+        [b * t, H] (``Qwen3_5MoeFused.prompts``)."""
+        ids, lens, slots = self.prompt_ids[: b * t], self.prompt_len[:b], self.prompt_slot[:b]
+        cached = self.prompt_cached[:b] if continuing else None
+        return self.fwd.prompts(ids, lens, slots, self.prompt_rows, b, t, cached)
 
     # ---- fused decode -------------------------------------------------------------------------------
 

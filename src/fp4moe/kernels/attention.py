@@ -305,8 +305,10 @@ def _prefill_paged_kernel(
     acc = tl.zeros((BM, D), dtype=tl.float32)
     bt = block_table_ptr + slot.to(tl.int64) * stride_bt
     cols = tl.arange(0, BN)
-    # keys every row of the program sees (below its first row's position), whole tiles: no mask
-    seen = (cached + t0 + 1) // BN * BN
+    # keys every row of the program sees (below its first row's position), whole tiles: no mask; a program
+    # past its sequence's rows (a graphed chunk's padding) reads none
+    some = t0 < n
+    seen = tl.where(some, (cached + t0 + 1) // BN * BN, 0)
     for n0 in range(0, seen, BN):
         key = n0 + cols
         page = tl.load(bt + key // PAGE).to(tl.int64)
@@ -315,7 +317,7 @@ def _prefill_paged_kernel(
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) if DOT_F32 else tl.dot(q, tl.trans(k))
         m_i, l_i, acc = _online_softmax(s * qk_scale, v, m_i, l_i, acc, DOT_F32)
     # then the tiles up to the program's last row, causal per row
-    end = cached + tl.minimum(t0 + TOK, n)
+    end = tl.where(some, cached + tl.minimum(t0 + TOK, n), 0)
     for n0 in range(seen, end, BN):
         key = n0 + cols
         inside = key < end
@@ -325,7 +327,7 @@ def _prefill_paged_kernel(
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) if DOT_F32 else tl.dot(q, tl.trans(k))
         s = tl.where(key[None, :] <= pos[:, None], s * qk_scale, float("-inf"))  # key 0: seen by every row
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_F32)
-    out = acc / l_i[:, None]
+    out = acc / tl.maximum(l_i, 1.0)[:, None]  # a live row's sum holds its largest score's 1; others are 0
     if FP8:
         out = out * tl.load(kv_scale_ptr + 1)
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=live[:, None])

@@ -178,20 +178,23 @@ class GatedDeltaNet(nn.Module):
             o, new = rule(q, k, v.float(), g, beta.float(), state)
         return o.to(qkv.dtype), new
 
-    def rule_fresh(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: int):
+    def rule_fresh(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: int, initial=None):
         """``rule`` for ``batch`` sequences of equal length in consecutive rows of qkv, each from a zero
-        state -> (output [rows, Hv, Dv], new states [batch, Hv, Dk, Dv]): one fla call on the GPU."""
+        state (``initial`` None) or from its own of ``initial`` [batch, Hv, Dk, Dv] fp32 -> (output [rows, Hv,
+        Dv], new states [batch, Hv, Dk, Dv]): one fla call on the GPU."""
         n = qkv.shape[0] // batch
         if not (qkv.is_cuda and _fla_chunk() is not None):
+            zero = qkv.new_zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
             outs = [self.rule(qkv[i * n : (i + 1) * n], g[i * n : (i + 1) * n], beta[i * n : (i + 1) * n],
-                              qkv.new_zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32))
+                              zero if initial is None else initial[i])
                     for i in range(batch)]  # fmt: skip
             return torch.cat([o for o, _ in outs]), torch.stack([s for _, s in outs])
         q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
         o, final = _fla_chunk()(
             q.reshape(batch, n, self.num_k_heads, self.k_dim), k.reshape(batch, n, self.num_k_heads, self.k_dim),
             v.reshape(batch, n, self.num_v_heads, self.v_dim), g.view(batch, n, -1), beta.view(batch, n, -1),
-            scale=self.k_dim**-0.5, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            scale=self.k_dim**-0.5, initial_state=None if initial is None else initial.contiguous(),
+            output_final_state=True, use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
         return o.reshape(batch * n, self.num_v_heads, self.v_dim).to(qkv.dtype), final
 

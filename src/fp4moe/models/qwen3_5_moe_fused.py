@@ -92,47 +92,65 @@ class Qwen3_5MoeFused:
 
         return self.layers(h, mixer)[1]
 
-    def prompts(self, ids, lens, slots, arange, b: int, t: int) -> torch.Tensor:
-        """``b`` fresh prompts (token ``ids`` [b * t], lengths ``lens`` [b], slots ``slots`` [b], on the device;
+    def prompts(self, ids, lens, slots, arange, b: int, t: int, cached=None) -> torch.Tensor:
+        """``b`` prompt chunks (token ``ids`` [b * t], lengths ``lens`` [b], slots ``slots`` [b], on the device;
         ``arange``: 0.. at least b * t), each padded to ``t`` rows, with static shapes and device-side
-        indexing only (graph-capturable) -> final-normed hidden [b * t, H] (rows past a prompt's length are
-        padding). Attention is causal within each prompt's rows, so the padding after a prompt changes none
-        of its rows, and the padding's keys/values go to the scratch page; in the Gated DeltaNet layers the
-        padding has decay 1 and write strength 0, so the states after a prompt's last row are its final ones
-        (stored in its slot)."""
+        indexing only (graph-capturable) -> final-normed hidden [b * t, H] (rows past a chunk's length are
+        padding). ``cached`` None: fresh prompts; else [b] the tokens each sequence has cached, which its
+        chunk continues (a prompt longer than a step, a prefix-cache hit).
+
+        Fresh prompts attend causally within their own rows (flash attention), so the padding after a prompt
+        changes none of its rows; a continuing chunk's rows attend over the sequence's pages through the
+        paged prefill kernel, which skips the padding. The padding's keys/values go to the scratch page. In
+        the Gated DeltaNet layers the padding has decay 1 and write strength 0, so the states after a chunk's
+        last row are its final ones (stored in its slot; a continuing chunk starts from the slot's)."""
         model = self.model
         flat = arange[: b * t]
-        seq_of, pos = flat // t, flat % t
-        valid = pos < lens[seq_of]
+        seq_of, off = flat // t, flat % t
+        valid = off < lens[seq_of]
         starts = arange[:b] * t
-        zero = torch.zeros(b, dtype=torch.long, device=ids.device)
-        step = _PromptLayout(slots, zero, starts.int(), starts + lens, seq_of.int())
+        first = torch.zeros(b, dtype=torch.long, device=ids.device) if cached is None else cached
+        pos = off if cached is None else first[seq_of] + off
+        step = _PromptLayout(slots, first, starts.int(), starts + lens, seq_of.int())
         cos, sin = model.rotary.cos_sin(pos, model.embed_tokens.dtype)
+        blocks = None if cached is None else self._chunk_blocks(arange, b, t)
 
         def mixer(i, layer, x):
             proj = self.fused[i][0](x)
             if layer.is_attention:
-                return self._prompt_attention(layer.self_attn, proj, cos, sin, step, pos, valid, b)
-            return self._prompt_deltanet(layer.linear_attn, proj, step, valid, b)
+                return self._prompt_attention(layer.self_attn, proj, cos, sin, step, pos, valid, b, blocks)
+            return self._prompt_deltanet(layer.linear_attn, proj, step, valid, b, cached is not None)
 
         return self.layers(model.embed(ids), mixer)[1]
 
-    def _prompt_deltanet(self, m, proj, step, valid, b: int) -> torch.Tensor:
+    def _chunk_blocks(self, arange, b: int, t: int) -> torch.Tensor:
+        """The paged prefill kernel's programs for ``b`` chunks of ``t`` rows: (sequence, block) [b * nb, 2]."""
+        from fp4moe.kernels.attention import PREFILL_TILES, prefill_tokens_per_program
+
+        a = self.args
+        per = prefill_tokens_per_program(a.num_heads // a.num_kv_heads, PREFILL_TILES[self.kv.fp8][0])
+        nb = -(-t // per)
+        return torch.stack([arange[:b].repeat_interleave(nb), arange[:nb].repeat(b)], dim=1)
+
+    def _prompt_deltanet(self, m, proj, step, valid, b: int, continuing: bool) -> torch.Tensor:
         from fp4moe.kernels.causal_conv import causal_conv_silu_varlen
 
         mixed, z, w, d = proj.split([m.conv_dim, m.value_size, m.num_v_heads, m.num_v_heads], dim=-1)
         beta, g = m.gates(w, d)
         beta = torch.where(valid[:, None], beta, 0)  # padding writes nothing ...
         g = torch.where(valid[:, None], g, 0)  # ... and decays nothing
-        conv0 = mixed.new_zeros(b, m.conv_dim, m.conv_kernel - 1)
+        if continuing:  # the slots' states (zeros for the padded sequences: cached 0)
+            conv0, rec0 = self.states.gather(m.layer_id, step)
+        else:
+            conv0, rec0 = mixed.new_zeros(b, m.conv_dim, m.conv_kernel - 1), None
         qkv, conv = causal_conv_silu_varlen(
             mixed, conv0, m.conv1d_weight, step.token_seq, step.starts, step.ends
         )
-        core, rec = m.rule_fresh(qkv, g, beta, b)
+        core, rec = m.rule_fresh(qkv, g, beta, b, rec0)
         self.states.scatter(m.layer_id, step, conv, rec)
         return m.output(core, z)
 
-    def _prompt_attention(self, m, proj, cos, sin, step, pos, valid, b: int) -> torch.Tensor:
+    def _prompt_attention(self, m, proj, cos, sin, step, pos, valid, b: int, blocks=None) -> torch.Tensor:
         from fp4moe.layers.attention import attend_fresh
 
         kv, page = self.kv, self.kv.page_size
@@ -143,7 +161,17 @@ class Qwen3_5MoeFused:
         dest = kv.block_table[slots, (pos // page).clamp(max=kv.max_pages - 1)].long() * page + pos % page
         spare = kv.block_table[self.scratch, 0].long() * page + pos % page
         k, v = kv.store(m.layer_id, torch.where(valid, dest, spare), k, v)
-        return m.output(attend_fresh(q, k, v, b), gate)
+        if blocks is None:
+            return m.output(attend_fresh(q, k, v, b), gate)
+        from fp4moe.kernels.attention import paged_prefill_attention
+
+        li = kv.index[m.layer_id]
+        out = torch.zeros_like(q)  # the padding's rows stay zero (the kernel writes real rows only)
+        core = paged_prefill_attention(
+            q.contiguous(), kv.k[li], kv.v[li], kv.block_table, step, blocks, kv.scale_t[li],
+            (m.num_heads, m.num_kv_heads, m.head_dim), out=out,
+        )  # fmt: skip
+        return m.output(core, gate)
 
     def row_geometry(self, pos: torch.Tensor, slots: torch.Tensor):
         """Block-table rows, cache rows written (slot_map) and attention lengths of rows at ``pos``."""
@@ -255,7 +283,7 @@ class Qwen3_5MoeFused:
 @dataclass
 class _PromptLayout:
     """The step layout of graphed prompts, as the Gated DeltaNet states' ``scatter`` and the layers read a
-    step's (``engine.context.StepTensors``' fields): each sequence's slot, cached tokens (none), first row
+    step's (``engine.context.StepTensors``' fields): each sequence's slot, cached tokens, first row
     and end, and each row's sequence -- all on the device."""
 
     slots: torch.Tensor
