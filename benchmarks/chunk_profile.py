@@ -1,13 +1,13 @@
 """Where a continuing prefill chunk's time goes: the full-size model with random weights (NVFP4 routed
 experts, bf16 rest), one sequence with a ``--prefix``-token prompt already prefilled (one step), then a
 ``--chunk``-token chunk over it (as a served prompt one step longer than the step budget runs its tail, or a
-prefix-cache hit its new tokens): through the runner's module path (``hidden_states``) and through the
-prefill graph of chunks over cached prefixes (``CudaModelRunner.chunk_graphs``). Per (path, prefix, chunk):
+prefix-cache hit its new tokens; prefix 0: a fresh prompt): through the runner's module path (``hidden_states``) and through the
+prefill graphs (``CudaModelRunner.chunk_graphs``, ``prompt_graphs``). Per (path, prefix, chunk):
 the chunk's device time (CUDA events) and host time (to enqueue it, and until it is done), median of
-``--repeats``; then one more module-path chunk under torch's profiler (ops by self CPU time, kernels by
+``--repeats``; then (``--profile``) one more module-path chunk under torch's profiler (ops by self CPU time, kernels by
 device time) and under cProfile (Python functions by cumulative time).
 
-    python3 benchmarks/chunk_profile.py --prefix 8192 512 --chunk 93 512 --out chunk-profile.json
+    python3 benchmarks/chunk_profile.py --prefix 8192 512 --chunk 93 512 --profile --out chunk-profile.json
 """
 
 from __future__ import annotations
@@ -60,10 +60,11 @@ def step(runner, model, ids, start: int, n: int):
 def measure(runner, model, ids, prefix: int, chunk: int, repeats: int, graph: bool) -> dict:
     dev = ids.device
     device_s, enqueue_s, done_s = [], [], []
-    for _ in range(repeats + 1):  # the first compiles
+    for _ in range(repeats + 1):  # the first compiles (and, for a fresh prompt, sets an fp8 cache's scales)
         runner.kv.free(0)
-        runner.reset_kv_scales()
-        step(runner, model, ids, 0, prefix)
+        if prefix:  # (a fresh prompt keeps the scales: the prefill graphs need them set)
+            runner.reset_kv_scales()
+            step(runner, model, ids, 0, prefix)
         if graph:
             run = graph_step(runner, model, ids.cpu(), prefix, chunk)
         else:
@@ -129,6 +130,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, nargs="+", default=[93, 512], help="continuing chunk lengths")
     ap.add_argument("--kv", default="fp8", choices=["fp8", "auto"], help="KV cache dtype")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per (prefix, chunk); the median")
+    ap.add_argument(
+        "--profile", action="store_true", help="profile the first (prefix, chunk) on the module path"
+    )
     ap.add_argument("--top", type=int, default=30, help="rows of each profile table")
     ap.add_argument("--out", default="", help="write the results to this JSON file")
     args = ap.parse_args()
@@ -145,16 +149,15 @@ def main() -> None:
                 rows.append(r)
                 log(f"{r['path']:7s} prefix {prefix:6d} chunk {chunk:5d}: device {r['device_s'] * 1e3:7.1f} ms, enqueue "
                     f"{r['enqueue_s'] * 1e3:7.1f} ms, done {r['done_s'] * 1e3:7.1f} ms (first {r['first_done_s'] * 1e3:.0f})")  # fmt: skip
-    p = profiles(runner, model, ids, args.prefix[0], args.chunk[0], args.top)
-    log(
-        f"profile, prefix {args.prefix[0]} chunk {args.chunk[0]}: kernels {p['kernel_us'] / 1e3:.1f} ms of device time"
-    )
-    for r in p["kernels"]:
-        log(f"  {r['us'] / 1e3:8.2f} ms x{r['calls']:5d}  {r['kernel']}")
-    log("ops by self CPU time:")
-    for r in p["ops"]:
-        log(f"  {r['self_cpu_us'] / 1e3:8.2f} ms x{r['calls']:5d}  {r['op']}")
-    log(p["cprofile"])
+    p = profiles(runner, model, ids, args.prefix[0], args.chunk[0], args.top) if args.profile else {}
+    if p:
+        log(f"profile, prefix {args.prefix[0]}, chunk {args.chunk[0]}: kernels {p['kernel_us'] / 1e3:.1f} ms")
+        for r in p["kernels"]:
+            log(f"  {r['us'] / 1e3:8.2f} ms x{r['calls']:5d}  {r['kernel']}")
+        log("ops by self CPU time:")
+        for r in p["ops"]:
+            log(f"  {r['self_cpu_us'] / 1e3:8.2f} ms x{r['calls']:5d}  {r['op']}")
+        log(p["cprofile"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(rows=rows, profile=p, kv=args.kv), f, indent=1)

@@ -57,6 +57,44 @@ def test_cudnn_attention_matches_flash_attention_on_the_gpu():
     assert rel < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fresh_prompts_of_a_cudnn_length_in_a_cuda_graph():
+    """``attend_fresh`` of two prompts of 2,560 rows (a prefill graph's bucket: cuDNN, unpadded), eager and
+    replayed from a CUDA graph (as the prefill graphs run it, on another thread than the capture's: the
+    server's engine thread), against flash attention per prompt."""
+    import threading
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    b, n, h, hkv, d = 2, 2560, 16, 2, 256
+    assert attention.cudnn_length(n) == n
+    q, k, v = (torch.randn(b * n, heads, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+               for heads in (h, hkv, hkv))  # fmt: skip
+    with torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        want = torch.cat([
+            torch.nn.functional.scaled_dot_product_attention(
+                *(x[i * n : (i + 1) * n].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
+                enable_gqa=True, scale=d**-0.5,
+            )[0].transpose(0, 1)
+            for i in range(b)
+        ])  # fmt: skip
+    eager = attention.attend_fresh(q, k, v, b)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention.attend_fresh(q, k, v, b)
+    q.copy_(torch.randn(q.shape, generator=gen, device="cuda", dtype=q.dtype))  # replays read the inputs
+    fresh = attention.attend_fresh(q, k, v, b)
+    thread = threading.Thread(target=graph.replay)
+    thread.start()
+    thread.join()
+    torch.cuda.synchronize()
+    for got, ref in ((eager, want), (out, fresh)):
+        rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert rel < 2e-2, rel
+    torch.testing.assert_close(out, fresh, rtol=0, atol=0)  # the graph runs the eager call's kernel
+
+
 def test_the_engine_thread_builds_its_own_cudnn_plans(checkpoints, monkeypatch):
     """cuDNN's plans are per thread: after a warm-up, the server's engine thread warms again before serving
     (``LLM.warm_thread`` at the start of ``AsyncEngine``'s loop), for the step budget the warm-up ran at."""

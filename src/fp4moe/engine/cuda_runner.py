@@ -33,9 +33,11 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # prefill enqueued for 177 ms on the H200 against 28 ms of kernels (benchmarks/prefill_batch.py): a served
 # single stream's time to first token was that host work. From 256 rows on, each length is at most 25% above
 # the one before, so a prompt pads by less than a quarter (it was up to a half: 64 prompts of ~520 tokens ran in
-# 768-row slots, two-thirds of each prefill graph's rows real)
+# 768-row slots, two-thirds of each prefill graph's rows real). Past 2,048 every 512 rows, up to a step's 8,192:
+# the module path's host time is ~150 ms a step whatever its rows (benchmarks/chunk_profile.py), more than
+# the kernels of a prompt below ~6K tokens take, and these lengths are the ones cuDNN's attention runs at
 PROMPT_GRAPH_TOKENS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 576, 640, 768, 896, 1024, 1280, 1536,
-                       1792, 2048)  # fmt: skip
+                       1792, 2048, *range(2560, 8192 + 1, 512))  # fmt: skip
 PROMPT_GRAPH_SEQS = (1, 2, 4, 8, 16, 32, 64, 128)  # fresh prompts in one step (each padded to the longest)
 # a prefill graph replay's cost beyond its rows, in rows (H200, full size: 512 rows 31 ms, 4,608 rows 102 ms,
 # 8,192 rows 164 ms -- about 20 ms and 17.5 us a row): ``_prompt_groups`` weighs padding against replays

@@ -3,6 +3,7 @@ mRoPE, GQA, output * sigmoid(gate), o_proj. Attention runs per sequence over its
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -86,17 +87,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -
 
 def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int) -> torch.Tensor:
     """Causal GQA for ``batch`` fresh prompts of equal length in consecutive rows: q [rows, H, D], k/v
-    [rows, Hkv, D] -> [rows, H, D]; one batched flash-attention call on the GPU, ``attend`` per prompt on
-    the CPU."""
+    [rows, Hkv, D] -> [rows, H, D]; one batched flash-attention call on the GPU (cuDNN's where it runs the
+    length, ``cudnn_length``), ``attend`` per prompt on the CPU."""
     rows, heads, dim = q.shape
     n = rows // batch
     if not q.is_cuda:
         return torch.cat([attend(q[i * n : (i + 1) * n], k[i * n : (i + 1) * n], v[i * n : (i + 1) * n], 0)
                           for i in range(batch)])  # fmt: skip
-    out = F.scaled_dot_product_attention(
-        *(x.view(batch, n, -1, dim).transpose(1, 2) for x in (q, k, v)), is_causal=True, scale=dim**-0.5,
-        enable_gqa=True,
-    )  # fmt: skip
+    # prompts of a length cuDNN runs at unpadded (the prefill graphs' buckets past 2,048 rows): its kernel
+    cudnn = sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if cudnn_length(n) == n else contextlib.nullcontext()
+    with cudnn:
+        out = F.scaled_dot_product_attention(
+            *(x.view(batch, n, -1, dim).transpose(1, 2) for x in (q, k, v)), is_causal=True, scale=dim**-0.5,
+            enable_gqa=True,
+        )  # fmt: skip
     return out.transpose(1, 2).reshape(rows, heads, dim)
 
 
