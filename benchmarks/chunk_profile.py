@@ -21,7 +21,7 @@ import statistics
 import time
 
 import torch
-from common import build_model, log
+from common import _kernel_table, build_model, log
 
 
 def chunk_runner(model, max_len: int, kv: str):
@@ -97,15 +97,12 @@ def profiles(runner, model, ids, prefix: int, chunk: int, top: int) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step(runner, model, ids, prefix, chunk)
         torch.cuda.synchronize(dev)
-    ops, kernels = [], []
-    for ev in prof.key_averages():
-        cpu = ev.self_cpu_time_total
-        gpu = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
-        ops.append(dict(op=ev.key[:100], calls=ev.count, self_cpu_us=cpu, device_us=gpu))
-        if gpu > 0 and not ev.key.startswith("aten::"):
-            kernels.append(dict(kernel=ev.key[:100], calls=ev.count, us=gpu))
+    ops = [
+        dict(op=ev.key[:100], calls=ev.count, self_cpu_us=ev.self_cpu_time_total)
+        for ev in prof.key_averages()
+    ]
     ops.sort(key=lambda r: -r["self_cpu_us"])
-    kernels.sort(key=lambda r: -r["us"])
+    kernels = _kernel_table(prof, None)
     # cProfile: the same chunk again, over a fresh prefill of the same prefix
     runner.kv.free(0)
     runner.reset_kv_scales()
