@@ -56,6 +56,52 @@ def test_a_rejected_draft_head_stops_drafting_after_its_probe(checkpoints):
     assert spec.stats.backed_off == 2 and rounds == [2] * spec_decode.PROBE_ROUNDS
 
 
+@pytest.mark.parametrize("round_ms,loses", [(10.0, True), (0.9, False)])
+def test_rounds_that_lose_to_plain_steps_at_their_batch_stop(checkpoints, monkeypatch, round_ms, loses):
+    """The batch policy (``SpecCost``) with given times: plain steps of 2 ms, rounds of ``round_ms``. The
+    per-sequence policy is switched off (every round "pays"), so the tiny model's rejected head appends one
+    token a round. After a window of rounds the batch takes one plain step (its time was unknown); then
+    1 / 10 ms loses to 1 / 2 ms and the batch decodes plainly from then on, while 1 / 0.9 ms pays and the
+    rounds go on. The tokens stay plain greedy decoding's either way."""
+    from contextlib import contextmanager
+
+    from fp4moe.engine import spec_decode
+    from fp4moe.engine.spec_cost import WINDOW, SpecCost
+
+    monkeypatch.setattr(spec_decode, "MIN_ACCEPTED", 0.0)
+    path = checkpoints.bf16()
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[2]}]
+    ref = LLM(path, dtype="bfloat16", device="cpu").generate(
+        prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    )
+    llm = LLM(path, dtype="bfloat16", device=DEV, num_speculative_tokens=2)
+    if DEV == "cpu":
+        _fused(llm, spec_tokens=2)
+    spec = llm.speculator
+    spec.cost, times, kinds = SpecCost(True), {"round": round_ms, "plain": 2.0}, []
+
+    @contextmanager
+    def timed(kind, n):
+        yield
+        kinds.append(kind)
+        spec.cost.add(kind, n, times[kind])
+
+    spec.cost.timed = timed
+    _agree(ref, llm.generate(prompts, params))
+    rounds = [i for i, k in enumerate(kinds) if k == "round"]
+    # the probe after a window of rounds (and the round launched ahead of the window's last tokens: async
+    # scheduling), and the judging after the next round
+    ahead = (WINDOW, WINDOW + 1)
+    assert spec.stats.plain_probes == 1 and kinds[: kinds.index("plain")].count("round") in ahead
+    if loses:
+        # (the probe's window, the round that judged, and at most one more launched ahead of its tokens)
+        assert spec.stats.batch_backoffs == 1 and WINDOW + 1 <= len(rounds) <= WINDOW + 3
+        assert set(kinds[rounds[-1] + 1 :]) == {"plain"} and len(kinds) - rounds[-1] > 2  # plain from then on
+    else:
+        assert spec.stats.batch_backoffs == 0 and kinds.count("plain") == 1 and len(rounds) > WINDOW + 1
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_first_drafts_on_the_fused_mtp_rows_are_the_module_paths(checkpoints, graphs):
     """A greedy request's first drafts (after its prompt) come from the fused MTP rows: the head catches up

@@ -29,6 +29,7 @@ SPEC_METRICS = {  # vLLM's names, and ours
     # ours only: the online policy's backoffs, and requests that started backed off
     "backoffs": ("fp4moe:spec_decode_num_backoffs_total",),
     "started_backed_off": ("fp4moe:spec_decode_num_started_backed_off_total",),
+    "batch_backoffs": ("fp4moe:spec_decode_num_batch_backoffs_total",),
 }
 
 
@@ -272,7 +273,11 @@ def summarize(rounds: list[RoundResult]) -> list[dict]:
             positions = sorted((int(k[3:]), v) for k, v in spec.items() if k.startswith("pos"))
             if positions:
                 row["spec_acceptance_per_position"] = [v / spec["drafts"] for _, v in positions]
-        for key in ("backoffs", "started_backed_off"):  # fp4moe's speculation policy (a request that starts
+        for key in (
+            "backoffs",
+            "started_backed_off",
+            "batch_backoffs",
+        ):  # fp4moe's speculation policy (a request that starts
             if key in keys:  # backed off may draft nothing at all)
                 row[f"spec_{key}"] = int(spec[key])
         rows.append(row)

@@ -7,6 +7,7 @@ steps it directly. ``FP4MOE_STEP_TRACE`` records its steps (``step_trace.StepTra
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -381,9 +382,11 @@ class EngineCore:
                 else prev.tokens.index_select(0, to_device(index, torch.long, prev.tokens.device))
             )
         spec = self.llm.speculator
-        logits, hidden = self.llm.runner.decode_step(
-            seqs, keep_hidden=spec is not None, host=False, tokens=tokens
-        )
+        timed = spec.cost.timed("plain", len(seqs)) if spec is not None else contextlib.nullcontext()
+        with timed:  # plain steps' time by batch size: whether speculation's rounds pay against them
+            logits, hidden = self.llm.runner.decode_step(
+                seqs, keep_hidden=spec is not None, host=False, tokens=tokens
+            )
         if spec is not None:  # the MTP head's inputs kept for its next probe, a plain step off the backoff
             spec.keep_plain_step(seqs, hidden)
             # a backoff counts the steps that could have drafted, as decode_round's does: not those of a

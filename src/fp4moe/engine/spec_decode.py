@@ -27,6 +27,7 @@ import torch
 from fp4moe.engine.context import StepContext
 from fp4moe.engine.sampler import SampleResult, apply_penalties, filter_logits, sample, sample_result
 from fp4moe.engine.sequence import Sequence
+from fp4moe.engine.spec_cost import SpecCost
 from fp4moe.engine.spec_stats import SpecStats
 
 
@@ -83,6 +84,8 @@ class MTPSpeculator:
             from fp4moe.engine.cuda_spec import FusedSpecRound
 
             self.fused = FusedSpecRound(llm.runner, num_speculative_tokens)
+        # the fused rounds' and plain steps' GPU times by batch size: whether rounds pay at their batch
+        self.cost = SpecCost(self.fused is not None and llm.runner.device.type == "cuda")
 
     @torch.no_grad()
     def run_batch(self, batch: list[tuple[Sequence, int]], kv, states, max_model_len: int) -> list[Sequence]:
@@ -343,26 +346,28 @@ class MTPSpeculator:
         follows the one in flight for the same sequences, whose tokens the host has not seen (its inputs
         are on the GPU already). Returns what ``finish_round`` reads."""
         slots = [s.slot for s in seqs]
-        if chained:  # the round in flight may advance a sequence by k+1 before this one's 2k positions
-            return self.fused.launch_chained(
-                slots, [s.num_tokens + 3 * self.k for s in seqs], self._uniforms(seqs)
+        with self.cost.timed("round", len(seqs)):
+            if chained:  # the round in flight may advance a sequence by k+1 before this one's 2k positions
+                return self.fused.launch_chained(
+                    slots, [s.num_tokens + 3 * self.k for s in seqs], self._uniforms(seqs)
+                )
+            return self.fused.launch(
+                slots,
+                [s.num_tokens - 1 for s in seqs],
+                [[s.token(-1), *s.drafts] for s in seqs],
+                [s.rope_delta for s in seqs],
+                self._uniforms(seqs),
             )
-        return self.fused.launch(
-            slots,
-            [s.num_tokens - 1 for s in seqs],
-            [[s.token(-1), *s.drafts] for s in seqs],
-            [s.rope_delta for s in seqs],
-            self._uniforms(seqs),
-        )
 
     def finish_round(
         self, seqs: list[Sequence], ps: list[int], handle, live: list[bool] | None = None
     ) -> list[int]:
         """A launched round's tokens appended (``ps``: each sequence's pending position when the round ran,
         ``live``: False for sequences that ended meanwhile, which get nothing); the acceptance counted and
-        judged (``_judge``). Returns the tokens each sequence appended."""
+        judged (``_judge``), and the round's cost at its batch size (``_judge_batch``). Returns the tokens each
+        sequence appended."""
         accepted, choices, drafts = self.fused.finish(handle, ps, live)
-        appended = []
+        appended, kept = [], []
         for i, (seq, p) in enumerate(zip(seqs, ps, strict=True)):
             if live is not None and not live[i]:
                 appended.append(0)
@@ -374,7 +379,28 @@ class MTPSpeculator:
             seq.drafts = drafts[i].tolist()
             appended.append(self._append(seq, [SampleResult(t) for t in choices[i, : a + 1].tolist()]))
             self._judge(seq, a)
+            kept.append((seq, a + 1))
+        self._judge_batch(len(seqs), kept)
         return appended
+
+    def _judge_batch(self, n: int, kept: list[tuple[Sequence, int]]) -> None:
+        """After a fused round of ``n`` sequences (``kept``: the live ones and the tokens each kept): where
+        rounds at this batch size lose to plain steps, its sequences back off (``SpecCost.verdict``); where
+        the plain steps' time at this size is missing or stale, they take one plain step."""
+        if not kept:
+            return
+        verdict = self.cost.verdict(n, sum(t for _, t in kept) / len(kept))
+        if verdict is None:
+            return
+        if verdict == "loses":
+            self.stats.batch_backoffs += 1
+        else:
+            self.stats.plain_probes += 1
+        for seq, _ in kept:
+            if verdict == "loses":  # its own rounds are judged afresh when it drafts again
+                seq.spec_backoff, seq.spec_rounds, seq.spec_accepted = BACKOFF_STEPS, 0, []
+            else:
+                seq.spec_backoff = max(seq.spec_backoff, 1)
 
     def _append(self, seq: Sequence, results) -> int:
         """Append a round's tokens (SampleResults) until a stop; sets the sequence's text delta; returns how
@@ -451,12 +477,13 @@ class MTPSpeculator:
         sampled with a sort) through the runner's step -- on the GPU runner its fused, graph-captured step --
         keeping the MTP head's inputs, except for sequences that never draft (``plain_only``: they drop them;
         their sampling parameters, and ``speculate_sorted_sampling``, do not change while they run)."""
-        results = self.llm.runner.run(
-            [(s, 1) for s in seqs],
-            kv,
-            states,
-            keep=lambda seq, start, rows: self._keep_plain(seq, start + len(rows), rows, kv),
-        )
+        with self.cost.timed("plain", len(seqs)):
+            results = self.llm.runner.run(
+                [(s, 1) for s in seqs],
+                kv,
+                states,
+                keep=lambda seq, start, rows: self._keep_plain(seq, start + len(rows), rows, kv),
+            )
         self.llm.sample_all(results)
 
     def keep_plain_step(self, seqs: list[Sequence], hidden: torch.Tensor, kv=None) -> None:

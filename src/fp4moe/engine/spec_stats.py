@@ -15,6 +15,10 @@ class SpecStats:
     disabled_steps: int = 0  # steps run without drafts because the batch was over the limit
     backed_off: int = 0  # times a sequence stopped drafting because its drafts were not accepted enough
     started_backed_off: int = 0  # requests that started without drafts: the latest rounds did not pay
+    batch_backoffs: int = (
+        0  # times a batch stopped drafting: its rounds served fewer tokens/s than plain steps
+    )
+    plain_probes: int = 0  # plain steps taken to time plain decoding at a batch size (``SpecCost``)
 
     def counts(self) -> dict[str, int]:
         """The counters ``/metrics`` shows (``pos<i>``: rounds whose draft at position i was accepted)."""
@@ -24,6 +28,7 @@ class SpecStats:
             accepted_tokens=self.accepted,
             backoffs=self.backed_off,
             started_backed_off=self.started_backed_off,
+            batch_backoffs=self.batch_backoffs,
         )
         return values | {f"pos{i}": v for i, v in enumerate(self.accepted_per_position)}
 

@@ -73,6 +73,11 @@ class Metrics:
                     "started_backed_off",
                     "Requests that started without drafts: the latest rounds did not pay.",
                 ),
+                (
+                    "batch_backoffs",
+                    "Times a batch stopped drafting for a while: its rounds served fewer tokens a second than "
+                    "plain steps at its size.",
+                ),
             )
         }
         self.spec_per_pos = Counter(
