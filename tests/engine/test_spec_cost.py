@@ -50,3 +50,41 @@ def test_nothing_is_judged_on_the_cpu():
     with cost.timed("round", 4):
         pass
     assert cost.verdict(4, 1.0) is None and not cost._pending
+
+
+def test_timed_work_is_read_as_it_finishes(monkeypatch):
+    """``timed`` reads what has finished each time (a server of plain steps alone asks for no verdict, and
+    its events must not pile up); unfinished work waits, in order."""
+    import fp4moe.engine.spec_cost as sc
+
+    class Event:  # a stand-in CUDA event: done once ``done`` says so
+        done = set()
+
+        def __init__(self, **_):
+            self.id = len(made)
+            made.append(self)
+
+        def record(self):
+            pass
+
+        def query(self):
+            return self.id in Event.done
+
+        def elapsed_time(self, end):
+            return float(end.id - self.id)
+
+    made = []
+    monkeypatch.setattr(sc.torch.cuda, "Event", Event)
+    cost = SpecCost(True)
+    for _ in range(3):
+        with cost.timed("plain", 1):
+            pass
+    assert len(cost._pending) == 3 and cost.plain_ms == {}
+    Event.done = {1, 5}  # the first and the third are done, the second not: the read stops at the second
+    with cost.timed("plain", 1):
+        pass
+    assert len(cost._pending) == 3 and cost.plain_ms == {1: 1.0}
+    Event.done = {1, 3, 5, 7, 9}
+    with cost.timed("round", 2):
+        pass
+    assert not cost._pending and cost.plain_ms[1] == 1.0 and cost.round_ms[2] == [1.0]

@@ -58,6 +58,7 @@ class SpecCost:
         yield
         end.record()
         self._pending.append((kind, batch_bucket(n), start, end))
+        self.poll()  # what is done by now (a server of plain steps alone never asks for a verdict)
 
     def add(self, kind: str, n: int, ms: float) -> None:
         """One measured time (``timed``'s, once its events are done; tests give their own)."""
