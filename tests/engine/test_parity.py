@@ -217,8 +217,9 @@ def test_engine_on_cuda_matches_cpu(checkpoints, fmt):
 
 @pytest.mark.slow
 def _chunked_logits(llm: LLM, prompt: list[int], chunk: int, wanted: set[int], steps: int, tokens=None):
-    """``prompt`` prefilled through ``llm``'s runner in ``chunk``-token chunks (its module path: on the GPU
-    the paged kernels for every chunk after the first), then ``steps`` decode steps (on the GPU the fused,
+    """``prompt`` prefilled through ``llm``'s runner in ``chunk``-token chunks (on the GPU its prefill graphs,
+    the chunks after the first through the paged prefill kernel over the cached prefix; an fp8 cache's first
+    chunk, which sets the scales, through the module path), then ``steps`` decode steps (on the GPU the fused,
     graph-captured step) feeding ``tokens`` (default: greedy from its own logits) -> ({position: fp32 logits
     of the token there} for ``wanted`` positions and every decode step, the sequence)."""
     from fp4moe.engine.sequence import Sequence
@@ -276,8 +277,9 @@ def test_long_context_chunked_prefill_with_yarn_matches_transformers(checkpoints
 @pytest.mark.gpu
 def test_long_context_on_the_gpu_matches_the_cpu_path(checkpoints):
     """Issue 22's long-context check on the GPU: a 65,663-token prompt, YaRN x16 over the tiny model's 8,192
-    positions, prefilled by the GPU engine in 8K chunks (the paged prefill kernel over the cached prefix,
-    Gated DeltaNet states carried over 8 chunk boundaries), then 4 fused decode steps, against the CPU
+    positions, prefilled by the GPU engine in 8K chunks (prefill graphs of chunks over cached prefixes: the
+    paged prefill kernel over the prefix, Gated DeltaNet states carried over 8 chunk boundaries), then 4
+    fused decode steps, against the CPU
     reference path (fp32, 2K chunks; itself held to transformers by the test above), both fed the
     reference's greedy tokens. Compared: the log-probabilities of the reference's 8 most likely tokens at
     the middle and end of every GPU chunk and at each decode step.
