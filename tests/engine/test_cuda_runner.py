@@ -255,7 +255,7 @@ def _grouper(max_rows: int, max_num_seqs: int = 64):
 
 
 def test_prefill_graph_groups_have_the_fewest_rows_and_replays():
-    """``_prompt_groups``: a served step's fifteen prompts of 466-530 tokens take one 16 x 576 graph (9,216
+    """``_prompt_groups`` (``prompt_buckets.partition``): a served step's fifteen prompts of 466-530 tokens take one 16 x 576 graph (9,216
     rows, the default limit for an 8,192-token step) where they took two 8 x 576 ones and a 1 x 512; at
     8,192 rows, two graphs and no third; a short prompt beside a much longer one stays alone only when its
     padding would cost more than a replay. Against every split of the sorted prompts into consecutive groups
@@ -265,7 +265,7 @@ def test_prefill_graph_groups_have_the_fewest_rows_and_replays():
     import itertools
     import random
 
-    from fp4moe.engine.cuda_runner import REPLAY_ROWS
+    from fp4moe.engine.prompt_buckets import REPLAY_ROWS
 
     served = [530] + [524] * 13 + [466]
     assert [b for _, b in _grouper(9216)(served)] == [(16, 576)]

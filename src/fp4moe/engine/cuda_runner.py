@@ -15,33 +15,21 @@ launches overlap the tails of the kernels ahead of them. The runner owns the cac
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from itertools import accumulate
 
 import torch
 
+from fp4moe.engine import prompt_buckets
 from fp4moe.engine.first_drafts import FirstDrafts
 from fp4moe.engine.model_runner import ModelRunner
 from fp4moe.engine.paged_cache import PagedKVCache, SlotStates
+from fp4moe.engine.prompt_buckets import PROMPT_GRAPH_SEQS, PROMPT_GRAPH_TOKENS
 from fp4moe.engine.sequence import Sequence
 from fp4moe.engine.transfer import upload
 from fp4moe.layers.rope import Rotary
 from fp4moe.models.qwen3_5_moe_fused import Qwen3_5MoeFused
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# prompt lengths with a captured prefill graph (a fresh prompt pads up to the next one): one eager 512-token
-# prefill enqueued for 177 ms on the H200 against 28 ms of kernels (benchmarks/prefill_batch.py): a served
-# single stream's time to first token was that host work. From 256 rows on, each length is at most 25% above
-# the one before, so a prompt pads by less than a quarter (it was up to a half: 64 prompts of ~520 tokens ran in
-# 768-row slots, two-thirds of each prefill graph's rows real). Past 2,048 every 512 rows, up to a step's 8,192:
-# the module path's host time is ~150 ms a step whatever its rows (benchmarks/chunk_profile.py), more than
-# the kernels of a prompt below ~6K tokens take, and these lengths are the ones cuDNN's attention runs at
-PROMPT_GRAPH_TOKENS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 576, 640, 768, 896, 1024, 1280, 1536,
-                       1792, 2048, *range(2560, 8192 + 1, 512))  # fmt: skip
-PROMPT_GRAPH_SEQS = (1, 2, 4, 8, 16, 32, 64, 128)  # fresh prompts in one step (each padded to the longest)
-# a prefill graph replay's cost beyond its rows, in rows (H200, full size: 512 rows 31 ms, 4,608 rows 102 ms,
-# 8,192 rows 164 ms -- about 20 ms and 17.5 us a row): ``_prompt_groups`` weighs padding against replays
-REPLAY_ROWS = 1024
 
 
 class CudaModelRunner(ModelRunner):
@@ -250,40 +238,16 @@ class CudaModelRunner(ModelRunner):
     def _prompt_groups(
         self, batch: list[tuple[Sequence, int]], kv, continuing: bool = False
     ) -> list[tuple[list[int], tuple[int, int]]]:
-        """The step's fresh prompts (``continuing``: its chunks over cached prefixes; indices into ``batch``) in
-        groups that one prefill graph each takes, each with its graph (``prompt_bucket``): the partition of the prompts, longest first, into consecutive
-        groups with the fewest rows, counting each replay as ``REPLAY_ROWS`` more (dynamic programming over
-        where the groups end). Fifteen prompts of 466-530 tokens take one 16 x 576 graph (9,216 rows; they
-        took two 8 x 576 ones and a 1 x 512: 232 ms on the H200, where one replay of 9,216 rows runs at about
-        20 ms + 17.5 us a row); a 20-token prompt beside a 1,000-token one joins its graph (1,004 rows of
-        padding against a replay of its own: about even); a 600-token one beside a 2,000-token one does not."""
+        """The step's fresh prompts (``continuing``: its chunks over cached prefixes; indices into ``batch``)
+        that a prefill graph can take, in groups that one graph each takes, each with its graph: the fewest
+        rows and replays (``prompt_buckets.partition``)."""
         fits = self._chunk_graph_fits if continuing else self._prompt_graph_fits
         fresh = sorted(
             (i for i, (seq, n) in enumerate(batch) if fits(seq, n, kv)), key=lambda i: -batch[i][1]
         )
         fresh = [i for i in fresh if self.prompt_bucket([batch[i][1]]) is not None]
-        # best[k]: (cost, rows, first index of the last group) of the first k prompts. Some best partition
-        # has every group but the last full (as many prompts as its graph's sequences): the next group's first
-        # prompt moves into a group with room at no cost there (it is no longer) and none in its own group
-        # (one prompt fewer, its longest no longer). So groups end at full sizes, or at the last prompt.
-        n = len(fresh)
-        best: list[tuple[float, int, int]] = [(0.0, 0, 0)]
-        for k in range(1, n + 1):
-            options = []
-            for size in range(1, k + 1) if k == n else (b for b in PROMPT_GRAPH_SEQS if b <= k):
-                j = k - size  # the group is fresh[j:k]; its longest prompt is fresh[j]
-                bucket = self._bucket(batch[fresh[j]][1], size)
-                if bucket is None:
-                    break  # nor will a larger group (more prompts, none shorter) fit a graph
-                rows = bucket[0] * bucket[1]
-                options.append((best[j][0] + rows + REPLAY_ROWS, best[j][1] + rows, j))
-            best.append(min(options))  # never empty: a prompt alone has a bucket
-        groups, k = [], len(fresh)
-        while k:
-            j = best[k][2]
-            groups.append((fresh[j:k], self.prompt_bucket([batch[i][1] for i in fresh[j:k]])))
-            k = j
-        return groups[::-1]
+        parts = prompt_buckets.partition([batch[i][1] for i in fresh], self._bucket)
+        return [([fresh[j] for j in group], shape) for group, shape in parts]
 
     def whole_prompts(self) -> bool:
         """Fresh prompts go through graphs, continuing chunks longer than a graph's rows through the module
@@ -297,13 +261,8 @@ class CudaModelRunner(ModelRunner):
         return self._bucket(max(lens), len(lens))
 
     def _bucket(self, longest: int, count: int) -> tuple[int, int] | None:
-        """``prompt_bucket`` of ``count`` prompts, the longest ``longest`` tokens (``_prompt_groups`` asks it
-        for every group it weighs: bisection, not a scan)."""
-        i, j = bisect_left(PROMPT_GRAPH_TOKENS, longest), bisect_left(PROMPT_GRAPH_SEQS, count)
-        if i == len(PROMPT_GRAPH_TOKENS) or j == len(PROMPT_GRAPH_SEQS):
-            return None
-        t, b = PROMPT_GRAPH_TOKENS[i], PROMPT_GRAPH_SEQS[j]
-        return None if b > self.max_num_seqs or b * t > self.max_prompt_graph_tokens else (b, t)
+        """``prompt_bucket`` of ``count`` prompts, the longest ``longest`` tokens (``prompt_buckets.bucket``)."""
+        return prompt_buckets.bucket(longest, count, self.max_num_seqs, self.max_prompt_graph_tokens)
 
     def _prompt_graph_fits(self, seq: Sequence, n: int, kv) -> bool:
         return (
