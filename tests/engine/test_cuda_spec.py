@@ -28,21 +28,29 @@ def test_speculation_through_the_gpu_runner_matches_plain_decoding(checkpoints):
     assert llm.speculator.stats.drafts > 0
 
 
+def _greedy_pair(checkpoints, max_tokens: int):
+    """Two greedy requests of ``max_tokens`` tokens, plain greedy decoding's outputs for them (the CPU, with
+    logprobs for the near-tie rule) and an engine speculating 2 tokens through the fused round -> (prompts,
+    params, reference outputs, engine)."""
+    path = checkpoints.bf16()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[2]}]
+    ref = LLM(path, dtype="bfloat16", device="cpu").generate(
+        prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    )
+    llm = LLM(path, dtype="bfloat16", device=DEV, num_speculative_tokens=2)
+    if DEV == "cpu":
+        _fused(llm, spec_tokens=2)
+    return prompts, params, ref, llm
+
+
 def test_a_rejected_draft_head_stops_drafting_after_its_probe(checkpoints):
     """The tiny model's random MTP head: its drafts are almost never accepted, so after PROBE_ROUNDS fused
     rounds the sequence decodes plainly (not slower than without speculation, issue 20); the tokens stay
     plain greedy decoding's."""
     from fp4moe.engine import spec_decode
 
-    path = checkpoints.bf16()
-    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
-    prompts = [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[2]}]
-    ref = LLM(path, dtype="bfloat16", device="cpu").generate(
-        prompts, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=2)
-    )
-    llm = LLM(path, dtype="bfloat16", device=DEV, num_speculative_tokens=2)
-    if DEV == "cpu":
-        _fused(llm, spec_tokens=2)
+    prompts, params, ref, llm = _greedy_pair(checkpoints, 14)
     spec, rounds = llm.speculator, []
     real_launch = spec.launch_round
 
@@ -69,15 +77,7 @@ def test_rounds_that_lose_to_plain_steps_at_their_batch_stop(checkpoints, monkey
     from fp4moe.engine.spec_cost import WINDOW, SpecCost
 
     monkeypatch.setattr(spec_decode, "MIN_ACCEPTED", 0.0)
-    path = checkpoints.bf16()
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    prompts = [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[2]}]
-    ref = LLM(path, dtype="bfloat16", device="cpu").generate(
-        prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
-    )
-    llm = LLM(path, dtype="bfloat16", device=DEV, num_speculative_tokens=2)
-    if DEV == "cpu":
-        _fused(llm, spec_tokens=2)
+    prompts, params, ref, llm = _greedy_pair(checkpoints, 16)
     spec = llm.speculator
     spec.cost, times, kinds = SpecCost(True), {"round": round_ms, "plain": 2.0}, []
 

@@ -265,29 +265,29 @@ class CudaModelRunner(ModelRunner):
         return prompt_buckets.bucket(longest, count, self.max_num_seqs, self.max_prompt_graph_tokens)
 
     def _prompt_graph_fits(self, seq: Sequence, n: int, kv) -> bool:
+        """Whether a fresh text prompt (or its first chunk) can take a prefill graph."""
+        return seq.num_cached == 0 and self._text_graph_fits(seq, n, kv)
+
+    def _chunk_graph_fits(self, seq: Sequence, n: int, kv) -> bool:
+        """Whether a text chunk over a cached prefix can take a prefill graph: every attention layer holds
+        exactly the prefix (else the module path appends each at its length)."""
+        return (
+            seq.num_cached > 0
+            and self._text_graph_fits(seq, n, kv)
+            and all(kv.length(layer, seq.slot) == seq.num_cached for layer in self.attn_ids)
+        )
+
+    def _text_graph_fits(self, seq: Sequence, n: int, kv) -> bool:
+        """What both kinds of prefill graph need: the runner's caches and fused prefill, text positions, more
+        than one token, and an fp8 cache's scales set."""
         return (
             kv is self.kv
             and self.fused_prefill
-            and seq.num_cached == 0
             and n >= 2  # one token: the recurrent rule in fp32, as the module path takes it
             and seq.image_embeds is None
             and seq.prompt_positions is None
             # an fp8 cache's scales come from the first prefill that writes each layer (the module path)
             and (not kv.fp8 or all(layer in kv.scales for layer in self.attn_ids))
-        )
-
-    def _chunk_graph_fits(self, seq: Sequence, n: int, kv) -> bool:
-        """Whether a text chunk over a cached prefix can take a prefill graph: as ``_prompt_graph_fits``, with
-        every attention layer holding exactly the prefix (else the module path appends each at its length)."""
-        return (
-            kv is self.kv
-            and self.fused_prefill
-            and seq.num_cached > 0
-            and n >= 2
-            and seq.image_embeds is None
-            and seq.prompt_positions is None
-            and (not kv.fp8 or all(layer in kv.scales for layer in self.attn_ids))
-            and all(kv.length(layer, seq.slot) == seq.num_cached for layer in self.attn_ids)
         )
 
     def _run_prompt_graph(
@@ -335,10 +335,9 @@ class CudaModelRunner(ModelRunner):
     def capture_prompts(self) -> None:
         """Capture every prefill graph ahead of serving (else each is captured on first use, compiling
         kernels for its shapes on a user's request), of fresh prompts and of chunks over cached prefixes:
-        all that ``prompt_bucket`` can choose, also the padded
-        ones larger than a step's token budget (three prompts of 65 tokens in a 256-token step take 4 x 96
-        rows: the GPU no-compile test met that one); with speculation, the first drafts' graphs of the same
-        buckets."""
+        all that ``prompt_bucket`` can choose, also the padded ones larger than a step's token budget (three
+        prompts of 65 tokens in a 256-token step take 4 x 96 rows: the GPU no-compile test met that one);
+        with speculation, the first drafts' graphs of the same buckets."""
         buckets = [
             (b, t)
             for t in PROMPT_GRAPH_TOKENS

@@ -162,18 +162,11 @@ class PagedKVCache:
         whole prefix and masking it grew with the context and stopped at 32K)."""
         if not any(ctx.cached_lens) or not self._aligned(layer, ctx):
             return attend_each(q, self.append_step(layer, ctx, k, v), ctx)
-        from fp4moe.kernels.attention import (
-            PREFILL_TILES,
-            paged_prefill_attention,
-            prefill_tokens_per_program,
-        )
+        from fp4moe.kernels.attention import paged_prefill_attention, prefill_block_tokens
 
         k, v = self._store_step(layer, ctx, k, v)
         i, (_, heads, dim), hkv = self.index[layer], q.shape, k.shape[1]
-        rows = PREFILL_TILES[self.fp8][0]  # the kernel's tile for this cache
-        blocks = ctx.chunk_indices(
-            self.device, prefill_tokens_per_program(heads // hkv, rows), continuing=True
-        )
+        blocks = ctx.chunk_indices(self.device, prefill_block_tokens(heads // hkv, self.fp8), continuing=True)
         out = paged_prefill_attention(
             q.contiguous(), self.k[i], self.v[i], self.block_table, ctx.tensors(self.device), blocks,
             self.scale_t[i], (heads, hkv, dim),

@@ -40,7 +40,7 @@ class SpecCost:
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self._pending: deque = deque()  # (kind, bucket, start event, end event), oldest first
+        self._pending: deque = deque()  # (kind, sequences, start event, end event), oldest first
         self.plain_ms: dict[int, float] = {}
         self.round_ms: dict[int, list[float]] = defaultdict(list)
         self.tokens: dict[int, list[float]] = defaultdict(list)
@@ -57,7 +57,7 @@ class SpecCost:
         start.record()
         yield
         end.record()
-        self._pending.append((kind, batch_bucket(n), start, end))
+        self._pending.append((kind, n, start, end))
         self.poll()  # what is done by now (a server of plain steps alone never asks for a verdict)
 
     def add(self, kind: str, n: int, ms: float) -> None:
@@ -74,8 +74,8 @@ class SpecCost:
     def poll(self) -> None:
         """Read the timed work that has finished, in order (the first unfinished one stops the read)."""
         while self._pending and self._pending[0][3].query():
-            kind, b, start, end = self._pending.popleft()
-            self.add(kind, b, start.elapsed_time(end))
+            kind, n, start, end = self._pending.popleft()
+            self.add(kind, n, start.elapsed_time(end))
 
     def verdict(self, n: int, tokens_per_seq: float) -> str | None:
         """After a round of ``n`` sequences that appended ``tokens_per_seq`` each on average (accepted drafts

@@ -345,6 +345,12 @@ def prefill_tokens_per_program(group: int, rows: int) -> int:
     return max(1, rows // group)
 
 
+def prefill_block_tokens(group: int, fp8: bool) -> int:
+    """Query tokens per program of ``paged_prefill_attention`` with its default tile for the cache's dtype:
+    the block size of the ``blocks`` it takes."""
+    return prefill_tokens_per_program(group, PREFILL_TILES[fp8][0])
+
+
 def paged_prefill_attention(
     q, k_cache, v_cache, block_table, step, blocks, kv_scales, dims, out=None, tile=None
 ):

@@ -125,11 +125,10 @@ class Qwen3_5MoeFused:
 
     def _chunk_blocks(self, arange, b: int, t: int) -> torch.Tensor:
         """The paged prefill kernel's programs for ``b`` chunks of ``t`` rows: (sequence, block) [b * nb, 2]."""
-        from fp4moe.kernels.attention import PREFILL_TILES, prefill_tokens_per_program
+        from fp4moe.kernels.attention import prefill_block_tokens
 
         a = self.args
-        per = prefill_tokens_per_program(a.num_heads // a.num_kv_heads, PREFILL_TILES[self.kv.fp8][0])
-        nb = -(-t // per)
+        nb = -(-t // prefill_block_tokens(a.num_heads // a.num_kv_heads, self.kv.fp8))
         return torch.stack([arange[:b].repeat_interleave(nb), arange[:nb].repeat(b)], dim=1)
 
     def _prompt_deltanet(self, m, proj, step, valid, b: int, continuing: bool) -> torch.Tensor:
