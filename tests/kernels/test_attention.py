@@ -160,3 +160,52 @@ def test_paged_prefill_attention_is_attend_over_each_whole_cache(dtype):
         assert rel(got[a:b].cpu(), want[a:b]) < RTOL, i
     for slot, n, m in zip(slots, cached, lengths, strict=True):
         assert paged.length(3, slot) == cpu.length(3, slot) == n + m
+
+
+def test_every_step_merges_its_splits_at_a_warmed_width():
+    """The decode split count follows the step's rows and the cache length; the merge kernel compiles one
+    variant per power-of-two width, and the warm-up compiles each of ``MERGE_WIDTHS``. Every row count a
+    step can have (up to 64 sequences x 3 rows of a speculative round, and past it) at the cache lengths a
+    server uses lands on one of them, with at most ``MAX_SPLITS`` splits."""
+    from fp4moe.kernels import next_pow2
+
+    for max_len in (1024, 8192, 16384, 65536, 262144, 524288):
+        for rows in range(1, 600):
+            split = attn_k.split_len_for(max_len, 16, rows * 2, target_programs=264)
+            nsplit = -(-max_len // split)
+            assert 1 <= nsplit <= attn_k.MAX_SPLITS and next_pow2(nsplit) in attn_k.MERGE_WIDTHS, (max_len, rows)
+
+
+@pytest.mark.gpu
+def test_decode_attention_compiles_nothing_new_after_its_warm_up():
+    """After ``warm_decode_merge`` and one decode call, paged decode attention over any number of rows
+    compiles no Triton kernel (a served step of 45 rows -- 15 sequences' speculative rounds -- once waited
+    1.1 s for the compiler on the H200, issue 20)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from fp4moe.kernels import compiles
+
+    compiles.watch()
+    dev, h, hkv, d, page, max_len = torch.device("cuda"), 16, 2, 256, 16, 8192
+    pages = max_len // page
+    k_cache = torch.randn(pages, page, hkv, d, device=dev).to(torch.float8_e4m3fn)
+    v_cache = torch.randn(pages, page, hkv, d, device=dev).to(torch.float8_e4m3fn)
+    scales = torch.ones(2, device=dev)
+    rows_max = 200
+    table = torch.arange(pages, device=dev, dtype=torch.int32).repeat(rows_max, 1)
+    qkv_all = torch.randn(rows_max, 2 * h * d + 2 * hkv * d, device=dev, dtype=torch.bfloat16)
+
+    def step(rows: int) -> torch.Tensor:
+        q = torch.randn(rows, h, d, device=dev, dtype=torch.bfloat16)
+        lens = torch.randint(1, max_len, (rows,), device=dev, dtype=torch.int32)
+        return attn_k.paged_decode_attention(
+            q, qkv_all[:rows], k_cache, v_cache, table[:rows], lens, scales, max_len, (h, hkv, d)
+        )
+
+    attn_k.warm_decode_merge(qkv_all, (h, hkv, d))
+    step(1)
+    torch.cuda.synchronize()
+    compiles.mark()
+    for rows in range(2, rows_max + 1):
+        assert torch.isfinite(step(rows)).all()
+    assert compiles.after_mark() == {}

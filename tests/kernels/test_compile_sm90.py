@@ -222,7 +222,7 @@ for name, fp8 in json.loads(sys.argv[1]):
     cache = "*u8" if fp8 else "*bf16"
     # the full-size model's shapes: 16 q / 2 kv heads of 256, pages of 16 (decode) or 64 (prefill) tokens
     if name == "_decode_split_kernel":
-        consts = dict(H=16, HKV=2, D=256, G=8, GP=16, PAGE=16, NSPLIT=8, FP8=fp8, DOT_F32=False, PDL=True)
+        consts = dict(H=16, HKV=2, D=256, G=8, GP=16, PAGE=16, FP8=fp8, DOT_F32=False, PDL=True)
         warps, stages = 4, 2
     else:
         rows, cols, warps, stages = attention.PREFILL_TILES[fp8]

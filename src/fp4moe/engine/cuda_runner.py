@@ -435,10 +435,12 @@ class CudaModelRunner(ModelRunner):
         return graph, out
 
     def capture(self, batch_sizes=None) -> None:
-        """Capture the decode graphs ahead of serving (else each bucket is captured on first use)."""
+        """Capture the decode graphs ahead of serving (else each bucket is captured on first use), and compile
+        the decode attention for the row counts of eager steps (mixed steps, rounds) no graph has."""
         for b in batch_sizes or [g for g in GRAPH_BATCH_SIZES if g <= self.max_num_seqs]:
             if b not in self.graphs:
                 self._capture(b)
+        self.fwd.warm_decode_attention()
 
     def decode_forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step over the first ``b`` rows of the static buffers -> (logits [b, V] bf16,

@@ -122,12 +122,14 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, kv_off, valid, FP8: tl.constexpr, MASKED:
     return k, v
 
 
-@triton.jit
+# the number of splits follows the step's sequences and cache length: a runtime value, not a variant per
+# count (a served step of 45 rows once waited 1.1 s for a compile of its own, issue 20)
+@triton.jit(do_not_specialize=["nsplit"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, stride_bt, seq_lens_ptr, kv_scale_ptr,
-    part_o_ptr, part_ml_ptr, sm_scale, split_len,
+    part_o_ptr, part_ml_ptr, sm_scale, split_len, nsplit,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-    PAGE: tl.constexpr, NSPLIT: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
+    PAGE: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous(PDL)
@@ -165,31 +167,33 @@ def _decode_split_kernel(
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_F32)
     if FP8:
         acc = acc * tl.load(kv_scale_ptr + 1)
-    part = (b.to(tl.int64) * H + heads) * NSPLIT + sp
+    part = (b.to(tl.int64) * H + heads) * nsplit + sp
     tl.store(part_o_ptr + part[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
     tl.store(part_ml_ptr + part * 2, m_i, mask=g < G)
     tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g < G)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nsplit"], do_not_specialize_on_alignment=["qkv_ptr"])
 def _decode_merge_kernel(
-    part_o_ptr, part_ml_ptr, qkv_ptr, stride_t, out_ptr,
-    H: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr,
+    part_o_ptr, part_ml_ptr, qkv_ptr, stride_t, out_ptr, nsplit,
+    H: tl.constexpr, D: tl.constexpr, NSP: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
+    """Merges a (sequence, head)'s ``nsplit`` partial results, NSP >= nsplit (a power of two: one of
+    ``MERGE_WIDTHS``), times sigmoid of the head's gate."""
     wait_for_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, NSP)
     d = tl.arange(0, D)
-    base = (b.to(tl.int64) * H + h) * NSPLIT
-    m = tl.load(part_ml_ptr + (base + s) * 2, mask=s < NSPLIT, other=float("-inf"))
-    l = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s < NSPLIT, other=0.0)
+    base = (b.to(tl.int64) * H + h) * nsplit
+    m = tl.load(part_ml_ptr + (base + s) * 2, mask=s < nsplit, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s < nsplit, other=0.0)
     m_max = tl.max(m, 0)
     w = tl.where(l > 0, tl.exp2(m - m_max), 0.0)  # the splits' maxima are in log2 units
     o = tl.load(
         part_o_ptr + (base + s)[:, None] * D + d[None, :],
-        mask=(s[:, None] < NSPLIT) & (l[:, None] > 0),
+        mask=(s[:, None] < nsplit) & (l[:, None] > 0),
         other=0.0,
     )
     out = round_bf16(tl.sum(o * w[:, None], 0) / tl.sum(l * w, 0))
@@ -204,8 +208,13 @@ def _decode_merge_kernel(
 DECODE_TARGET_PROGRAMS = 1 if INTERPRET else 264
 
 
+MAX_SPLITS = 128  # the merge holds a (sequence, head)'s splits in registers
+# the merge kernel's widths (its one constexpr that varies): the warm-up compiles each (``warm_decode_merge``)
+MERGE_WIDTHS = tuple(2**i for i in range(MAX_SPLITS.bit_length()))
+
+
 def split_len_for(
-    max_len: int, page: int, programs: int, min_split: int | None = None, max_splits: int = 128,
+    max_len: int, page: int, programs: int, min_split: int | None = None, max_splits: int = MAX_SPLITS,
     target_programs: int | None = None,
 ) -> int:  # fmt: skip
     """Tokens per split, whole pages: enough splits that (sequences x KV heads x splits) reaches
@@ -252,15 +261,32 @@ def paged_decode_attention(
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     _decode_split_kernel[(b, hkv, nsplit)](
         q, uint8_view(k_cache), uint8_view(v_cache), block_table, block_table.stride(0), seq_lens, kv_scales,
-        part_o, part_ml, d**-0.5 * LOG2E, split,
-        H=h, HKV=hkv, D=d, G=g, GP=max(16, next_pow2(g)), PAGE=page, NSPLIT=nsplit, FP8=fp8, DOT_F32=INTERPRET,
+        part_o, part_ml, d**-0.5 * LOG2E, split, nsplit,
+        H=h, HKV=hkv, D=d, G=g, GP=max(16, next_pow2(g)), PAGE=page, FP8=fp8, DOT_F32=INTERPRET,
         num_warps=4, num_stages=2, **pdl_args(),
     )  # fmt: skip
-    _decode_merge_kernel[(b, h)](
-        part_o, part_ml, qkv, qkv.stride(0), out, H=h, D=d, NSPLIT=nsplit, NSP=next_pow2(nsplit),
+    _decode_merge(part_o, part_ml, qkv, out, nsplit, h, d)
+    return out
+
+
+def _decode_merge(part_o, part_ml, qkv, out, nsplit: int, h: int, d: int) -> None:
+    _decode_merge_kernel[(out.shape[0], h)](
+        part_o, part_ml, qkv, qkv.stride(0), out, nsplit, H=h, D=d, NSP=next_pow2(nsplit),
         **pdl_args("start"),  # the output projection's GEMV loads its first tile meanwhile
     )  # fmt: skip
-    return out
+
+
+def warm_decode_merge(qkv: torch.Tensor, dims) -> None:
+    """Compiles the decode merge for every width in ``MERGE_WIDTHS`` (the split kernel has one variant): a
+    step's count of splits follows its number of rows, which the warm-up's steps do not all meet. ``qkv``:
+    one row laid out as the attention layers' projections (its stride is part of the variant)."""
+    h, _, d = dims
+    out = torch.empty(1, h * d, dtype=torch.bfloat16, device=qkv.device)
+    for width in MERGE_WIDTHS:
+        part_o = torch.zeros(h * width, d, dtype=torch.float32, device=qkv.device)
+        part_ml = torch.zeros(h * width, 2, dtype=torch.float32, device=qkv.device)
+        part_ml[:, 1] = 1.0
+        _decode_merge(part_o, part_ml, qkv[:1], out, width, h, d)
 
 
 # the step's layout tensors are views at offsets that depend on its number of sequences, and the fp8

@@ -245,6 +245,20 @@ class Qwen3_5MoeFused:
         )
         return m.o_proj(core)
 
+    def warm_decode_attention(self) -> None:
+        """Compiles ``attention``'s paged decode kernels for every count of splits a step can have (it follows
+        the step's rows: ``attention.warm_decode_merge``), from a real projection row (its layout is part of
+        the kernel's variant)."""
+        from fp4moe.kernels import attention as attn_k
+
+        i = next((i for i, layer in enumerate(self.model.layers) if layer.is_attention), None)
+        if i is None:
+            return
+        m = self.model.layers[i].self_attn
+        table = self.model.embed_tokens
+        x = torch.zeros(1, self.args.hidden_size, dtype=table.dtype, device=table.device)
+        attn_k.warm_decode_merge(self.fused[i][0](x), (m.num_heads, m.num_kv_heads, m.head_dim))
+
     def moe(self, moe, router, h, x, next_w) -> tuple[torch.Tensor, torch.Tensor]:
         """Router + shared expert GEMM, routing, grouped NVFP4 experts, shared down, combine + next norm."""
         from fp4moe.kernels import moe_router, norm
