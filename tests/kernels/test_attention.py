@@ -173,7 +173,10 @@ def test_every_step_merges_its_splits_at_a_warmed_width():
         for rows in range(1, 600):
             split = attn_k.split_len_for(max_len, 16, rows * 2, target_programs=264)
             nsplit = -(-max_len // split)
-            assert 1 <= nsplit <= attn_k.MAX_SPLITS and next_pow2(nsplit) in attn_k.MERGE_WIDTHS, (max_len, rows)
+            assert 1 <= nsplit <= attn_k.MAX_SPLITS and next_pow2(nsplit) in attn_k.MERGE_WIDTHS, (
+                max_len,
+                rows,
+            )
 
 
 @pytest.mark.gpu
