@@ -387,7 +387,16 @@ def test_no_kernel_is_compiled_after_the_warm_up(checkpoints):
     llm = LLM(
         path, dtype="bfloat16", device="cuda", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024
     )
-    llm.warmup(256)
+    took = llm.warmup(256)
+    phases = (
+        "module path",
+        "prompts through graphs",
+        "decode batches",
+        "decode graphs",
+        "prefill graphs",
+        "the rest",
+    )
+    assert tuple(llm.warmup_phases) == phases and sum(llm.warmup_phases.values()) == pytest.approx(took)
     rng = random.Random(20)
     for round_ in range(6):
         prompts = [[rng.randrange(5, 500) for _ in range(rng.choice([1, 2, 7, 16, 33, 100, 255, 256, 300, 700]))]

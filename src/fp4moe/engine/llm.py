@@ -119,6 +119,7 @@ class LLM:
             self.speculator.disable_by_batch_size = max(0, int(config.speculative_disable_by_batch_size))
         self.eos_ids = self.prompts.eos_ids
         self._warm_tokens = 0  # the step budget ``warmup`` ran for (0: not warmed up)
+        self.warmup_phases: dict[str, float] = {}  # seconds by phase of the last ``warmup``
 
     def _auto_max_num_seqs(self, spec_tokens: int) -> int:
         """``max_num_seqs="auto"``: memory-sized on the GPU (``memory.auto_max_num_seqs``), AUTO_CPU_SEQS on
@@ -245,7 +246,8 @@ class LLM:
         in graph captures, issue 20): greedy and sampled generations at every graph batch size, and prefills
         of lengths around each power of two up to ``max_batch_tokens`` (kernels specialize on 1, on
         multiples of 16 and on size buckets). Leaves the caches as it found them: every page freed, an fp8
-        cache's scales unset (the first real prefill sets them). Returns the seconds it took."""
+        cache's scales unset (the first real prefill sets them). Returns the seconds it took; ``warmup_phases``
+        holds them by phase (the server prints them)."""
         import time
 
         from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
@@ -253,6 +255,7 @@ class LLM:
 
         compiles.watch()
         start = time.perf_counter()
+        stamps = [("", start)]  # (phase, when it ended)
         limit = min(max_batch_tokens, self.max_model_len - 4)
         lengths = sorted(
             {n for p in range(12) for n in (2**p - 1, 2**p, 2**p + 1) if 1 <= n <= limit} | {limit}
@@ -274,21 +277,30 @@ class LLM:
                 self.generate([[1] * n for n in lens], greedy)
         finally:
             self.runner.use_prompt_graphs = graphs
+        stamps.append(("module path", time.perf_counter()))
         for n in lengths:  # then fresh prompts through the prefill graphs (each captured on first use)
             self.generate([[1] * n], greedy)
+        stamps.append(("prompts through graphs", time.perf_counter()))
         width = self.runner.max_num_seqs or 1
         for b in [b for b in GRAPH_BATCH_SIZES if b <= width]:
             self.generate([[1] * 4] * b, greedy)
             self.generate([[1] * 4] * b, sampled)
+        stamps.append(("decode batches", time.perf_counter()))
         self.runner.capture()  # the plain step's graphs (speculating warm-ups ran rounds)
+        stamps.append(("decode graphs", time.perf_counter()))
         self.runner.capture_prompts()
+        stamps.append(("prefill graphs", time.perf_counter()))
         self._warm_tokens = max_batch_tokens
         self.warm_thread()
         self.runner.reset_kv_scales()
         if self.speculator is not None:  # the warm-up's drafts are not the server's: neither in its counts
             self.speculator.forget()  # nor in the rounds that judge whether new requests start drafting
         compiles.mark()  # from here on, a compile is a request waiting for the compiler: warned and counted
-        return time.perf_counter() - start
+        stamps.append(("the rest", time.perf_counter()))
+        self.warmup_phases = {
+            name: end - before for (_, before), (name, end) in zip(stamps[:-1], stamps[1:], strict=True)
+        }
+        return stamps[-1][1] - start
 
     def warm_thread(self) -> None:
         """What the warm-up fills per thread, for the thread that calls it (the server's engine thread, where

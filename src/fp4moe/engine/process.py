@@ -62,7 +62,8 @@ def start_engine(spec: EngineSpec):
     if llm.device.type == "cuda" and spec.warmup:
         print("warming up: compiling kernels, capturing CUDA graphs ...", file=sys.stderr, flush=True)
         took = llm.warmup(llm.engine_config.max_num_batched_tokens)
-        print(f"warm-up took {took:.1f} s", file=sys.stderr, flush=True)
+        phases = ", ".join(f"{name} {sec:.1f} s" for name, sec in llm.warmup_phases.items())
+        print(f"warm-up took {took:.1f} s ({phases})", file=sys.stderr, flush=True)
     cfg = llm.engine_config
     k = llm.speculator.k if llm.speculator is not None else 0
     async_state = "off"
