@@ -114,12 +114,12 @@ def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeyp
     with the head caught up. Greedy tokens are plain decoding's (verification keeps the target's tokens
     whatever the drafts; near ties excepted). A request that arrives while the head keeps failing starts
     backed off."""
-    import fp4moe.engine.spec_decode as spec_decode
+    import fp4moe.engine.spec_policy as spec_policy
     from fp4moe.engine.core import EngineCore
     from fp4moe.engine.scheduler import SchedulerConfig
 
-    monkeypatch.setattr(spec_decode, "PROBE_ROUNDS", 2)  # short phases: every step runs Triton's interpreter
-    monkeypatch.setattr(spec_decode, "BACKOFF_STEPS", 2)
+    monkeypatch.setattr(spec_policy, "PROBE_ROUNDS", 2)  # short phases: every step runs Triton's interpreter
+    monkeypatch.setattr(spec_policy, "BACKOFF_STEPS", 2)
     path = checkpoints.bf16()
     n = 8  # the first token, 2 probe rounds, 2 backed-off steps, probes again
     greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -160,8 +160,8 @@ def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeyp
     assert _all_pages_back(llm.runner)
     # a request arriving while the head keeps failing starts backed off: no probe rounds, async from its
     # first decode step
-    assert not spec.head_pays()
-    monkeypatch.setattr(spec_decode, "BACKOFF_STEPS", 4)  # its 4 steps after the first token, all backed off
+    assert not spec.policy.head_pays()
+    monkeypatch.setattr(spec_policy, "BACKOFF_STEPS", 4)  # its 4 steps after the first token, all backed off
     late = core.make_sequences(prompts[0], SamplingParams(**{**vars(params), "max_tokens": 5}))[0]
     core.add([late])
     probed, overlapped = len(probes), core.stats.async_steps

@@ -48,7 +48,7 @@ def test_a_rejected_draft_head_stops_drafting_after_its_probe(checkpoints):
     """The tiny model's random MTP head: its drafts are almost never accepted, so after PROBE_ROUNDS fused
     rounds the sequence decodes plainly (not slower than without speculation, issue 20); the tokens stay
     plain greedy decoding's."""
-    from fp4moe.engine import spec_decode
+    from fp4moe.engine import spec_policy
 
     prompts, params, ref, llm = _greedy_pair(checkpoints, 14)
     spec, rounds = llm.speculator, []
@@ -60,8 +60,8 @@ def test_a_rejected_draft_head_stops_drafting_after_its_probe(checkpoints):
 
     spec.launch_round = launch_round
     _agree(ref, llm.generate(prompts, params))
-    assert spec.stats.accepted < 2 * spec_decode.MIN_ACCEPTED * spec_decode.PROBE_ROUNDS
-    assert spec.stats.backed_off == 2 and rounds == [2] * spec_decode.PROBE_ROUNDS
+    assert spec.stats.accepted < 2 * spec_policy.MIN_ACCEPTED * spec_policy.PROBE_ROUNDS
+    assert spec.stats.backed_off == 2 and rounds == [2] * spec_policy.PROBE_ROUNDS
 
 
 @pytest.mark.parametrize("round_ms,loses", [(10.0, True), (0.9, False)])
@@ -73,21 +73,21 @@ def test_rounds_that_lose_to_plain_steps_at_their_batch_stop(checkpoints, monkey
     rounds go on. The tokens stay plain greedy decoding's either way."""
     from contextlib import contextmanager
 
-    from fp4moe.engine import spec_decode
+    from fp4moe.engine import spec_policy
     from fp4moe.engine.spec_cost import WINDOW, SpecCost
 
-    monkeypatch.setattr(spec_decode, "MIN_ACCEPTED", 0.0)
+    monkeypatch.setattr(spec_policy, "MIN_ACCEPTED", 0.0)
     prompts, params, ref, llm = _greedy_pair(checkpoints, 16)
     spec = llm.speculator
-    spec.cost, times, kinds = SpecCost(True), {"round": round_ms, "plain": 2.0}, []
+    spec.policy.cost, times, kinds = SpecCost(True), {"round": round_ms, "plain": 2.0}, []
 
     @contextmanager
     def timed(kind, n):
         yield
         kinds.append(kind)
-        spec.cost.add(kind, n, times[kind])
+        spec.policy.cost.add(kind, n, times[kind])
 
-    spec.cost.timed = timed
+    spec.policy.cost.timed = timed
     _agree(ref, llm.generate(prompts, params))
     rounds = [i for i, k in enumerate(kinds) if k == "round"]
     # the probe after a window of rounds (and the round launched ahead of the window's last tokens: async

@@ -252,59 +252,14 @@ def test_batched_mtp_drafts_equal_per_sequence_drafts(path):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
-def test_the_fused_round_policy_backs_off_where_drafts_do_not_pay():
-    """Every PROBE_ROUNDS fused rounds a sequence whose latest rounds (up to JUDGED_ROUNDS) accepted fewer
-    than MIN_ACCEPTED drafts a round decodes plainly for BACKOFF_STEPS steps, then probes again; one that
-    accepts keeps drafting, through a bad streak of PROBE_ROUNDS rounds too."""
-    from types import SimpleNamespace
-
-    from fp4moe.engine import spec_decode
-    from fp4moe.engine.sequence import Sequence
-
-    probe, judged = spec_decode.PROBE_ROUNDS, spec_decode.JUDGED_ROUNDS
-    spec = SimpleNamespace(stats=spec_decode.SpecStats(accepted_per_position=[0, 0]), recent=[])
-    judge = spec_decode.MTPSpeculator._judge
-    good, bad = Sequence(0, [1], GREEDY, 0), Sequence(1, [1], GREEDY, 1)
-    for _ in range(3 * probe):
-        judge(spec, good, 1)  # 1 of 2 drafts a round: pays
-    for _ in range(probe):
-        judge(spec, good, 0)  # a streak of rejections: the 16 latest rounds still pay
-    assert good.spec_backoff == 0 and spec.stats.backed_off == 0 and len(good.spec_accepted) == judged
-    for _ in range(probe - 1):
-        judge(spec, bad, 0)
-    assert bad.spec_backoff == 0  # still probing
-    judge(spec, bad, 1)  # 1 accepted in 4 rounds: 0.25 a round
-    assert bad.spec_backoff == spec_decode.BACKOFF_STEPS and spec.stats.backed_off == 1
-    assert (bad.spec_rounds, bad.spec_accepted) == (0, [])  # a fresh window for the next probe
-    # async scheduling launches no round ahead of one that may end with a backoff
-    may = spec_decode.MTPSpeculator.may_back_off
-    assert not may(spec, bad) and not may(spec, good)  # rounds left before the next judgement
-    bad.spec_rounds, bad.spec_accepted = probe - 1, [0, 0, 0]
-    assert may(spec, bad)  # nothing accepted yet: the round in flight decides
-    bad.spec_accepted = [1, 1, 0]
-    assert not may(spec, bad)  # it passes whatever the round in flight accepts
-    good.spec_rounds = probe - 1
-    assert not may(spec, good)  # 11 accepted in the 15 rounds the judgement keeps
-    good.spec_accepted = [0] * judged
-    assert may(spec, good)
-    bad.spec_rounds, bad.spec_accepted = 0, []
-    # the latest rounds of all sequences: whether a new request starts drafting or backed off
-    pays = spec_decode.MTPSpeculator.head_pays
-    assert spec.recent == [1] * 3 * probe + [0] * probe + [0, 0, 0, 1] and pays(spec)
-    spec.recent = [0, 1, 0, 0]
-    assert not pays(spec)  # 0.25 accepted a round
-    spec.recent = [0, 0]
-    assert pays(spec)  # too few rounds to judge
-
-
 def test_forget_drops_the_counts_and_the_rounds_that_judge_new_requests(path):
     """``MTPSpeculator.forget`` (after the server's warm-up, whose sampled rounds on a random head accepted
     most drafts): the counts restart and a new request is judged on served rounds only."""
     llm = LLM(path, dtype="bfloat16", num_speculative_tokens=2)
     spec = llm.speculator
     llm.generate([[5, 6, 7]], GREEDY)
-    assert spec.stats.drafts > 0 and spec.recent
-    spec.recent.extend([2] * 64)  # rounds that paid
-    assert spec.head_pays()
+    assert spec.stats.drafts > 0 and spec.policy.recent
+    spec.policy.recent.extend([2] * 64)  # rounds that paid
+    assert spec.policy.head_pays()
     spec.forget()
-    assert spec.stats.drafts == 0 and spec.stats.accepted_per_position == [0, 0] and not spec.recent
+    assert spec.stats.drafts == 0 and spec.stats.accepted_per_position == [0, 0] and not spec.policy.recent

@@ -253,12 +253,12 @@ def test_remote_images_only_from_allowed_domains(checkpoints, tmp_path):
 
 def test_server_with_mtp_reports_spec_decode_and_bench_reads_it(checkpoints, tmp_path, capsys, monkeypatch):
     from conftest import start_server
-    from fp4moe.engine import spec_decode
+    from fp4moe.engine import spec_policy
     from fp4moe.models.tiny import CheckpointLayout
 
     # every round pays: the bench's requests draft (after the first request's rejected rounds, the random
     # head would start them backed off, with no drafts to report)
-    monkeypatch.setattr(spec_decode, "MIN_ACCEPTED", 0.0)
+    monkeypatch.setattr(spec_policy, "MIN_ACCEPTED", 0.0)
 
     srv = start_server(checkpoints.bf16(CheckpointLayout.QWEN3_6), num_speculative_tokens=2)
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 
 from conftest import start_server
-from fp4moe.engine import spec_decode
+from fp4moe.engine import spec_policy
 
 TOKENS = 64
 
@@ -46,7 +46,7 @@ def test_a_rejected_draft_head_costs_only_its_probe(checkpoints):
         first, second = sorted(plain[split][1].values(), reverse=True)[:2]
         assert first - second < 1e-4, (split, plain[split], spec_tokens[split])
     stats = spec.stats
-    assert stats.accepted < spec_decode.MIN_ACCEPTED * spec_decode.PROBE_ROUNDS  # the head is rejected ...
-    assert stats.backed_off == 1 and stats.drafts == spec_decode.PROBE_ROUNDS  # ... so it stops drafting
+    assert stats.accepted < spec_policy.MIN_ACCEPTED * spec_policy.PROBE_ROUNDS  # the head is rejected ...
+    assert stats.backed_off == 1 and stats.drafts == spec_policy.PROBE_ROUNDS  # ... so it stops drafting
     # a probe round verifies k + 1 rows and recomputes the kept one (a plain step: 1 row)
-    assert spec_rows - plain_rows <= (spec.k + 1) * spec_decode.PROBE_ROUNDS, (spec_rows, plain_rows)
+    assert spec_rows - plain_rows <= (spec.k + 1) * spec_policy.PROBE_ROUNDS, (spec_rows, plain_rows)

@@ -342,7 +342,7 @@ class EngineCore:
             if (
                 not self._speculating(s)
                 or len(s.output_ids) + k + 1 >= s.params.max_tokens
-                or spec.may_back_off(s)
+                or spec.policy.may_back_off(s)
             ):
                 return []
         if sched.reserved_tokens() + (3 * k + 1) * len(prev.seqs) > sched.config.max_cached_tokens:
@@ -382,7 +382,7 @@ class EngineCore:
                 else prev.tokens.index_select(0, to_device(index, torch.long, prev.tokens.device))
             )
         spec = self.llm.speculator
-        timed = spec.cost.timed("plain", len(seqs)) if spec is not None else contextlib.nullcontext()
+        timed = spec.policy.cost.timed("plain", len(seqs)) if spec is not None else contextlib.nullcontext()
         with timed:  # plain steps' time by batch size: whether speculation's rounds pay against them
             logits, hidden = self.llm.runner.decode_step(
                 seqs, keep_hidden=spec is not None, host=False, tokens=tokens

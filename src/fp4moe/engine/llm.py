@@ -220,7 +220,7 @@ class LLM:
         is unfinished and frees its caches."""
         core = self.new_core()
         if self.speculator is not None:  # each call judges the draft head afresh: seeded outputs of a call do
-            self.speculator.recent.clear()  # not depend on the calls before it (a server's core keeps learning)
+            self.speculator.policy.forget()  # not depend on the calls before it (a server's core keeps learning)
         now = time.monotonic()
         for seq in seqs:
             seq.arrival = now

@@ -41,7 +41,7 @@ class Sequence:
     arrival: float = 0.0  # monotonic time the request arrived (serving)
     last_token_time: float | None = None
     stop_at: int = 0  # prefill stops here first (a prefix-cache snapshot boundary); 0 = no stop
-    # speculation's online acceptance (MTPSpeculator._judge): fused rounds since the last judgement, drafts
+    # speculation's online acceptance (SpecPolicy.judge): fused rounds since the last judgement, drafts
     # accepted in each of the latest rounds since the probe began, and plain steps left before the next
     # probe when drafting did not pay
     spec_rounds: int = 0

@@ -1,6 +1,6 @@
 """Whether speculation pays at the batch it runs in, measured as the engine runs.
 
-The per-sequence policy (``MTPSpeculator._judge``) asks whether a round's drafts are accepted often enough,
+The per-sequence policy (``SpecPolicy.judge``) asks whether a round's drafts are accepted often enough,
 against a fixed break-even (a round costing ~1.9 plain steps at batch 1, ~1.4 at 8-32 on the H200). What a
 round costs depends on the batch and the context too: at 16 streams of 8K-token prompts on the H200 a round
 with k = 2 verified 48 rows (on random routing, most of every layer's 256 experts) and attended them over 8K

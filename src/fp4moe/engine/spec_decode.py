@@ -16,11 +16,12 @@ top-k, top-p, min-p) -- take the fused round instead (``engine.cuda_spec``): ver
 rollback from per-token states and the next round's drafts in one captured graph; their drafts are made a
 round ahead and kept on the sequence (``drafts``; the distributions sampled drafts came from stay on the
 GPU, by cache slot). Sequences with penalties or logprobs keep the module path's round.
+
+When a sequence drafts and when it backs off (its drafts, or its batch's rounds, do not pay) is the policy's
+(``engine.spec_policy``); this module runs the rounds.
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 import torch
 
@@ -28,6 +29,7 @@ from fp4moe.engine.context import StepContext
 from fp4moe.engine.sampler import SampleResult, apply_penalties, filter_logits, sample, sample_result
 from fp4moe.engine.sequence import Sequence
 from fp4moe.engine.spec_cost import SpecCost
+from fp4moe.engine.spec_policy import SpecPolicy
 from fp4moe.engine.spec_stats import SpecStats
 
 
@@ -35,33 +37,6 @@ def _probs(logits: torch.Tensor, seq: Sequence, history: list[int]) -> torch.Ten
     """The distribution the sampler draws from, for a sequence whose output so far is ``history``."""
     processed = apply_penalties(logits.float().clone(), seq.prompt_ids, history, seq.params)
     return filter_logits(processed, seq.params).softmax(-1)
-
-
-# The fused round's online policy: every PROBE_ROUNDS rounds a sequence whose latest rounds (up to
-# JUDGED_ROUNDS of them since its last probe began) accepted less than MIN_ACCEPTED drafts a round decodes
-# plainly for BACKOFF_STEPS steps, then probes again. A round with k = 2 costs ~1.9 plain steps at batch 1
-# and ~1.4 at batch 8-32 on the H200 (BENCHMARKS.md), so it pays from ~0.9 and ~0.4 accepted drafts a round:
-# 0.5 keeps speculation wherever it can pay under load and stops a head whose drafts are rejected (0%
-# acceptance) after 4 rounds; probing then costs ~4 rounds in 260 steps (< 2%). Judging the latest 16
-# rounds, not only the last 4, keeps a good head from backing off on a bad streak: at 80% acceptance per
-# position (1.44 drafts a round) 4 rounds fall below 2 accepted with probability 0.7%, which over a
-# 1,024-token request (~80 windows) backed off 43% of requests for 256 steps (H200, BENCHMARKS.md); 16
-# rounds fall below 8 with probability ~1e-6.
-PROBE_ROUNDS = 4
-JUDGED_ROUNDS = 16
-MIN_ACCEPTED = 0.5
-BACKOFF_STEPS = 256
-
-# ... and a request that arrives while the last RECENT_ROUNDS rounds (of any sequence) accepted less than
-# MIN_ACCEPTED a round starts backed off: a head that keeps failing on this server costs new requests no
-# probe rounds (at one stream on the H200 they cost a 128-token request 12%), only the probes every
-# BACKOFF_STEPS steps, whose rounds keep the window current
-RECENT_ROUNDS = 64
-
-
-def _pays(accepted) -> bool:
-    """Whether rounds that accepted these numbers of drafts paid: MIN_ACCEPTED a round or more."""
-    return sum(accepted) >= MIN_ACCEPTED * len(accepted)
 
 
 class MTPSpeculator:
@@ -73,7 +48,6 @@ class MTPSpeculator:
         self.llm, self.model, self.k = llm, llm.model, num_speculative_tokens
         self.drafter = drafter or self._mtp_drafts  # tests may force acceptance or rejection
         self.stats = SpecStats(accepted_per_position=[0] * num_speculative_tokens)
-        self.recent: deque[int] = deque(maxlen=RECENT_ROUNDS)  # accepted drafts of the latest rounds
         self.disable_by_batch_size = 0  # > 0: no drafts while more sequences than this are decoding
         # sampled sequences with top-k / top-p on the GPU runner decode without drafts unless this is set:
         # their fused round sorts every vocabulary row and measured 1.11x at 80% acceptance at batch 1,
@@ -84,8 +58,9 @@ class MTPSpeculator:
             from fp4moe.engine.cuda_spec import FusedSpecRound
 
             self.fused = FusedSpecRound(llm.runner, num_speculative_tokens)
-        # the fused rounds' and plain steps' GPU times by batch size: whether rounds pay at their batch
-        self.cost = SpecCost(self.fused is not None and llm.runner.device.type == "cuda")
+        # when sequences draft and when they back off; rounds and plain steps are timed (``SpecCost``) only
+        # where the fused round runs on the GPU
+        self.policy = SpecPolicy(SpecCost(self.fused is not None and llm.runner.device.type == "cuda"))
 
     @torch.no_grad()
     def run_batch(self, batch: list[tuple[Sequence, int]], kv, states, max_model_len: int) -> list[Sequence]:
@@ -117,9 +92,8 @@ class MTPSpeculator:
         results = self.llm.runner.run(batch, kv, states, keep=self._keep_chunk)
         for seq, _ in results:
             seq.new_tokens = 1
-            if not seq.output_ids and not self.head_pays():  # a fresh request: no probes while the head fails
-                seq.spec_backoff = BACKOFF_STEPS
-                self.stats.started_backed_off += 1
+            if not seq.output_ids:  # a fresh request: it may start backed off
+                self.policy.start(seq, self.stats)
         self.llm.sample_all(results)
         return [seq for seq, _ in results]
 
@@ -220,41 +194,20 @@ class MTPSpeculator:
         counts = dict(zip(map(id, fused), self.fused_round(fused, kv, states) if fused else [], strict=True))
         counts.update(zip(map(id, rest), self.step_many(rest, kv, states) if rest else [], strict=True))
         for s in rest:  # the module path's round: back off where the drafts do not pay (``finish_round``
-            self._judge(s, counts[id(s)] - 1)  # judges the fused round's)
+            self.policy.judge(s, counts[id(s)] - 1, self.stats)  # judges the fused round's)
         plain = [seq for seq in seqs if id(seq) not in counts]
         if plain:
             self.plain_steps(plain, kv, states)
             counts.update((id(seq), 1) for seq in plain)
         return [counts[id(seq)] for seq in seqs]
 
-    def _judge(self, seq: Sequence, accepted: int) -> None:
-        """Count a fused round's accepted drafts; every PROBE_ROUNDS rounds, back off when the latest rounds
-        (up to JUDGED_ROUNDS since the probe began) do not pay."""
-        seq.spec_rounds += 1
-        seq.spec_accepted = [*seq.spec_accepted[1 - JUDGED_ROUNDS :], accepted]
-        self.recent.append(accepted)
-        if seq.spec_rounds >= PROBE_ROUNDS:
-            if not _pays(seq.spec_accepted):
-                seq.spec_backoff = BACKOFF_STEPS
-                seq.spec_accepted = []  # the next probe is judged on its own rounds
-                self.stats.backed_off += 1
-            seq.spec_rounds = 0
-
-    def may_back_off(self, seq: Sequence) -> bool:
-        """Whether the sequence's round in flight (not yet judged) may end with a backoff, should it accept
-        nothing: the next round is then not launched ahead of it (it may be a round the policy stops)."""
-        return seq.spec_rounds + 1 >= PROBE_ROUNDS and not _pays([*seq.spec_accepted[1 - JUDGED_ROUNDS :], 0])
-
     def forget(self) -> None:
         """Drop the counts and the latest rounds (after the server's warm-up, whose rounds are not the
-        server's: left in ``recent`` they judge the first requests. On the H200 every served request with a
-        rejected head started with probe rounds, 9% at tg 128, with the warm-up's rounds kept there)."""
+        server's: left in the policy's ``recent`` they judge the first requests. On the H200 every served
+        request with a rejected head started with probe rounds, 9% at tg 128, with the warm-up's rounds kept
+        there)."""
         self.stats = SpecStats(accepted_per_position=[0] * self.k)
-        self.recent.clear()
-
-    def head_pays(self) -> bool:
-        """Whether the latest rounds accepted enough drafts to pay (true until PROBE_ROUNDS rounds ran)."""
-        return len(self.recent) < PROBE_ROUNDS or _pays(self.recent)
+        self.policy.forget()
 
     def plain_only(self, seq: Sequence, kv) -> bool:
         """Sampled with top-k or top-p on the GPU runner (unless ``speculate_sorted_sampling``): the sequence
@@ -346,7 +299,7 @@ class MTPSpeculator:
         follows the one in flight for the same sequences, whose tokens the host has not seen (its inputs
         are on the GPU already). Returns what ``finish_round`` reads."""
         slots = [s.slot for s in seqs]
-        with self.cost.timed("round", len(seqs)):
+        with self.policy.cost.timed("round", len(seqs)):
             if chained:  # the round in flight may advance a sequence by k+1 before this one's 2k positions
                 return self.fused.launch_chained(
                     slots, [s.num_tokens + 3 * self.k for s in seqs], self._uniforms(seqs)
@@ -364,8 +317,8 @@ class MTPSpeculator:
     ) -> list[int]:
         """A launched round's tokens appended (``ps``: each sequence's pending position when the round ran,
         ``live``: False for sequences that ended meanwhile, which get nothing); the acceptance counted and
-        judged (``_judge``), and the round's cost at its batch size (``_judge_batch``). Returns the tokens each
-        sequence appended."""
+        judged (``SpecPolicy.judge``), and the round's cost at its batch size (``SpecPolicy.judge_batch``).
+        Returns the tokens each sequence appended."""
         accepted, choices, drafts = self.fused.finish(handle, ps, live)
         appended, kept = [], []
         for i, (seq, p) in enumerate(zip(seqs, ps, strict=True)):
@@ -378,29 +331,10 @@ class MTPSpeculator:
             seq.hidden_tail = seq.hidden_tail[:0]  # the MTP head has seen every kept position
             seq.drafts = drafts[i].tolist()
             appended.append(self._append(seq, [SampleResult(t) for t in choices[i, : a + 1].tolist()]))
-            self._judge(seq, a)
+            self.policy.judge(seq, a, self.stats)
             kept.append((seq, a + 1))
-        self._judge_batch(len(seqs), kept)
+        self.policy.judge_batch(len(seqs), kept, self.stats)
         return appended
-
-    def _judge_batch(self, n: int, kept: list[tuple[Sequence, int]]) -> None:
-        """After a fused round of ``n`` sequences (``kept``: the live ones and the tokens each kept): where
-        rounds at this batch size lose to plain steps, its sequences back off (``SpecCost.verdict``); where
-        the plain steps' time at this size is missing or stale, they take one plain step."""
-        if not kept:
-            return
-        verdict = self.cost.verdict(n, sum(t for _, t in kept) / len(kept))
-        if verdict is None:
-            return
-        if verdict == "loses":
-            self.stats.batch_backoffs += 1
-        else:
-            self.stats.plain_probes += 1
-        for seq, _ in kept:
-            if verdict == "loses":  # its own rounds are judged afresh when it drafts again
-                seq.spec_backoff, seq.spec_rounds, seq.spec_accepted = BACKOFF_STEPS, 0, []
-            else:
-                seq.spec_backoff = max(seq.spec_backoff, 1)
 
     def _append(self, seq: Sequence, results) -> int:
         """Append a round's tokens (SampleResults) until a stop; sets the sequence's text delta; returns how
@@ -477,7 +411,7 @@ class MTPSpeculator:
         sampled with a sort) through the runner's step -- on the GPU runner its fused, graph-captured step --
         keeping the MTP head's inputs, except for sequences that never draft (``plain_only``: they drop them;
         their sampling parameters, and ``speculate_sorted_sampling``, do not change while they run)."""
-        with self.cost.timed("plain", len(seqs)):
+        with self.policy.cost.timed("plain", len(seqs)):
             results = self.llm.runner.run(
                 [(s, 1) for s in seqs],
                 kv,
