@@ -393,7 +393,12 @@ def main() -> int:
         port = free_port()
         proc, startup = start_server(model, spec, args, port)
         result["startup_s"][spec] = startup
-        log(f"  started in {startup:.1f} s")
+        # the server's own account of its warm-up, by phase (``LLM.warmup_phases``)
+        warmup = [
+            x for x in (args.out / f"server-{spec}.log").read_text().splitlines() if "warm-up took" in x
+        ]
+        result.setdefault("warmup", {})[spec] = warmup[0] if warmup else ""
+        log(f"  started in {startup:.1f} s{'; ' + warmup[0] if warmup else ''}")
         try:
             rows, profile = bench(
                 port, args.pp, args.tg, args.concurrency, args.runs,
