@@ -359,3 +359,53 @@ def test_step_trace_records_each_step_and_the_summary_counts_them(llm, tmp_path,
     assert s["mixed_steps"] > 0 and s["decode_steps"] > 0  # five prompts through two slots overlap
     assert all(x["dt"] >= 0 and x["running"] <= 2 for x in steps)
     assert s["busy_s"] <= s["wall_s"] + 1e-6
+
+
+@pytest.mark.parametrize("chunked,whole,cache", [(True, False, 1 << 20), (True, True, 1 << 20), (True, False, 300),
+                                                 (False, False, 300), (True, True, 260)])  # fmt: skip
+def test_without_a_prefix_cache_a_step_continues_one_prompt_at_most(chunked, whole, cache):
+    """The serve warm-up captures the prefill graphs of chunks over cached prefixes for one sequence only when
+    no prefix cache serves (``LLM.warmup``): it relies on the scheduler splitting one prompt at a time. Random
+    arrivals, prompts up to several steps long, decodes, preemption by a small cache, chunked prefill off
+    (recomputes still chunk), ``whole_prompts``: no step holds two chunks that continue a prompt (cached
+    tokens before it, more than the one token of a decode)."""
+    import random
+
+    from fp4moe.engine.scheduler import Scheduler
+    from fp4moe.engine.sequence import Sequence
+
+    rng = random.Random(hash((chunked, whole, cache)) & 0xFFFF)
+    budget = 64
+    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                             max_cached_tokens=cache, whole_prompts=whole)  # fmt: skip
+    sched = Scheduler(config)
+    wanted, ids, continuing_steps, steps = {}, iter(range(10**6)), 0, 0
+    for _ in range(600):
+        for _ in range(rng.choice([0, 0, 0, 1, 2])):
+            n = (
+                rng.choice([1, 2, 5, 30, 63, 64, 65, 100, 150, 200])
+                if chunked
+                else rng.randrange(1, budget + 1)
+            )
+            seq = Sequence(next(ids), [7] * n, SamplingParams(), slot=-1)
+            if sched.can_add():
+                sched.add(seq)
+                wanted[seq.seq_id] = rng.randrange(1, 40)
+        batch = sched.schedule(lambda slot: None)
+        steps += bool(batch)
+        continuing = [
+            s for s, n in batch if s.num_cached > 0 and not (n == 1 and s.num_cached == s.num_tokens - 1)
+        ]
+        assert len(continuing) <= 1, [(s.seq_id, s.num_cached, s.num_tokens, n) for s, n in batch]
+        continuing_steps += bool(continuing)
+        for seq, n in batch:
+            seq.num_cached += n
+            if seq.num_cached == seq.num_tokens:  # its prompt (or last token) is in: one more token
+                seq.output_ids.append(5)
+                if len(seq.output_ids) >= wanted[seq.seq_id]:
+                    sched.finish(seq, lambda slot: None)
+        for seq in sched.cache_full:
+            assert seq not in sched.running
+        sched.cache_full.clear()
+    # the workload did split prompts (without chunked prefill only recomputes are split)
+    assert steps > 300 and continuing_steps > (10 if chunked else 0)

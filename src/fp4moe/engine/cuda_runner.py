@@ -332,12 +332,15 @@ class CudaModelRunner(ModelRunner):
         graphs = self.chunk_graphs if continuing else self.prompt_graphs
         graphs[(b, t)] = self.graph_of(lambda: self.prompt_forward(b, t, continuing), pool=self._prompt_pool)
 
-    def capture_prompts(self) -> None:
+    def capture_prompts(self, chunk_seqs: int | None = None) -> None:
         """Capture every prefill graph ahead of serving (else each is captured on first use, compiling
         kernels for its shapes on a user's request), of fresh prompts and of chunks over cached prefixes:
         all that ``prompt_bucket`` can choose, also the padded ones larger than a step's token budget (three
         prompts of 65 tokens in a 256-token step take 4 x 96 rows: the GPU no-compile test met that one);
-        with speculation, the first drafts' graphs of the same buckets."""
+        with speculation, the first drafts' graphs of the same buckets. ``chunk_seqs``: chunks' graphs only
+        of that many sequences or fewer (None: all). Without a prefix cache a step continues one prompt at
+        most (the scheduler splits one at a time), so 1 leaves out 83 of the 115 chunk graphs at the
+        full-size defaults; with one, every admitted request that hits the cache continues its prompt."""
         buckets = [
             (b, t)
             for t in PROMPT_GRAPH_TOKENS
@@ -346,7 +349,7 @@ class CudaModelRunner(ModelRunner):
         ]
         for continuing, graphs in ((False, self.prompt_graphs), (True, self.chunk_graphs)):
             for b, t in buckets:
-                if (b, t) not in graphs:
+                if (b, t) not in graphs and not (continuing and chunk_seqs is not None and b > chunk_seqs):
                     self._capture_prompt(b, t, continuing)
         if self.first_drafts is not None:
             self.first_drafts.capture(buckets)

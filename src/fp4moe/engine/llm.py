@@ -240,14 +240,16 @@ class LLM:
         """Prompts are text, token ids, or {"prompt" | "prompt_token_ids": ..., "multi_modal_data": {"image": ...}}."""
         return self.prompts.make_sequences(prompts, params, self.encode_images)
 
-    def warmup(self, max_batch_tokens: int = 2048) -> float:
+    def warmup(self, max_batch_tokens: int = 2048, prefix_caching: bool = False) -> float:
         """Compile every kernel variant and capture every CUDA graph before the first request (vLLM's
         compile-and-capture phase; a cold server spent 45-68% of its first seconds in Triton's compiler and
         in graph captures, issue 20): greedy and sampled generations at every graph batch size, and prefills
         of lengths around each power of two up to ``max_batch_tokens`` (kernels specialize on 1, on
         multiples of 16 and on size buckets). Leaves the caches as it found them: every page freed, an fp8
-        cache's scales unset (the first real prefill sets them). Returns the seconds it took; ``warmup_phases``
-        holds them by phase (the server prints them)."""
+        cache's scales unset (the first real prefill sets them). ``prefix_caching``: a prefix cache will serve
+        the requests (each hit continues its prompt, several in a step: every chunk graph is captured; without
+        one only a single prompt's). Returns the seconds it took; ``warmup_phases`` holds them by phase (the
+        server prints them)."""
         import time
 
         from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
@@ -288,7 +290,8 @@ class LLM:
         stamps.append(("decode batches", time.perf_counter()))
         self.runner.capture()  # the plain step's graphs (speculating warm-ups ran rounds)
         stamps.append(("decode graphs", time.perf_counter()))
-        self.runner.capture_prompts()
+        # without a prefix cache (offline, or a server without one) no step continues two prompts at once
+        self.runner.capture_prompts(chunk_seqs=None if prefix_caching else 1)
         stamps.append(("prefill graphs", time.perf_counter()))
         self._warm_tokens = max_batch_tokens
         self.warm_thread()

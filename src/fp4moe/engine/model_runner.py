@@ -31,7 +31,7 @@ class ModelRunner:
     def capture(self, batch_sizes=None) -> None:
         """No graphs on this path."""
 
-    def capture_prompts(self) -> None:
+    def capture_prompts(self, chunk_seqs: int | None = None) -> None:
         """No graphs on this path."""
 
     def whole_prompts(self) -> bool:

@@ -61,7 +61,9 @@ def start_engine(spec: EngineSpec):
     llm = LLM(spec.model, spec.config)
     if llm.device.type == "cuda" and spec.warmup:
         print("warming up: compiling kernels, capturing CUDA graphs ...", file=sys.stderr, flush=True)
-        took = llm.warmup(llm.engine_config.max_num_batched_tokens)
+        took = llm.warmup(
+            llm.engine_config.max_num_batched_tokens, prefix_caching=spec.prefix_cache is not None
+        )
         phases = ", ".join(f"{name} {sec:.1f} s" for name, sec in llm.warmup_phases.items())
         print(f"warm-up took {took:.1f} s ({phases})", file=sys.stderr, flush=True)
     cfg = llm.engine_config

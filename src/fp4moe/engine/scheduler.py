@@ -9,7 +9,8 @@ running decodes could take whole waits for the next step rather than be split: t
 fresh prompts through captured graphs, but a continuing chunk takes the module path (~150 ms of host work
 at full size on the H200, however short the chunk). The cache budget counts cached tokens; when a step would exceed it,
 the most recently admitted running sequence is preempted: its caches are freed and it goes back to the
-front of the queue to be recomputed (its generated tokens are kept).
+front of the queue to be recomputed (its generated tokens are kept). Without a prefix cache one prompt at most
+is split at a time, so no step continues two (the GPU warm-up captures chunk graphs of one sequence then).
 """
 
 from __future__ import annotations
