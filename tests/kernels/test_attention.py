@@ -25,8 +25,10 @@ def _attention_layer(gen, h=4, hkv=2, d=32, hidden=64):
     return layer.to(DEV)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
-def test_paged_attention_matches_the_layer(kv_dtype):
+@pytest.mark.parametrize("kv_dtype,max_len", [("auto", 128), ("fp8", 128), ("auto", 96)])
+def test_paged_attention_matches_the_layer(kv_dtype, max_len):
+    """Decode attention over pages against the layer, in 4 splits of 32 tokens (3 at ``max_len`` 96: the
+    merge's width, a power of two, wider than its splits)."""
     gen = torch.Generator().manual_seed(6)
     layer = _attention_layer(gen)
     h, hkv, d, page = 4, 2, 32, 16
@@ -90,7 +92,7 @@ def test_paged_attention_matches_the_layer(kv_dtype):
         table,
         (pos + 1).to(torch.int32),
         kv_scales,
-        max_len=128,
+        max_len=max_len,
         dims=(h, hkv, d),
         min_split=32,
         target_programs=264,  # several splits of 32 tokens, as on the GPU (the interpreter's default: one)
