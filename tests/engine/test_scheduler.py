@@ -229,6 +229,21 @@ def test_cache_budget_from_device_memory():
         cache_budget_tokens(gib, 0, 1.5, 1, 0, 1)
 
 
+def test_kv_pages_from_device_memory():
+    """The GPU runner's KV pages: 90% of 141 GiB less the 40 GiB in use and a 4 GiB activation reserve,
+    in pages of 64 tokens of 10,240 B, capped at what 64 sequences of 16K tokens fill (and one more)."""
+    from fp4moe.engine.memory import kv_pages
+
+    gib = 1 << 30
+    # 0.9 * 141 GiB = 136,257,837,465.6 B, less 44 GiB (47,244,640,256 B): 89,013,197,209 B = 8,692,695 tokens
+    assert kv_pages(101 * gib, 141 * gib, 10240, 0.9, 64, 2**20, 64) == 8_692_695 // 64
+    assert kv_pages(101 * gib, 141 * gib, 10240, 0.9, 64, 16384, 64) == 64 * 256 + 1
+    # 10 GiB, 5,373,709,120 B free: 9,663,676,416 B usable, 9,658,676,416 in use with the reserve -- 5 MB, 488
+    # tokens, fewer than 16 pages
+    with pytest.raises(ValueError, match="not enough GPU memory for a KV cache"):
+        kv_pages(5_373_709_120, 10 * gib, 10240, 0.9, 64, 16384, 64)
+
+
 def test_requests_that_can_never_run_are_refused_or_ended(llm):
     p = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
     core = EngineCore(llm, SchedulerConfig(max_cached_tokens=20))

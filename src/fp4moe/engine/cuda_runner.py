@@ -21,6 +21,7 @@ import torch
 
 from fp4moe.engine import prompt_buckets
 from fp4moe.engine.first_drafts import FirstDrafts
+from fp4moe.engine.memory import kv_bytes_per_token, kv_pages
 from fp4moe.engine.model_runner import ModelRunner
 from fp4moe.engine.paged_cache import PagedKVCache, SlotStates
 from fp4moe.engine.prompt_buckets import PROMPT_GRAPH_SEQS, PROMPT_GRAPH_TOKENS
@@ -76,7 +77,13 @@ class CudaModelRunner(ModelRunner):
                 a.linear_key_head_dim, a.linear_value_head_dim, device=device,
             )  # fmt: skip
         if num_pages is None:
-            num_pages = self._pages_from_memory(len(kv_layers), page_size, gpu_memory_utilization)
+            free, total = torch.cuda.mem_get_info(device)
+            # (the MTP head's layer keeps keys/values too)
+            per_token = kv_bytes_per_token(a, kv_cache_dtype, model.embed_tokens.dtype) * len(kv_layers)
+            per_token //= len(self.attn_ids)
+            num_pages = kv_pages(
+                free, total, per_token, gpu_memory_utilization, max_num_seqs, max_model_len, page_size
+            )
         self.kv = PagedKVCache(
             kv_layers, num_pages + 1, page_size, a.num_kv_heads, a.head_dim, max_num_seqs + 1, max_model_len,
             kv_cache_dtype, dtype, device,
@@ -119,24 +126,6 @@ class CudaModelRunner(ModelRunner):
         )
 
     # ---- set-up -------------------------------------------------------------------------------------
-
-    def _pages_from_memory(self, kv_layers: int, page_size: int, utilization: float) -> int:
-        """Pages that fit in utilization x total memory after the weights, states (allocated already) and an
-        activation reserve (a prefill chunk of 8K tokens measured ~3 GB at full size; 4 GiB kept)."""
-        from fp4moe.engine.memory import cache_budget_tokens, kv_bytes_per_token
-
-        free, total = torch.cuda.mem_get_info(self.device)
-        per_token = kv_bytes_per_token(self.args, self.kv_cache_dtype, self.model.embed_tokens.dtype)
-        per_token = per_token * kv_layers // len(self.attn_ids)  # the MTP layer keeps keys/values too
-        tokens = cache_budget_tokens(
-            total, total - free + (4 << 30), utilization, per_token, 0, self.max_num_seqs
-        )
-        want = (self.max_num_seqs * -(-self.max_model_len // page_size)) + 1
-        if tokens < 16 * page_size:
-            raise ValueError(
-                f"not enough GPU memory for a KV cache: {tokens * per_token / 2**30:.1f} GiB left"
-            )
-        return int(min(want, tokens // page_size))
 
     def new_caches(self):
         return self.kv, self.states

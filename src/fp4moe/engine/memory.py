@@ -52,6 +52,26 @@ def cache_budget_tokens(
     return free // per_token
 
 
+def kv_pages(
+    free: int,
+    total: int,
+    per_token: int,
+    utilization: float,
+    max_num_seqs: int,
+    max_model_len: int,
+    page_size: int,
+) -> int:
+    """Pages of the GPU runner's paged KV cache: those that fit in ``utilization`` x ``total`` bytes after what
+    is in use (``total - free``: the weights, the states, allocated already) and an activation reserve (a
+    prefill chunk of 8K tokens measured ~3 GB at full size; 4 GiB kept), at most what ``max_num_seqs``
+    sequences of ``max_model_len`` tokens fill (and one page more)."""
+    tokens = cache_budget_tokens(total, total - free + (4 << 30), utilization, per_token, 0, max_num_seqs)
+    if tokens < 16 * page_size:
+        raise ValueError(f"not enough GPU memory for a KV cache: {tokens * per_token / 2**30:.1f} GiB left")
+    want = max_num_seqs * -(-max_model_len // page_size) + 1
+    return int(min(want, tokens // page_size))
+
+
 AUTO_SEQS_CAP = 256  # the largest CUDA-graph bucket
 AUTO_SEQS_SHARE = 0.25  # of the memory left after the weights: the rest is the KV cache's
 
