@@ -376,20 +376,28 @@ def test_step_trace_records_each_step_and_the_summary_counts_them(llm, tmp_path,
     assert s["busy_s"] <= s["wall_s"] + 1e-6
 
 
-@pytest.mark.parametrize("chunked,whole,cache", [(True, False, 1 << 20), (True, True, 1 << 20), (True, False, 300),
-                                                 (False, False, 300), (True, True, 260)])  # fmt: skip
-def test_without_a_prefix_cache_a_step_continues_one_prompt_at_most(chunked, whole, cache):
+@pytest.mark.parametrize(
+    "seed,chunked,whole,cache",
+    [
+        (0, True, False, 1 << 20),
+        (1, True, True, 1 << 20),
+        (2, True, False, 300),
+        (3, False, False, 300),
+        (4, True, True, 260),
+    ],
+)
+def test_without_a_prefix_cache_a_step_continues_one_prompt_at_most(seed, chunked, whole, cache):
     """The serve warm-up captures the prefill graphs of chunks over cached prefixes for one sequence only when
     no prefix cache serves (``LLM.warmup``): it relies on the scheduler splitting one prompt at a time. Random
     arrivals, prompts up to several steps long, decodes, preemption by a small cache, chunked prefill off
-    (recomputes still chunk), ``whole_prompts``: no step holds two chunks that continue a prompt (cached
-    tokens before it, more than the one token of a decode)."""
+    (recomputes -- prompt and output longer than a step -- still chunk), ``whole_prompts``: no step holds two
+    chunks that continue a prompt (cached tokens before it, more than the one token of a decode)."""
     import random
 
     from fp4moe.engine.scheduler import Scheduler
     from fp4moe.engine.sequence import Sequence
 
-    rng = random.Random(hash((chunked, whole, cache)) & 0xFFFF)
+    rng = random.Random(seed)
     budget = 64
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
                              max_cached_tokens=cache, whole_prompts=whole)  # fmt: skip
@@ -405,7 +413,7 @@ def test_without_a_prefix_cache_a_step_continues_one_prompt_at_most(chunked, who
             seq = Sequence(next(ids), [7] * n, SamplingParams(), slot=-1)
             if sched.can_add():
                 sched.add(seq)
-                wanted[seq.seq_id] = rng.randrange(1, 40)
+                wanted[seq.seq_id] = rng.randrange(1, 40 if chunked else 120)
         batch = sched.schedule(lambda slot: None)
         steps += bool(batch)
         continuing = [
@@ -423,4 +431,4 @@ def test_without_a_prefix_cache_a_step_continues_one_prompt_at_most(chunked, who
             assert seq not in sched.running
         sched.cache_full.clear()
     # the workload did split prompts (without chunked prefill only recomputes are split)
-    assert steps > 300 and continuing_steps > (10 if chunked else 0)
+    assert steps > 300 and continuing_steps > (10 if chunked else 5)

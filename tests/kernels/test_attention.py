@@ -179,6 +179,8 @@ def test_every_step_merges_its_splits_at_a_warmed_width():
                 max_len,
                 rows,
             )
+    # and the warm-up launches the merge at every width (tiny heads: on the CPU under the interpreter)
+    attn_k.warm_decode_merge(torch.zeros(2, 2 * 4 * 32 + 2 * 2 * 32, dtype=BF16, device=DEV), (4, 2, 32))
 
 
 @pytest.mark.gpu

@@ -265,12 +265,12 @@ def paged_decode_attention(
         H=h, HKV=hkv, D=d, G=g, GP=max(16, next_pow2(g)), PAGE=page, FP8=fp8, DOT_F32=INTERPRET,
         num_warps=4, num_stages=2, **pdl_args(),
     )  # fmt: skip
-    _decode_merge(part_o, part_ml, qkv, out, nsplit, h, d)
+    _decode_merge(part_o, part_ml, qkv, out, b, nsplit, h, d)
     return out
 
 
-def _decode_merge(part_o, part_ml, qkv, out, nsplit: int, h: int, d: int) -> None:
-    _decode_merge_kernel[(out.shape[0], h)](
+def _decode_merge(part_o, part_ml, qkv, out, rows: int, nsplit: int, h: int, d: int) -> None:
+    _decode_merge_kernel[(rows, h)](
         part_o, part_ml, qkv, qkv.stride(0), out, nsplit, H=h, D=d, NSP=next_pow2(nsplit),
         **pdl_args("start"),  # the output projection's GEMV loads its first tile meanwhile
     )  # fmt: skip
@@ -281,12 +281,12 @@ def warm_decode_merge(qkv: torch.Tensor, dims) -> None:
     step's count of splits follows its number of rows, which the warm-up's steps do not all meet. ``qkv``:
     one row laid out as the attention layers' projections (its stride is part of the variant)."""
     h, _, d = dims
-    out = torch.empty(1, h * d, dtype=torch.bfloat16, device=qkv.device)
+    out = torch.empty(1, h * d, dtype=qkv.dtype, device=qkv.device)  # the compute dtype, as a step's
     for width in MERGE_WIDTHS:
         part_o = torch.zeros(h * width, d, dtype=torch.float32, device=qkv.device)
         part_ml = torch.zeros(h * width, 2, dtype=torch.float32, device=qkv.device)
         part_ml[:, 1] = 1.0
-        _decode_merge(part_o, part_ml, qkv[:1], out, width, h, d)
+        _decode_merge(part_o, part_ml, qkv[:1], out, 1, width, h, d)
 
 
 # the step's layout tensors are views at offsets that depend on its number of sequences, and the fp8
