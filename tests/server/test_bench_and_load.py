@@ -107,6 +107,31 @@ def test_vllm_command(checkpoints, capsys):
         "--host 127.0.0.1",
     ):
         assert part in cmd, part
+    # across GPUs, NVLink multicast is off in the command's environment unless asked for
+    assert "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 vllm serve" in cmd
+
+
+def test_vllm_command_across_gpus(checkpoints, capsys, monkeypatch):
+    """Tensor parallelism with the experts sharded whole (the default) or split (--no-enable-expert-parallel);
+    NVLink multicast off unless --nvlink-multicast; one GPU: neither flag nor environment."""
+    import fp4moe.cli.serve as cli
+
+    monkeypatch.setattr(cli, "vllm_without_flashinfer", lambda: False)
+    path = str(checkpoints.quantized())
+
+    def command(*extra):
+        assert main(["serve", path, "--engine", "vllm", *extra]) == 0
+        return capsys.readouterr().out.strip()
+
+    tp = command("--tensor-parallel-size", "2", "--no-enable-expert-parallel")
+    assert "--tensor-parallel-size 2" in tp and "expert-parallel" not in tp
+    assert tp.startswith(
+        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 vllm serve"
+    )
+    ep = command("--tensor-parallel-size", "2", "--nvlink-multicast")
+    assert ep.startswith("vllm serve") and "--tensor-parallel-size 2 --enable-expert-parallel" in ep
+    one = command()
+    assert one.startswith("vllm serve") and "parallel" not in one
 
 
 def test_vllm_command_speculation_and_flashinfer_less_install(checkpoints, capsys, monkeypatch):

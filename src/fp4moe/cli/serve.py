@@ -128,6 +128,22 @@ def add(sub) -> None:
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="with --engine vllm: GPUs to shard over"
     )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --engine vllm and --tensor-parallel-size > 1: each GPU holds whole routed experts (vLLM's "
+        "expert parallelism, default on); --no-enable-expert-parallel splits every expert across the GPUs "
+        "(tensor parallelism, as the rest of the model)",
+    )
+    p.add_argument(
+        "--nvlink-multicast",
+        action="store_true",
+        help="with --engine vllm and --tensor-parallel-size > 1: let NCCL, PyTorch and NVSHMEM use NVLink "
+        "multicast (NVLS). Off by default (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, "
+        "NVSHMEM_DISABLE_NVLS=1 in the command's environment): on a shared host a program using it can take "
+        "the GPUs out of service",
+    )
 
 
 def vllm_without_flashinfer() -> bool:
@@ -196,12 +212,26 @@ def vllm_command(args) -> list[str]:
     ):  # on Hopper vLLM's "auto" GDN prefill picks FlashInfer without checking for it
         cmd += ["--gdn-prefill-backend", "triton"]
     if args.tensor_parallel_size > 1:
-        cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size), "--enable-expert-parallel"]
+        cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+        cmd += ["--enable-expert-parallel"] if args.enable_expert_parallel else []
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     if args.load_format == "dummy":
         cmd += ["--load-format", "dummy"]
     return cmd
+
+
+# NVLink multicast off in every library that would use it (the command's environment, ``vllm_env``)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def vllm_env(args) -> dict[str, str]:
+    """The environment ``vllm_command`` runs in: the FlashInfer-less sampler where FlashInfer is missing, and
+    NVLink multicast off across GPUs unless ``--nvlink-multicast``."""
+    env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"} if vllm_without_flashinfer() else {}
+    if args.tensor_parallel_size > 1 and not args.nvlink_multicast:
+        env |= NO_MULTICAST
+    return env
 
 
 def run(args) -> int:
@@ -212,8 +242,7 @@ def run(args) -> int:
 
     args.model = resolve(args.model, args.load_format)
     if args.engine == "vllm":
-        cmd = vllm_command(args)
-        env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"} if vllm_without_flashinfer() else {}
+        cmd, env = vllm_command(args), vllm_env(args)
         if args.exec:
             os.execvpe(cmd[0], cmd, {**os.environ, **env})
         print(shlex.join([f"{k}={v}" for k, v in env.items()] + cmd))
