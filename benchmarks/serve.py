@@ -82,7 +82,8 @@ def start_server(model: str, spec: str, args, port: int) -> tuple[subprocess.Pop
             raise SystemExit("--spec forced is fp4moe's benchmark switch; vLLM runs off or rejected")
         serve = ["python3", "-m", "fp4moe.cli", "serve", model, "--engine", "vllm", "--exec", "--load-format", "dummy",
                  "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-                 "--num-speculative-tokens", k]  # fmt: skip
+                 "--num-speculative-tokens", k, "--tensor-parallel-size", str(args.tensor_parallel_size),
+                 "--enable-expert-parallel" if args.expert_parallel else "--no-enable-expert-parallel"]  # fmt: skip
         script = f"unset PYTHONPATH; . {args.vllm_site}/vllm-env.sh; export PYTHONPATH=$PYTHONPATH:{HERE.parent / 'src'}; exec "
         cmd = ["bash", "-c", script + " ".join(serve)]
         return _wait_for(cmd, env, port, spec, args)
@@ -381,13 +382,26 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("serve-results"))
     p.add_argument("--engine", choices=["fp4moe", "vllm"], default="fp4moe", help="whose server to measure")
     p.add_argument("--vllm-site", default="/tmp/vllm-site", help="where scripts/vllm_join.sh installed vLLM")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="with --engine vllm: GPUs to shard over (issue 24)",
+    )
+    p.add_argument(
+        "--expert-parallel", action=argparse.BooleanOptionalAction, default=True,
+        help="with --engine vllm and more than one GPU: whole experts per GPU (default) or each split",
+    )  # fmt: skip
     args = p.parse_args()
+    if args.tensor_parallel_size > 1 and args.engine != "vllm":
+        p.error("--tensor-parallel-size > 1 needs --engine vllm (fp4moe's engine runs on one GPU)")
     args.out.mkdir(parents=True, exist_ok=True)
     from fp4moe.models.full_size import resolve
 
     model = resolve(args.model, "dummy")
     result = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", model=args.model,
-                  engine=args.engine, pp=args.pp, tg=args.tg, served={}, profile={}, startup_s={})  # fmt: skip
+                  engine=args.engine, pp=args.pp, tg=args.tg, served={}, profile={}, startup_s={},
+                  tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel)  # fmt: skip
     for spec in args.spec:
         log(f"serve, speculation {spec}")
         port = free_port()
