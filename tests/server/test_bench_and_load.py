@@ -132,6 +132,11 @@ def test_vllm_command_across_gpus(checkpoints, capsys, monkeypatch):
     assert ep.startswith("vllm serve") and "--tensor-parallel-size 2 --enable-expert-parallel" in ep
     one = command()
     assert one.startswith("vllm serve") and "parallel" not in one
+    # our own engine runs on one GPU: asking it for two is an error, not a silent single-GPU server
+    assert main(["serve", path, "--tensor-parallel-size", "2"]) == 2
+    assert "needs --engine vllm" in capsys.readouterr().err
+    assert main(["serve", path, "--engine", "vllm", "--tensor-parallel-size", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err
 
 
 def test_vllm_command_speculation_and_flashinfer_less_install(checkpoints, capsys, monkeypatch):

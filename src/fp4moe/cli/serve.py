@@ -240,6 +240,10 @@ def run(args) -> int:
 
     from fp4moe.models.full_size import resolve
 
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
+    if args.tensor_parallel_size > 1 and args.engine != "vllm":
+        raise ValueError("--tensor-parallel-size > 1 needs --engine vllm (fp4moe's engine runs on one GPU)")
     args.model = resolve(args.model, args.load_format)
     if args.engine == "vllm":
         cmd, env = vllm_command(args), vllm_env(args)

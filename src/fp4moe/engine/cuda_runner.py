@@ -336,9 +336,12 @@ class CudaModelRunner(ModelRunner):
             for b in PROMPT_GRAPH_SEQS
             if self.prompt_bucket([t] * b) == (b, t)
         ]
-        for continuing, graphs in ((False, self.prompt_graphs), (True, self.chunk_graphs)):
+        for continuing, graphs, most in (
+            (False, self.prompt_graphs, None),
+            (True, self.chunk_graphs, chunk_seqs),
+        ):
             for b, t in buckets:
-                if (b, t) not in graphs and not (continuing and chunk_seqs is not None and b > chunk_seqs):
+                if (b, t) not in graphs and (most is None or b <= most):
                     self._capture_prompt(b, t, continuing)
         if self.first_drafts is not None:
             self.first_drafts.capture(buckets)
