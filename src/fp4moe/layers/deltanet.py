@@ -7,6 +7,8 @@ o_t = S^T q_t. Prefill uses the chunked form (chunk 64), decode the token-wise r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,12 +66,19 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out, state
 
 
+@functools.cache
 def _fla_chunk():
-    """flash-linear-attention's chunked kernel (GPU prefill), or None where fla-core is not installed."""
+    """flash-linear-attention's chunked kernel (GPU prefill), or None where fla-core is not installed. Its
+    autotuners get this GPU's recorded winners first (``kernels.autotune_seeds``: a cold start compiled
+    and benchmarked every config of about ten kernels, twice)."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
+    if torch.cuda.is_available():
+        from fp4moe.kernels.autotune_seeds import seed
+
+        seed(torch.cuda.get_device_name())
     return chunk_gated_delta_rule
 
 
