@@ -95,3 +95,10 @@ def test_a_seed_is_used_only_where_it_can_be_trusted(package, tmp_path):
     bare.cache[(8, "torch.float32")] = mine
     assert autotune_seeds.seed("NVIDIA H200", "fakefla", tmp_path) == 0
     assert wrapped.cache == {} and bare.cache == {(8, "torch.float32"): mine}
+
+
+def test_a_damaged_seed_file_is_a_clear_error(package, tmp_path):
+    package()
+    autotune_seeds.seed_path("NVIDIA H200", tmp_path).write_text('{"gpu": "NVIDIA H200", ')
+    with pytest.raises(ValueError, match="not a valid autotune seed file"):
+        autotune_seeds.seed("NVIDIA H200", "fakefla", tmp_path)

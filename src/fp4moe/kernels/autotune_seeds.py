@@ -3,7 +3,8 @@ kernel instead of benchmarking every one (issue 20: a server up in about a minut
 
 flash-linear-attention's chunked Gated DeltaNet (the GPU prefill) autotunes about ten kernels, each over
 6-30 configs, once for a single prompt and again for a step of several (varlen); on a cold Triton cache
-that was 46% of the H200 server's 265 s start-up (py-spy, BENCHMARKS.md "Start-up"). Triton keeps the
+that was 46% of the full-size warm-up's samples on the H200 (py-spy over ``benchmarks/startup.py``,
+BENCHMARKS.md "Start-up time, by phase"). Triton keeps the
 results on disk (``cache_results``), so a second start skips it; the first start -- every new machine,
 container, or upgrade -- paid it in full.
 
@@ -102,7 +103,12 @@ def seed(gpu_name: str, package: str = "fla", root: Path = SEED_DIR) -> int:
     path = seed_path(gpu_name, root)
     if not path.is_file():
         return 0
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path} is not a valid autotune seed file ({e}); remove it or record it again"
+        ) from None
     if data.get("package") != package or data.get("versions") != _versions(package):
         return 0
     seeded = 0
