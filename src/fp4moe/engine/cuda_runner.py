@@ -97,6 +97,7 @@ class CudaModelRunner(ModelRunner):
         self.cuda_graphs = cuda_graphs
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self._capture_stream = None  # graph_of's side stream
         self.buf_ids = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         self.buf_pos = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
         self.buf_slots = torch.full((max_num_seqs,), self.scratch, dtype=torch.int32, device=device)
@@ -417,7 +418,13 @@ class CudaModelRunner(ModelRunner):
 
     def graph_of(self, fn, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Run ``fn`` once (compiles its kernels), then capture it in a CUDA graph that shares the runner's
-        memory pool (or ``pool``); returns the graph and ``fn``'s output buffer."""
+        memory pool (or ``pool``); returns the graph and ``fn``'s output buffer.
+
+        Captured as ``torch.cuda.graph`` does it (a side stream, ``capture_begin``/``capture_end``) less its
+        flushes: before every capture it empties the allocator's device and pinned-host caches (and may
+        ``gc.collect()``), so the next warm-up run allocates all its activations and ``upload``'s pinned
+        buffers afresh -- at the 158 captures of a full-size start-up, seconds of ``cudaMalloc`` and
+        ``cudaHostAlloc``. vLLM turns the same flushes off while it captures."""
         fn()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -425,8 +432,14 @@ class CudaModelRunner(ModelRunner):
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             pool = self._pool
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._capture_stream):
+            graph.capture_begin(pool=pool)
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()
         return graph, out
 
     def capture(self, batch_sizes=None) -> None:
