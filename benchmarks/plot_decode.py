@@ -5,8 +5,8 @@ python benchmarks/plot_decode.py benchmarks/results/decode-h200-2026-11-30.json 
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -16,7 +16,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def main() -> None:
-    first, out, *more = sys.argv[1:]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("first", help="a decode.py result (JSON)")
+    p.add_argument("out", help="the image to write (PNG)")
+    p.add_argument("more", nargs="*", help="more decode.py results drawn on the same axes")
+    args = p.parse_args()
+    first, out, more = args.first, args.out, args.more
     rows = []
     for path in [first, *more]:
         rows += [r for r in json.loads(Path(path).read_text())["decode"] if "roofline_tok_s" in r]

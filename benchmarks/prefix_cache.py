@@ -31,10 +31,10 @@ def ttft(core: EngineCore, prompt: list[int]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--tokens", type=int, default=2000)
-    p.add_argument("--block", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model", default=None, help="checkpoint dir (default: a tiny random one)")
+    p.add_argument("--tokens", type=int, default=2000, help="shared prompt length (default 2000)")
+    p.add_argument("--block", type=int, default=64, help="prefix-cache block size in tokens (default 64)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats; medians reported (default 5)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(args.model or write_tiny_checkpoint(tmp), dtype="float32")

@@ -181,13 +181,15 @@ def run(n: int, workdir: Path, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--workdir", default="/tmp/fp4moe-bench")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--calib-dtype", default="auto")
-    p.add_argument("--num-samples", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--layers", type=int, nargs="+", default=[2, 4, 8], help="decoder layer counts of the models (2 4 8)"
+    )
+    p.add_argument("--workdir", default="/tmp/fp4moe-bench", help="where the checkpoints are written")
+    p.add_argument("--device", default="auto", help="quantize --device (auto: cuda when there is one)")
+    p.add_argument("--calib-dtype", default="auto", help="quantize --calib-dtype")
+    p.add_argument("--num-samples", type=int, default=16, help="calibration samples (default 16)")
+    p.add_argument("--seq-len", type=int, default=256, help="calibration sample length (default 256)")
+    p.add_argument("--batch-size", type=int, default=8, help="calibration batch size (default 8)")
     p.add_argument("--max-shard-size", default="1GB", help="1GB: every N fills the one shard buffer")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--out", help="write all results as JSON here")

@@ -331,9 +331,11 @@ def main() -> int:
         help="speculation modes to serve (off, forced, rejected; each with -process: the engine loop in its own "
         "process)",
     )
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32, 48, 64])
-    p.add_argument("--pp", type=int, default=512)
-    p.add_argument("--tg", type=int, default=128)
+    p.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32, 48, 64], help="streams of the sweep"
+    )
+    p.add_argument("--pp", type=int, default=512, help="prompt tokens of the sweep (default 512)")
+    p.add_argument("--tg", type=int, default=128, help="generated tokens of the sweep (default 128)")
     p.add_argument("--long-pp", type=int, default=8192, help="the single-stream long-prompt row (0: none)")
     p.add_argument("--sglang", action="store_true", help="also pp 8192 / tg 1024 at concurrency 1 and 16")
     p.add_argument(
@@ -345,13 +347,15 @@ def main() -> int:
         "--context-rows", type=int, nargs="*", default=[],
         help="decode at these contexts (pp = context, tg = --context-tg) at --context-concurrency",
     )  # fmt: skip
-    p.add_argument("--context-concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument(
+        "--context-concurrency", type=int, nargs="+", default=[1, 16, 64], help="streams of --context-rows"
+    )
     p.add_argument(
         "--context-tg", type=int, default=1024,
         help="tokens each context row generates: enough that its first request still decodes when its last "
         "prefill ends (a steady window exists)",
     )  # fmt: skip
-    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--runs", type=int, default=2, help="runs per row; medians reported (default 2)")
     p.add_argument("--profile", type=int, default=None, help="py-spy the server at this concurrency")
     p.add_argument("--engine-rate", action="store_true", help="the engine's decode step at the same batches")
     p.add_argument("--offline", action="store_true", help="LLM.generate on the same shapes")
@@ -360,8 +364,8 @@ def main() -> int:
         help="record the engine's steps (FP4MOE_STEP_TRACE) served and offline; summarize each row's "
         "(benchmarks/step_trace.py): steps by kind, host time, idle time, prompts per prefilling step",
     )  # fmt: skip
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=16384)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="serve --max-num-seqs (default 64)")
+    p.add_argument("--max-model-len", type=int, default=16384, help="serve --max-model-len (default 16384)")
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -379,7 +383,7 @@ def main() -> int:
         help="fp4moe's KV cache (vLLM's recipe always runs fp8)",
     )  # fmt: skip
     p.add_argument("--device", default="cuda", help="cuda; cpu only to try the script on a tiny model")
-    p.add_argument("--out", type=Path, default=Path("serve-results"))
+    p.add_argument("--out", type=Path, default=Path("serve-results"), help="folder for serve.json and logs")
     p.add_argument("--engine", choices=["fp4moe", "vllm"], default="fp4moe", help="whose server to measure")
     p.add_argument("--vllm-site", default="/tmp/vllm-site", help="where scripts/vllm_join.sh installed vLLM")
     p.add_argument(

@@ -77,7 +77,11 @@ def main() -> int:
         help="--full-size: MTP draft vocabulary sizes to time each k with (engine.draft_vocab; 0: the whole "
         "vocabulary, the default)",
     )  # fmt: skip
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="default: cuda when there is one",
+    )
     ap.add_argument(
         "--ks", nargs="+", type=int, default=[0, 1, 2, 3], help="draft tokens per step to compare"
     )

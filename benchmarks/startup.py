@@ -21,15 +21,15 @@ from pathlib import Path
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3.6-35b-a3b-nvfp4", help="a full-size name or a checkpoint dir")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=16384)
-    p.add_argument("--kv-cache-dtype", default="fp8", choices=["auto", "fp8"])
-    p.add_argument("--num-speculative-tokens", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="as serve's --max-num-seqs (default 64)")
+    p.add_argument("--max-model-len", type=int, default=16384, help="as serve's (default 16384)")
+    p.add_argument("--kv-cache-dtype", default="fp8", choices=["auto", "fp8"], help="KV cache (default fp8)")
+    p.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP drafts per step (default 0)")
     p.add_argument(
         "--prefix-caching", action="store_true", help="warm up as for a server with a prefix cache"
     )
     p.add_argument("--top", type=int, default=25, help="slowest calls to print")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None, help="folder for startup.json (default: none written)")
     p.add_argument(
         "--record-autotune",
         type=Path,

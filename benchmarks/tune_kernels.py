@@ -10,6 +10,7 @@ replays over 40 layers' experts).
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import torch
@@ -31,6 +32,9 @@ def best(rows, label, top=3):
 
 
 def main() -> None:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     dev = torch.device("cuda")
     e, h, k = 256, 2048, 8
     for t in (1, 16, 64):

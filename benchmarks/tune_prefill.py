@@ -207,7 +207,7 @@ def delta_rule(t: int, dev) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=8192, help="prefill tokens per launch (default 8192)")
     ap.add_argument("--out", default="", help="write the results to this JSON file")
     ap.add_argument("--tiles", action="store_true", help="only sweep the expert launches' tile settings")
     args = ap.parse_args()

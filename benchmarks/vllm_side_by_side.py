@@ -741,7 +741,7 @@ def cmd_report(args) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, help="what to run")
     for name in ("make", "ours", "vllm", "report"):
         p = sub.add_parser(name)
         p.add_argument("dir", help="folder of the checkpoints (made by `make`)")
@@ -752,17 +752,19 @@ def main(argv=None) -> None:
                 "--gdn-prefill-backend", default="triton", help="vLLM's GDN prefill (flashinfer not carried)"
             )
     p = sub.add_parser("recipe")
-    p.add_argument("ckpt")
+    p.add_argument("ckpt", help="the checkpoint dir")
     p.add_argument("--timeout", type=int, default=420, help="seconds for vLLM to start")
     for name in ("vllm-one", "mtp-vllm"):  # one checkpoint in vLLM
         p = sub.add_parser(name)
-        p.add_argument("ckpt")
-        p.add_argument("--gdn-prefill-backend", default="triton")
+        p.add_argument("ckpt", help="the checkpoint dir")
+        p.add_argument(
+            "--gdn-prefill-backend", default="triton", help="vLLM's GDN prefill (flashinfer not carried)"
+        )
     p = sub.add_parser("train")
-    p.add_argument("dir")
+    p.add_argument("dir", help="folder of the checkpoints (made by `make`)")
     p.add_argument("--minutes", type=float, default=3.0, help="training time (default 3)")
     p = sub.add_parser("mtp-ours")
-    p.add_argument("ckpt")
+    p.add_argument("ckpt", help="the checkpoint dir")
     args = ap.parse_args(argv)
     ONLY[:] = getattr(args, "only", [])
     {

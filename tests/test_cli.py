@@ -13,7 +13,7 @@ def _subparsers(parser):
     return action.choices
 
 
-@pytest.mark.parametrize("command", ["quantize", "inspect", "convert", "generate", "demo"])
+@pytest.mark.parametrize("command", sorted(_subparsers(build_parser())))
 def test_every_option_has_help(command):
     sub = _subparsers(build_parser())[command]
     assert sub.description
