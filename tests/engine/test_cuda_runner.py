@@ -397,6 +397,8 @@ def test_no_kernel_is_compiled_after_the_warm_up(checkpoints):
         "the rest",
     )
     assert tuple(llm.warmup_phases) == phases and sum(llm.warmup_phases.values()) == pytest.approx(took)
+    done, total = llm.warmup_steps
+    assert done == total > 0  # the progress bar counted every generation and capture ahead
     rng = random.Random(20)
     for round_ in range(6):
         prompts = [[rng.randrange(5, 500) for _ in range(rng.choice([1, 2, 7, 16, 33, 100, 255, 256, 300, 700]))]

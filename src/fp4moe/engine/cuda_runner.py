@@ -322,7 +322,7 @@ class CudaModelRunner(ModelRunner):
         graphs = self.chunk_graphs if continuing else self.prompt_graphs
         graphs[(b, t)] = self.graph_of(lambda: self.prompt_forward(b, t, continuing), pool=self._prompt_pool)
 
-    def capture_prompts(self, chunk_seqs: int | None = None) -> None:
+    def capture_prompts(self, chunk_seqs: int | None = None, tick=None) -> None:
         """Capture every prefill graph ahead of serving (else each is captured on first use, compiling
         kernels for its shapes on a user's request), of fresh prompts and of chunks over cached prefixes:
         all that ``prompt_bucket`` can choose, also the padded ones larger than a step's token budget (three
@@ -330,22 +330,43 @@ class CudaModelRunner(ModelRunner):
         with speculation, the first drafts' graphs of the same buckets. ``chunk_seqs``: chunks' graphs only
         of that many sequences or fewer (None: all). Without a prefix cache a step continues one prompt at
         most (the scheduler splits one at a time), so 1 leaves out 83 of the 115 chunk graphs at the
-        full-size defaults; with one, every admitted request that hits the cache continues its prompt."""
-        buckets = [
+        full-size defaults; with one, every admitted request that hits the cache continues its prompt.
+        ``tick``: called after each graph captured."""
+        buckets = self._prompt_graph_buckets()
+        for b, t, continuing in self._pending_prompt_graphs(buckets, chunk_seqs):
+            self._capture_prompt(b, t, continuing)
+            if tick is not None:
+                tick()
+        if self.first_drafts is not None:
+            self.first_drafts.capture(buckets, tick)
+
+    def pending_prompt_captures(self, chunk_seqs: int | None = None) -> int:
+        """How many graphs ``capture_prompts(chunk_seqs)`` would capture now (the warm-up's progress bar)."""
+        buckets = self._prompt_graph_buckets()
+        drafts = len(self.first_drafts.pending(buckets)) if self.first_drafts is not None else 0
+        return len(self._pending_prompt_graphs(buckets, chunk_seqs)) + drafts
+
+    def _prompt_graph_buckets(self) -> list[tuple[int, int]]:
+        """Every (sequences, rows) shape ``prompt_bucket`` can choose."""
+        return [
             (b, t)
             for t in PROMPT_GRAPH_TOKENS
             for b in PROMPT_GRAPH_SEQS
             if self.prompt_bucket([t] * b) == (b, t)
         ]
-        for continuing, graphs, most in (
-            (False, self.prompt_graphs, None),
-            (True, self.chunk_graphs, chunk_seqs),
-        ):
-            for b, t in buckets:
-                if (b, t) not in graphs and (most is None or b <= most):
-                    self._capture_prompt(b, t, continuing)
-        if self.first_drafts is not None:
-            self.first_drafts.capture(buckets)
+
+    def _pending_prompt_graphs(self, buckets, chunk_seqs: int | None) -> list[tuple[int, int, bool]]:
+        """(sequences, rows, continuing) of the prefill graphs of ``buckets`` not captured yet: fresh prompts'
+        of every bucket, chunks' of ``chunk_seqs`` sequences or fewer (None: all)."""
+        return [
+            (b, t, continuing)
+            for continuing, graphs, most in (
+                (False, self.prompt_graphs, None),
+                (True, self.chunk_graphs, chunk_seqs),
+            )
+            for b, t in buckets
+            if (b, t) not in graphs and (most is None or b <= most)
+        ]
 
     def prompt_forward(self, b: int, t: int, continuing: bool = False) -> torch.Tensor:
         """``b`` fresh prompts (``continuing``: chunks after ``prompt_cached`` tokens) from the graph inputs
@@ -442,13 +463,26 @@ class CudaModelRunner(ModelRunner):
                 graph.capture_end()
         return graph, out
 
-    def capture(self, batch_sizes=None) -> None:
+    def capture(self, batch_sizes=None, tick=None) -> None:
         """Capture the decode graphs ahead of serving (else each bucket is captured on first use), and compile
-        the decode attention for the row counts of eager steps (mixed steps, rounds) no graph has."""
-        for b in batch_sizes or [g for g in GRAPH_BATCH_SIZES if g <= self.max_num_seqs]:
-            if b not in self.graphs:
-                self._capture(b)
+        the decode attention for the row counts of eager steps (mixed steps, rounds) no graph has. ``tick``:
+        called after each graph captured."""
+        for b in self._pending_decode_graphs(batch_sizes):
+            self._capture(b)
+            if tick is not None:
+                tick()
         self.fwd.warm_decode_attention()
+
+    def pending_captures(self, batch_sizes=None) -> int:
+        """How many graphs ``capture(batch_sizes)`` would capture now (the warm-up's progress bar)."""
+        return len(self._pending_decode_graphs(batch_sizes))
+
+    def _pending_decode_graphs(self, batch_sizes) -> list[int]:
+        return [
+            b
+            for b in batch_sizes or [g for g in GRAPH_BATCH_SIZES if g <= self.max_num_seqs]
+            if b not in self.graphs
+        ]
 
     def decode_forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step over the first ``b`` rows of the static buffers -> (logits [b, V] bf16,

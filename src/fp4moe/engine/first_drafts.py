@@ -137,7 +137,13 @@ class FirstDrafts:
             self._pool = torch.cuda.graph_pool_handle()
         self.graphs[(b, t)] = self.runner.graph_of(lambda: self.forward(b, t), pool=self._pool)
 
-    def capture(self, buckets) -> None:
-        for b, t in buckets:
-            if (b, t) not in self.graphs:
-                self._capture(b, t)
+    def pending(self, buckets) -> list[tuple[int, int]]:
+        """The buckets of ``buckets`` not captured yet."""
+        return [(b, t) for b, t in buckets if (b, t) not in self.graphs]
+
+    def capture(self, buckets, tick=None) -> None:
+        """Capture every bucket not captured yet (``tick``: called after each)."""
+        for b, t in self.pending(buckets):
+            self._capture(b, t)
+            if tick is not None:
+                tick()

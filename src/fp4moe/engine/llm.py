@@ -120,6 +120,7 @@ class LLM:
         self.eos_ids = self.prompts.eos_ids
         self._warm_tokens = 0  # the step budget ``warmup`` ran for (0: not warmed up)
         self.warmup_phases: dict[str, float] = {}  # seconds by phase of the last ``warmup``
+        self.warmup_steps = (0, 0)  # the last ``warmup``'s progress bar: (steps done, steps counted ahead)
 
     def _auto_max_num_seqs(self, spec_tokens: int) -> int:
         """``max_num_seqs="auto"``: memory-sized on the GPU (``memory.auto_max_num_seqs``), AUTO_CPU_SEQS on
@@ -240,7 +241,9 @@ class LLM:
         """Prompts are text, token ids, or {"prompt" | "prompt_token_ids": ..., "multi_modal_data": {"image": ...}}."""
         return self.prompts.make_sequences(prompts, params, self.encode_images)
 
-    def warmup(self, max_batch_tokens: int = 2048, prefix_caching: bool = False) -> float:
+    def warmup(
+        self, max_batch_tokens: int = 2048, prefix_caching: bool = False, progress: bool = True
+    ) -> float:
         """Compile every kernel variant and capture every CUDA graph before the first request (vLLM's
         compile-and-capture phase; a cold server spent 45-68% of its first seconds in Triton's compiler and
         in graph captures, issue 20): greedy and sampled generations at every graph batch size, and prefills
@@ -248,9 +251,12 @@ class LLM:
         multiples of 16 and on size buckets). Leaves the caches as it found them: every page freed, an fp8
         cache's scales unset (the first real prefill sets them). ``prefix_caching``: a prefix cache will serve
         the requests (each hit continues its prompt, several in a step: every chunk graph is captured; without
-        one only a single prompt's). Returns the seconds it took; ``warmup_phases`` holds them by phase (the
-        server prints them)."""
+        one only a single prompt's). ``progress``: a progress bar on stderr, one step per generation or graph
+        captured (a cold start on the H200 takes minutes). Returns the seconds it took; ``warmup_phases``
+        holds them by phase (the server prints them)."""
         import time
+
+        from tqdm.auto import tqdm
 
         from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
         from fp4moe.kernels import compiles
@@ -268,30 +274,55 @@ class LLM:
         # cache's first prefill take it): fresh prompts of every length, continuing chunks of a prompt longer
         # than a step of a length divisible by 16 and of one that is not (Triton specializes on both), and
         # several prompts in a step, again of both kinds of total
+        module_path = [[[1] * n] for n in lengths]
+        module_path += [[[1] * (limit + x)] for x in (16, 17) if limit + x <= self.max_model_len - 4]
+        module_path += [[[1] * n for n in lens] for lens in ((3, 6, 8), (5, 11))]
+        width = self.runner.max_num_seqs or 1
+        batches = [b for b in GRAPH_BATCH_SIZES if b <= width]
+        # steps done and counted ahead (a disabled bar counts none); the captures are counted as their phases
+        # begin (the decode batches capture graphs on first use)
+        steps = [0, len(module_path) + len(lengths) + 2 * len(batches)]
+        bar = tqdm(total=steps[1], desc="warm-up", unit="step", disable=not progress, dynamic_ncols=True)
+
+        def phase(name: str, captures: int = 0) -> None:
+            bar.set_description(f"warm-up: {name}")
+            steps[1] += captures
+            bar.total = steps[1]
+            bar.refresh()
+
+        def step(n: int = 1) -> None:
+            steps[0] += n
+            bar.update(n)
+
+        phase("module path")
         graphs, self.runner.use_prompt_graphs = self.runner.use_prompt_graphs, False
         try:
-            for n in lengths:
-                self.generate([[1] * n], greedy)
-            for extra in (16, 17):
-                if limit + extra <= self.max_model_len - 4:
-                    self.generate([[1] * (limit + extra)], greedy)
-            for lens in ((3, 6, 8), (5, 11)):
-                self.generate([[1] * n for n in lens], greedy)
+            for prompts in module_path:
+                self.generate(prompts, greedy)
+                step()
         finally:
             self.runner.use_prompt_graphs = graphs
         stamps.append(("module path", time.perf_counter()))
+        phase("prompts through graphs")
         for n in lengths:  # then fresh prompts through the prefill graphs (each captured on first use)
             self.generate([[1] * n], greedy)
+            step()
         stamps.append(("prompts through graphs", time.perf_counter()))
-        width = self.runner.max_num_seqs or 1
-        for b in [b for b in GRAPH_BATCH_SIZES if b <= width]:
+        phase("decode batches")
+        for b in batches:
             self.generate([[1] * 4] * b, greedy)
             self.generate([[1] * 4] * b, sampled)
+            step(2)
         stamps.append(("decode batches", time.perf_counter()))
-        self.runner.capture()  # the plain step's graphs (speculating warm-ups ran rounds)
+        phase("decode graphs", self.runner.pending_captures())
+        self.runner.capture(tick=step)  # the plain step's graphs (speculating warm-ups ran rounds)
         stamps.append(("decode graphs", time.perf_counter()))
         # without a prefix cache (offline, or a server without one) no step continues two prompts at once
-        self.runner.capture_prompts(chunk_seqs=None if prefix_caching else 1)
+        chunk_seqs = None if prefix_caching else 1
+        phase("prefill graphs", self.runner.pending_prompt_captures(chunk_seqs))
+        self.runner.capture_prompts(chunk_seqs=chunk_seqs, tick=step)
+        self.warmup_steps = (steps[0], steps[1])  # equal: every count above was right (the tests check)
+        bar.close()
         stamps.append(("prefill graphs", time.perf_counter()))
         self._warm_tokens = max_batch_tokens
         self.warm_thread()

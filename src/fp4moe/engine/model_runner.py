@@ -4,6 +4,8 @@ counting the image tokens before each chunk."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fp4moe.engine.cache import DeltaNetStates, KVCache
@@ -21,6 +23,7 @@ class ModelRunner:
 
     max_num_seqs: int | None = None
     spec_tokens: int = 0
+    use_prompt_graphs: bool = False  # fresh prompts through prefill graphs (the warm-up turns it off a while)
 
     def capacity_tokens(self) -> int | None:
         return None
@@ -28,11 +31,19 @@ class ModelRunner:
     def fusable_decode(self, batch: list[tuple[Sequence, int]], kv) -> bool:
         return False
 
-    def capture(self, batch_sizes=None) -> None:
+    def capture(self, batch_sizes=None, tick: Callable[[], None] | None = None) -> None:
+        """No graphs on this path (``tick``: called after each graph captured)."""
+
+    def capture_prompts(self, chunk_seqs: int | None = None, tick: Callable[[], None] | None = None) -> None:
         """No graphs on this path."""
 
-    def capture_prompts(self, chunk_seqs: int | None = None) -> None:
-        """No graphs on this path."""
+    def pending_captures(self, batch_sizes=None) -> int:
+        """How many graphs ``capture`` would capture now: none on this path."""
+        return 0
+
+    def pending_prompt_captures(self, chunk_seqs: int | None = None) -> int:
+        """How many graphs ``capture_prompts`` would capture now: none on this path."""
+        return 0
 
     def whole_prompts(self) -> bool:
         """Whether the scheduler should keep fresh prompts whole (``SchedulerConfig.whole_prompts``)."""
