@@ -85,6 +85,9 @@ def main() -> int:
     warm = llm.warmup(config.max_num_batched_tokens, prefix_caching=args.prefix_caching)
     phases = {k: round(v, 2) for k, v in llm.warmup_phases.items()}
     print(f"load {load:.1f} s, warm-up {warm:.1f} s: {phases}")
+    graphs = len(llm.runner.prompt_graphs) + len(llm.runner.chunk_graphs)
+    direct = llm.runner.direct_captures
+    print(f"prefill graphs: {graphs}, {direct} captured without an eager run first")
     nested = [c for c in calls if not c[0].startswith("generate")]  # captures inside generate calls too
     print(f"{len(calls)} timed calls ({len(nested)} captures); slowest:")
     for name, sec in sorted(calls, key=lambda c: -c[1])[: args.top]:
@@ -100,7 +103,17 @@ def main() -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "startup.json").write_text(
-            json.dumps(dict(load_s=load, warmup_s=warm, phases=phases, calls=calls), indent=1)
+            json.dumps(
+                dict(
+                    load_s=load,
+                    warmup_s=warm,
+                    phases=phases,
+                    prefill_graphs=graphs,
+                    direct_captures=direct,
+                    calls=calls,
+                ),
+                indent=1,
+            )
         )
     return 0
 

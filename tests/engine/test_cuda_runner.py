@@ -375,6 +375,53 @@ def test_fresh_prompts_through_their_prefill_graph(checkpoints):
 
 
 @pytest.mark.gpu
+def test_a_prefill_graph_captured_without_an_eager_run_first(checkpoints, monkeypatch):
+    """Once a prefill graph's kernels are compiled, the next capture of that shape skips the eager run
+    (``compiles.forbidden`` found nothing to compile) and replays bit for bit what a graph captured after an
+    eager run does: the same hidden states and keys/values for the same two prompts (same kernels, same
+    order: exact). A capture that would compile falls back to the eager run first."""
+    from contextlib import contextmanager
+
+    from fp4moe.engine import cuda_runner
+    from fp4moe.engine.sequence import Sequence
+    from fp4moe.kernels import compiles
+
+    llm = LLM(checkpoints.quantized(), dtype="bfloat16", device="cuda", max_num_seqs=8)
+    runner, kv, shape = llm.runner, llm.runner.kv, (2, 32)
+    runner._capture_prompt(*shape)  # compiles what the shape needs (eagerly, or it was compiled already)
+    del runner.prompt_graphs[shape]
+    direct = runner.direct_captures
+    runner._capture_prompt(*shape)
+    assert runner.direct_captures == direct + 1
+    graphs = {"direct": runner.prompt_graphs.pop(shape)}
+
+    @contextmanager
+    def wants_a_compile():
+        raise compiles.CompileWanted("as if a kernel were new")
+        yield
+
+    monkeypatch.setattr(cuda_runner.compiles, "forbidden", wants_a_compile)
+    runner._capture_prompt(*shape)
+    assert runner.direct_captures == direct + 1  # the fallback ran eagerly first
+    graphs["eager first"] = runner.prompt_graphs.pop(shape)
+    prompts, out = [list(range(7, 27)), list(range(100, 131))], {}
+    for i, (name, graph) in enumerate(graphs.items()):
+        runner.prompt_graphs[shape] = graph
+        seqs = [
+            Sequence(10 + 2 * i + j, p, SamplingParams(max_tokens=1), slot=2 * i + j)
+            for j, p in enumerate(prompts)
+        ]
+        hidden = runner._run_prompt_graph([(s, len(s.prompt_ids)) for s in seqs], *shape)
+        keys = [
+            kv.k.view(kv.k.shape[0], -1, *kv.k.shape[3:])[:, kv.rows(s.slot, 0, len(s.prompt_ids))]
+            for s in seqs
+        ]
+        out[name] = [h.clone() for h in hidden] + [k.clone() for k in keys]
+        del runner.prompt_graphs[shape]
+    assert all(torch.equal(a, b) for a, b in zip(out["direct"], out["eager first"], strict=True))
+
+
+@pytest.mark.gpu
 def test_no_kernel_is_compiled_after_the_warm_up(checkpoints):
     """After ``LLM.warmup`` a served mix -- fresh prompts of many lengths, chunked long ones, prompts that
     share steps with decodes, greedy and sampled, every batch size -- compiles no Triton kernel (each compile
@@ -399,6 +446,7 @@ def test_no_kernel_is_compiled_after_the_warm_up(checkpoints):
     assert tuple(llm.warmup_phases) == phases and sum(llm.warmup_phases.values()) == pytest.approx(took)
     done, total = llm.warmup_steps
     assert done == total > 0  # the progress bar counted every generation and capture ahead
+    assert llm.runner.direct_captures > 0  # prefill graphs whose kernels were compiled skipped the eager run
     rng = random.Random(20)
     for round_ in range(6):
         prompts = [[rng.randrange(5, 500) for _ in range(rng.choice([1, 2, 7, 16, 33, 100, 255, 256, 300, 700]))]

@@ -27,6 +27,8 @@ from fp4moe.engine.paged_cache import PagedKVCache, SlotStates
 from fp4moe.engine.prompt_buckets import PROMPT_GRAPH_SEQS, PROMPT_GRAPH_TOKENS
 from fp4moe.engine.sequence import Sequence
 from fp4moe.engine.transfer import upload
+from fp4moe.kernels import compiles
+from fp4moe.layers.attention import cudnn_length
 from fp4moe.layers.rope import Rotary
 from fp4moe.models.qwen3_5_moe_fused import Qwen3_5MoeFused
 
@@ -116,6 +118,7 @@ class CudaModelRunner(ModelRunner):
         # (benchmarks/chunk_profile.py)
         self.chunk_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prompt_pool = None
+        self.direct_captures = 0  # prefill graphs captured without an eager run first (``_capture_prompt``)
         self.prompt_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.prompt_rows = torch.arange(top, device=device)
         self.prompt_len = torch.zeros(PROMPT_GRAPH_SEQS[-1], dtype=torch.long, device=device)
@@ -320,7 +323,20 @@ class CudaModelRunner(ModelRunner):
         if self._prompt_pool is None and self.device.type == "cuda":
             self._prompt_pool = torch.cuda.graph_pool_handle()
         graphs = self.chunk_graphs if continuing else self.prompt_graphs
-        graphs[(b, t)] = self.graph_of(lambda: self.prompt_forward(b, t, continuing), pool=self._prompt_pool)
+        fn = lambda: self.prompt_forward(b, t, continuing)  # noqa: E731
+        # Captured straight away where nothing in it would compile (the earlier graphs and the warm-up's
+        # module path met its kernels' variants): the eager run before a capture was ~40% of each one's
+        # 0.2-0.4 s, at ~150 prefill graphs a full-size start-up. Not fresh prompts whose attention takes
+        # a cuDNN plan (a new shape builds one, never tried inside a capture).
+        if self.device.type == "cuda" and (continuing or not cudnn_length(t)):
+            try:
+                with compiles.forbidden():
+                    graphs[(b, t)] = self.graph_of(fn, pool=self._prompt_pool, warm=False)
+                self.direct_captures += 1
+                return
+            except compiles.CompileWanted:
+                pass  # that capture ended cleanly and is dropped: run it eagerly first
+        graphs[(b, t)] = self.graph_of(fn, pool=self._prompt_pool)
 
     def capture_prompts(self, chunk_seqs: int | None = None, tick=None) -> None:
         """Capture every prefill graph ahead of serving (else each is captured on first use, compiling
@@ -437,17 +453,18 @@ class CudaModelRunner(ModelRunner):
         bucket = next((g for g in GRAPH_BATCH_SIZES if g >= b), None)
         return bucket if self.cuda_graphs and bucket is not None and bucket <= self.max_num_seqs else None
 
-    def graph_of(self, fn, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Run ``fn`` once (compiles its kernels), then capture it in a CUDA graph that shares the runner's
-        memory pool (or ``pool``); returns the graph and ``fn``'s output buffer.
+    def graph_of(self, fn, pool=None, warm: bool = True) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Run ``fn`` once (compiles its kernels; ``warm`` False: not), then capture it in a CUDA graph that
+        shares the runner's memory pool (or ``pool``); returns the graph and ``fn``'s output buffer.
 
         Captured as ``torch.cuda.graph`` does it (a side stream, ``capture_begin``/``capture_end``) less its
         flushes: before every capture it empties the allocator's device and pinned-host caches (and may
         ``gc.collect()``), so the next warm-up run allocates all its activations and ``upload``'s pinned
         buffers afresh -- at the 158 captures of a full-size start-up, seconds of ``cudaMalloc`` and
         ``cudaHostAlloc``. vLLM turns the same flushes off while it captures."""
-        fn()
-        torch.cuda.synchronize(self.device)
+        if warm:
+            fn()
+            torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         if pool is None:
             if self._pool is None:

@@ -12,6 +12,7 @@ warning and counted in the ``fp4moe:kernel_compiles_after_warmup`` metric (``aft
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 
@@ -76,3 +77,39 @@ def after_mark() -> dict[str, int]:
     with _lock:
         before = _mark
     return {} if before is None else since(before)
+
+
+class CompileWanted(RuntimeError):
+    """Raised inside ``forbidden()`` where Triton was about to compile a kernel or benchmark an autotuner's
+    configs: the caller must run the work eagerly first (a CUDA graph capture cannot compile)."""
+
+
+@contextlib.contextmanager
+def forbidden():
+    """Within: Triton raises ``CompileWanted`` before it would compile a kernel variant (its cache hook,
+    which runs before the compiler and before any CUDA call) or benchmark an autotuner's configs for a new
+    key (its ``_bench``, which synchronizes the device). A CUDA graph captured without an eager run first
+    is complete and valid when none is raised; where one is, nothing reached the stream that cannot be
+    captured, so the capture ends cleanly and is thrown away. No-op without Triton. One thread at a time
+    (the engine's warm-up)."""
+    try:
+        from triton import knobs
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        yield
+        return
+    previous, bench = knobs.runtime.jit_cache_hook, Autotuner._bench
+
+    def cache_hook(*args, **kwargs):
+        raise CompileWanted(f"Triton would compile {getattr(kwargs.get('fn'), 'name', 'a kernel')}")
+
+    def no_bench(self, *args, **kwargs):
+        raise CompileWanted(
+            f"Triton would autotune {getattr(getattr(self, 'base_fn', None), '__name__', 'a kernel')}"
+        )
+
+    knobs.runtime.jit_cache_hook, Autotuner._bench = cache_hook, no_bench
+    try:
+        yield
+    finally:
+        knobs.runtime.jit_cache_hook, Autotuner._bench = previous, bench
