@@ -327,8 +327,10 @@ class CudaModelRunner(ModelRunner):
         # Captured straight away where nothing in it would compile (the earlier graphs and the warm-up's
         # module path met its kernels' variants): the eager run before a capture was ~40% of each one's
         # 0.2-0.4 s, at ~150 prefill graphs a full-size start-up. Not fresh prompts whose attention takes
-        # a cuDNN plan (a new shape builds one, never tried inside a capture).
-        if self.device.type == "cuda" and (continuing or not cudnn_length(t)):
+        # a cuDNN plan (a new shape builds one, never tried inside a capture); not the pool's first graph
+        # (a capture dropped while no other graph holds the pool frees the pool: PyTorch then refuses it).
+        live = self.prompt_graphs or self.chunk_graphs
+        if self.device.type == "cuda" and live and (continuing or not cudnn_length(t)):
             try:
                 with compiles.forbidden():
                     graphs[(b, t)] = self.graph_of(fn, pool=self._prompt_pool, warm=False)
