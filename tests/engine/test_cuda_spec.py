@@ -279,7 +279,11 @@ def test_fused_speculative_round_samples(checkpoints, variant):
     logprobs, _ = window_outputs(ref_llm, sampled)
     for i in range(len(PROMPTS[1]), len(sampled)):
         kept = filter_logits(logprobs[i - 1], params[1]) > float("-inf")
-        assert kept[sampled[i]], f"token {i - len(PROMPTS[1])} ({sampled[i]}) is not one the filter keeps"
+        gap = float(logprobs[i - 1].max() - logprobs[i - 1][sampled[i]])
+        assert kept[sampled[i]], (
+            f"token {i - len(PROMPTS[1])} ({sampled[i]}) is not one the filter keeps: {gap:.5f} nats below the"
+            f" most likely, {sum(kept)} kept"
+        )
     assert _all_pages_back(llm.runner)
 
 

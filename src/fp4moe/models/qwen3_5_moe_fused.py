@@ -279,8 +279,10 @@ class Qwen3_5MoeFused:
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared = moe.shared_down_proj(shared_act)
-            routed = moe_pairs(moe.experts.kernel_weights(), x, topk_ids, topk_w)
-            main.wait_stream(side)
+            try:
+                routed = moe_pairs(moe.experts.kernel_weights(), x, topk_ids, topk_w)
+            finally:  # joined also when the experts raise (a capture stopped for a compile ends cleanly)
+                main.wait_stream(side)
         return norm.moe_combine(h, routed, k, shared, rp, e + 2 * s_inter, next_w, a.eps)
 
     def side_stream(self, x: torch.Tensor):
