@@ -278,11 +278,15 @@ def test_fused_speculative_round_samples(checkpoints, variant):
     sampled = PROMPTS[1] + got[1]
     logprobs, _ = window_outputs(ref_llm, sampled)
     for i in range(len(PROMPTS[1]), len(sampled)):
-        kept = filter_logits(logprobs[i - 1], params[1]) > float("-inf")
+        # kept by the filter on the reference's logits, or a near tie at its edge: kept once the token's logit
+        # rises by compare's near-tie margin, 0.1 nats (the GPU's bf16 logits are not the CPU's: a token
+        # 0.211 nats below the top, against min-p 0.5's edge at 0.3 ln 2 = 0.208, was drawn on the H200)
+        raised = logprobs[i - 1].clone()
+        raised[sampled[i]] += 0.1
         gap = float(logprobs[i - 1].max() - logprobs[i - 1][sampled[i]])
-        assert kept[sampled[i]], (
+        assert filter_logits(raised, params[1])[sampled[i]] > float("-inf"), (
             f"token {i - len(PROMPTS[1])} ({sampled[i]}) is not one the filter keeps: {gap:.5f} nats below the"
-            f" most likely, {sum(kept)} kept"
+            " most likely"
         )
     assert _all_pages_back(llm.runner)
 
