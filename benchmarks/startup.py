@@ -5,6 +5,7 @@ shapes that cost them (cold: Triton compiles; warm cache: the runs themselves).
 
     python benchmarks/startup.py --out $OUT/startup          # cold Triton cache: set TRITON_CACHE_DIR empty
     python benchmarks/startup.py --record-autotune src/fp4moe/data   # this GPU's autotuning seeds
+    python benchmarks/startup.py --record-compiles src/fp4moe/data   # its Triton variants, compiled ahead
     py-spy record --format raw -o $OUT/startup.txt -- python benchmarks/startup.py   # where the host waits
 
 Prints the load time, the phases (``LLM.warmup_phases``) and the slowest calls; writes startup.json.
@@ -30,6 +31,14 @@ def main() -> int:
     )
     p.add_argument("--top", type=int, default=25, help="slowest calls to print")
     p.add_argument("--out", type=Path, default=None, help="folder for startup.json (default: none written)")
+    p.add_argument(
+        "--record-compiles",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="after the warm-up, write every Triton variant it compiled for this GPU there "
+        "(kernels.compile_seeds; commit it under src/fp4moe/data: later cold starts compile them in parallel)",
+    )
     p.add_argument(
         "--record-autotune",
         type=Path,
@@ -92,6 +101,20 @@ def main() -> int:
     print(f"{len(calls)} timed calls ({len(nested)} captures); slowest:")
     for name, sec in sorted(calls, key=lambda c: -c[1])[: args.top]:
         print(f"  {sec:7.2f} s  {name}")
+    job = llm.precompile
+    if job is not None and job.total:
+        print(f"precompiled {job.compiled} of {job.total} recorded Triton variants in {job.seconds:.1f} s")
+    if args.record_compiles:
+        import torch
+
+        from fp4moe.kernels import compile_seeds, compiles
+
+        device = torch.device("cuda")
+        data = compile_seeds.record(
+            torch.cuda.get_device_name(), compiles.specializations(), compile_seeds.cuda_target(device)
+        )
+        path = compile_seeds.write(data, args.record_compiles)
+        print(f"recorded {len(data['kernels'])} Triton variants to {path}")
     if args.record_autotune:
         import torch
 

@@ -118,6 +118,9 @@ class LLM:
             self.speculator = MTPSpeculator(self, k)
             self.speculator.disable_by_batch_size = max(0, int(config.speculative_disable_by_batch_size))
         self.eos_ids = self.prompts.eos_ids
+        # this GPU's recorded Triton variants compile in worker processes from here (``warmup`` waits for
+        # them; ``kernels.compile_seeds``): after the KV cache is sized, which reads the GPU's free memory
+        self.precompile = _start_precompile(self.device)
         self._warm_tokens = 0  # the step budget ``warmup`` ran for (0: not warmed up)
         self.warmup_phases: dict[str, float] = {}  # seconds by phase of the last ``warmup``
         self.warmup_steps = (0, 0)  # the last ``warmup``'s progress bar: (steps done, steps counted ahead)
@@ -294,6 +297,10 @@ class LLM:
             steps[0] += n
             bar.update(n)
 
+        phase("precompile")
+        if self.precompile is not None:
+            self.precompile.wait()
+        stamps.append(("precompile", time.perf_counter()))
         phase("module path")
         graphs, self.runner.use_prompt_graphs = self.runner.use_prompt_graphs, False
         try:
@@ -421,6 +428,19 @@ class LLM:
             text = self.apply_chat_template(conv, **template_kwargs)
             prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params)
+
+
+def _start_precompile(device: torch.device):
+    """``compile_seeds.start`` for a CUDA device where Triton is installed, else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    from fp4moe.kernels import compile_seeds
+
+    return compile_seeds.start(torch.cuda.get_device_name(device), compile_seeds.cuda_target(device))
 
 
 def _image_of(part: dict):

@@ -28,9 +28,35 @@ from pathlib import Path
 SEED_DIR = Path(__file__).resolve().parent.parent / "data"
 
 
+def gpu_file(kind: str, gpu_name: str, root: Path = SEED_DIR) -> Path:
+    """A GPU's seed file of a kind: ``<kind>-<name with non-alphanumerics as _>.json``."""
+    return root / f"{kind}-{re.sub(r'[^0-9A-Za-z]+', '_', gpu_name).strip('_')}.json"
+
+
 def seed_path(gpu_name: str, root: Path = SEED_DIR) -> Path:
-    """The seed file of a GPU: ``autotune-<name with non-alphanumerics as _>.json``."""
-    return root / f"autotune-{re.sub(r'[^0-9A-Za-z]+', '_', gpu_name).strip('_')}.json"
+    """The autotuning seed file of a GPU: ``autotune-<name>.json``."""
+    return gpu_file("autotune", gpu_name, root)
+
+
+def read_seed(path: Path, kind: str) -> dict | None:
+    """A seed file's content, None where there is none; a clear error where it is not JSON."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path} is not a valid {kind} seed file ({e}); remove it or record it again"
+        ) from None
+
+
+def write_whole(path: Path, data: dict, indent: int = 1) -> Path:
+    """``data`` as JSON at ``path``, written whole, then renamed (no half-written seed file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=indent, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def _versions(package: str) -> dict[str, str | None]:
@@ -100,16 +126,8 @@ def seed(gpu_name: str, package: str = "fla", root: Path = SEED_DIR) -> int:
     keys they have not tuned yet -> how many were seeded (0: no seed for this GPU, other versions, or
     nothing matched). An entry whose kernel is gone, or whose config is not one of the autotuner's own,
     is skipped: that key autotunes as it would have."""
-    path = seed_path(gpu_name, root)
-    if not path.is_file():
-        return 0
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"{path} is not a valid autotune seed file ({e}); remove it or record it again"
-        ) from None
-    if data.get("package") != package or data.get("versions") != _versions(package):
+    data = read_seed(seed_path(gpu_name, root), "autotune")
+    if data is None or data.get("package") != package or data.get("versions") != _versions(package):
         return 0
     seeded = 0
     for where, entries in data.get("kernels", {}).items():
@@ -134,9 +152,4 @@ def seed(gpu_name: str, package: str = "fla", root: Path = SEED_DIR) -> int:
 
 def write(data: dict, root: Path) -> Path:
     """``record``'s result to its seed file under ``root`` (written whole, then renamed)."""
-    path = seed_path(data["gpu"], root)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    tmp.replace(path)
-    return path
+    return write_whole(seed_path(data["gpu"], root), data)

@@ -20,6 +20,7 @@ _counts: collections.Counter[str] = collections.Counter()
 _lock = threading.Lock()
 _installed = False
 _mark: dict[str, int] | None = None
+_specs: list[tuple[str, str, str]] = []  # (module, qualified name, Triton's specialization data) per compile
 
 
 def watch() -> bool:
@@ -35,9 +36,13 @@ def watch() -> bool:
         previous = knobs.runtime.jit_post_compile_hook
 
         def hook(*args, **kwargs):
-            name = getattr(kwargs.get("fn"), "name", None) or "unknown"
+            info = kwargs.get("fn")
+            name = getattr(info, "name", None) or "unknown"
+            spec = (kwargs.get("compile") or {}).get("specialization_data")
             with _lock:
                 _counts[name] += 1
+                if spec is not None and isinstance(getattr(info, "module", None), str):
+                    _specs.append((info.module, name, spec))
                 marked = _mark is not None
             if marked:
                 logging.getLogger("fp4moe").warning(
@@ -50,6 +55,13 @@ def watch() -> bool:
         knobs.runtime.jit_post_compile_hook = hook
         _installed = True
     return True
+
+
+def specializations() -> list[tuple[str, str, str]]:
+    """Every variant compiled (or loaded from the disk cache) since ``watch()``: (the kernel's module, its
+    qualified name, Triton's specialization data) -- what ``kernels.compile_seeds`` records."""
+    with _lock:
+        return list(_specs)
 
 
 def count() -> dict[str, int]:

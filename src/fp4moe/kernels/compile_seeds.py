@@ -1,0 +1,215 @@
+"""Triton kernel variants recorded once per GPU and compiled in parallel at start-up, so a cold start's
+warm-up finds them in Triton's disk cache instead of compiling them one after another.
+
+A cold full-size start-up on the H200 spent 48-58 s of its ~93 s warm-up in Triton's compiler (the module
+path, BENCHMARKS.md "Start-up"), one kernel variant at a time on one core of sixteen; a warm cache took
+12-15 s for the same phase. Triton names every variant it compiles by its specialization (signature,
+constexprs, alignment attributes, options: ``specialization_data``, what its own ``JITFunction.preload``
+takes). ``kernels.compiles.watch`` keeps them as the warm-up compiles; ``record`` writes them with the GPU's
+compile target (``benchmarks/startup.py --record-compiles``); ``Precompile`` compiles them in worker
+processes from the end of the engine's construction -- each worker calls ``triton.compile`` exactly as the JIT would for that
+specialization (the same source, target and options: the same cache key), so the JIT's own compile later is
+a disk-cache hit. Nothing depends on it being right: a variant the code no longer asks for is a compile
+wasted, one it asks for anew compiles as before, an entry that no longer compiles (a kernel renamed) is
+skipped. Used only for the recorded GPU's target and Triton version. A cache-warming idea Triton supports
+(``jit_cache_hook`` / ``preload``), spread over processes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+from importlib import metadata
+from pathlib import Path
+
+from fp4moe.kernels.autotune_seeds import SEED_DIR, gpu_file, read_seed, write_whole
+
+
+def seed_path(gpu_name: str, root: Path = SEED_DIR) -> Path:
+    """The compile seed file of a GPU: ``compiles-<name with non-alphanumerics as _>.json``."""
+    return gpu_file("compiles", gpu_name, root)
+
+
+def _triton_version() -> str | None:
+    try:
+        return metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def jit_function(module: str, name: str):
+    """The ``triton.jit`` function bound as ``name`` (a qualified name) in ``module``, unwrapped from the
+    autotuners and heuristics around it; None where there is none (a kernel made inside a function)."""
+    from triton.runtime.jit import JITFunction
+
+    try:
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except Exception:  # noqa: BLE001 -- gone, renamed, or a module that no longer imports: not found
+        return None
+    for _ in range(4):
+        if isinstance(obj, JITFunction):
+            return obj
+        obj = getattr(obj, "fn", None)
+    return None
+
+
+def cuda_target(device) -> tuple[str, int, int]:
+    """Triton's compile target for a CUDA device: (backend, arch as major * 10 + minor, warp size)."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return ("cuda", major * 10 + minor, 32)
+
+
+def record(gpu_name: str, specializations: list[tuple[str, str, str]], target: tuple[str, int, int]) -> dict:
+    """The seed file's content: the compiled variants (module, qualified name, Triton's specialization data,
+    from ``compiles.specializations()``) that a fresh process can find again, with the GPU, its compile
+    target (backend, arch, warp size) and Triton's version."""
+    seen, kernels = set(), []
+    for module, name, spec in specializations:
+        if (module, name, spec) not in seen and jit_function(module, name) is not None:
+            seen.add((module, name, spec))
+            kernels.append({"module": module, "name": name, "spec": spec})
+    kernels.sort(key=lambda k: (k["module"], k["name"], k["spec"]))
+    return {"gpu": gpu_name, "triton": _triton_version(), "target": list(target), "kernels": kernels}
+
+
+def write(data: dict, root: Path) -> Path:
+    """``record``'s result to its seed file under ``root`` (written whole, then renamed)."""
+    return write_whole(seed_path(data["gpu"], root), data, indent=0)
+
+
+def load(gpu_name: str, target: tuple[str, int, int], root: Path = SEED_DIR) -> list[dict]:
+    """The recorded variants for ``gpu_name`` where they hold (the same compile target and Triton version),
+    else []."""
+    data = read_seed(seed_path(gpu_name, root), "compile")
+    if (
+        data is None
+        or data.get("triton") != _triton_version()
+        or tuple(data.get("target", ())) != tuple(target)
+    ):
+        return []
+    return list(data.get("kernels", []))
+
+
+def compile_entry(entry: dict, target: tuple[str, int, int]) -> bool:
+    """Compile one recorded variant for ``target`` into Triton's disk cache, as the JIT (``preload``)
+    would -> whether it compiled (False: the kernel is gone or no longer takes that specialization)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import convert_to_tuple_if_list
+
+    fn = jit_function(entry["module"], entry["name"])
+    if fn is None:
+        return False
+
+    def constexpr(value):
+        if tl.dtype.is_dtype(value):
+            return tl.dtype(value)
+        if isinstance(value, dict) and "constexpr" in value:
+            return tl.constexpr(value["constexpr"])
+        return value
+
+    try:
+        d = json.loads(entry["spec"])
+        if d.get("name") != fn._fn_name:
+            return False
+        consts = {tuple(k): constexpr(v) for k, v in zip(d["constant_keys"], d["constant_vals"], strict=True)}
+        attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"], strict=True)}
+        signature = {k: convert_to_tuple_if_list(v) for k, v in d["signature"].items()}
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items()}
+        triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget(*target), options=options)
+    except Exception:  # noqa: BLE001 -- a stale entry: the JIT compiles what it needs itself
+        return False
+    return True
+
+
+class Precompile:
+    """The recorded variants compiling in ``workers`` processes from now on; ``wait`` blocks until they are
+    in the disk cache. Plain subprocesses (``python -m fp4moe.kernels.compile_seeds``), not
+    multiprocessing's: the server's engine runs in a daemonic process, which multiprocessing lets have no
+    children. They see the GPU as the engine does (compiling needs none, the target is given, but
+    flash-linear-attention reads the device at import and its kernels' cache keys take in what it found)
+    and allocate nothing on it; the engine starts them after sizing its KV cache by the free memory. Stopped
+    at exit. A no-op with no entries."""
+
+    def __init__(self, entries: list[dict], target: tuple[str, int, int], workers: int | None = None):
+        import subprocess
+        import sys
+        import tempfile
+
+        self.total, self.compiled, self.seconds = len(entries), 0, 0.0
+        self._start = time.perf_counter()
+        self._procs: list = []
+        if not entries:
+            return
+        workers = max(1, min(workers or (os.cpu_count() or 2) - 1, len(entries)))
+        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="fp4moe-compiles-", delete=False) as f:
+            json.dump({"target": list(target), "kernels": entries}, f)
+        self._file = f.name
+        env = {**os.environ, "TRITON_INTERPRET": "0"}
+        cmd = [sys.executable, "-m", "fp4moe.kernels.compile_seeds", self._file, str(workers)]
+        self._procs = [
+            subprocess.Popen(
+                [*cmd, str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+            for i in range(workers)
+        ]
+        import atexit
+
+        atexit.register(self.cancel)
+
+    def wait(self) -> Precompile:
+        """Until every variant has compiled (or failed); the workers are then gone. Idempotent."""
+        if self._procs:
+            for p in self._procs:
+                out, _ = p.communicate()
+                last = (out.strip().splitlines() or ["0"])[-1]  # (imports may print before the count)
+                self.compiled += int(last) if p.returncode == 0 and last.isdigit() else 0
+            self._procs = []
+            self.seconds = time.perf_counter() - self._start
+            Path(self._file).unlink(missing_ok=True)
+        return self
+
+    def cancel(self) -> None:
+        """Stop the workers now (the JIT compiles what it meets itself)."""
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        if self._procs:
+            Path(self._file).unlink(missing_ok=True)
+        self._procs = []
+
+
+def _worker(path: str, workers: int, index: int) -> int:
+    """Compile the ``index``-th of ``workers`` shares of the variants in ``path`` -> how many compiled."""
+    data = json.loads(Path(path).read_text())
+    target = tuple(data["target"])
+    return sum(compile_entry(e, target) for e in data["kernels"][index::workers])
+
+
+_started: dict[tuple, Precompile] = {}
+
+
+def start(gpu_name: str, target: tuple[str, int, int], root: Path = SEED_DIR) -> Precompile:
+    """``Precompile`` of the recorded variants for this GPU (none recorded: a no-op), once per process: a
+    second engine in the process gets the first one's (done or under way). ``FP4MOE_PRECOMPILE=0`` turns
+    it off."""
+    key = (gpu_name, tuple(target), str(root))
+    if key not in _started:
+        off = os.environ.get("FP4MOE_PRECOMPILE", "1") == "0"
+        _started[key] = Precompile([] if off else load(gpu_name, target, root), target)
+    return _started[key]
+
+
+if __name__ == "__main__":  # a ``Precompile`` worker: FILE WORKERS INDEX
+    import sys
+
+    print(_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))

@@ -1,0 +1,72 @@
+"""Compile seeds (``kernels.compile_seeds``): recorded Triton variants compile in worker processes into the
+disk cache, so the JIT's own compile of the same variant is a cache hit. On the CPU: Triton compiles for
+the H200 (sm90) without a GPU, in a subprocess without the interpreter (the test session runs kernels under
+it, which replaces every jitted function)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import json, pathlib, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+from triton.runtime.jit import serialize_specialization_data
+from fp4moe.kernels import compile_seeds, moe_routing
+
+root, cache = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+target = ("cuda", 90, 32)
+fn = moe_routing._align_kernel
+consts = {(fn.arg_names.index(n),): v for n, v in dict(E=256, BM=16, TKP=8, PDL=True).items()}
+signature = {n: "constexpr" if (i,) in consts else ("i32" if n == "TK" else "*i32") for i, n in enumerate(fn.arg_names)}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if (i,) not in consts and n != "TK"}
+options = CUDABackend(GPUTarget(*target)).parse_options(dict(num_warps=8))
+# what Triton's post-compile hook hands ``compiles.watch``: the JIT's own serialization
+spec = serialize_specialization_data(fn._fn_name, signature, consts, attrs, options, "key")
+module = "fp4moe.kernels.moe_routing"
+data = compile_seeds.record("Test GPU 1", [(module, "_align_kernel", spec), (module, "_gone", spec),
+                                           (module, "_align_kernel", spec)], target)
+path = compile_seeds.write(data, root)
+entries = compile_seeds.load("Test GPU 1", target, root)
+other = compile_seeds.load("Test GPU 1", ("cuda", 100, 32), root)
+stale = {"module": module, "name": "_gone", "spec": spec}
+job = compile_seeds.Precompile(entries + [stale], target, workers=2).wait()
+before = sorted(str(p) for p in cache.rglob("*"))
+k = triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget(*target), options=dict(num_warps=8))
+after = sorted(str(p) for p in cache.rglob("*"))
+print(json.dumps(dict(file=path.name, recorded=len(data["kernels"]), loaded=len(entries), other=len(other),
+                      compiled=job.compiled, total=job.total, cubins=sum(p.endswith(".cubin") for p in before),
+                      hit=before == after, ok=bool(k.asm["cubin"]))))
+"""
+
+
+def test_recorded_variants_compile_in_workers_into_the_cache_the_jit_reads(tmp_path):
+    cache = tmp_path / "triton-cache"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache)
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "seeds"), str(cache)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["file"] == "compiles-Test_GPU_1.json"
+    assert got["recorded"] == got["loaded"] == 1  # duplicates and kernels not found are left out
+    assert got["other"] == 0  # another compile target: not used
+    assert (got["compiled"], got["total"]) == (1, 2)  # the stale entry failed quietly
+    assert got["cubins"] >= 1 and got["ok"]
+    assert got[
+        "hit"
+    ]  # compiling the same variant here wrote nothing new: the workers' entry is the JIT's key
