@@ -153,7 +153,7 @@ class Precompile:
         with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="fp4moe-compiles-", delete=False) as f:
             json.dump({"target": list(target), "kernels": entries}, f)
         self._file = f.name
-        env = {**os.environ, "TRITON_INTERPRET": "0"}
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the engine's environment
         cmd = [sys.executable, "-m", "fp4moe.kernels.compile_seeds", self._file, str(workers)]
         self._procs = [
             subprocess.Popen(
