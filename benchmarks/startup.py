@@ -103,7 +103,10 @@ def main() -> int:
         print(f"  {sec:7.2f} s  {name}")
     job = llm.precompile
     if job is not None and job.total:
-        print(f"precompiled {job.compiled} of {job.total} recorded Triton variants in {job.seconds:.1f} s")
+        print(
+            f"precompiled {job.compiled} of {job.total} recorded Triton variants in {job.seconds:.1f} s "
+            "(beside the load, which waited for them)"
+        )
     if args.record_compiles:
         import torch
 

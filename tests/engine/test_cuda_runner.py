@@ -438,7 +438,6 @@ def test_no_kernel_is_compiled_after_the_warm_up(checkpoints):
     )
     took = llm.warmup(256)
     phases = (
-        "precompile",
         "module path",
         "prompts through graphs",
         "decode batches",

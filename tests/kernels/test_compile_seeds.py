@@ -70,3 +70,15 @@ def test_recorded_variants_compile_in_workers_into_the_cache_the_jit_reads(tmp_p
     assert got[
         "hit"
     ]  # compiling the same variant here wrote nothing new: the workers' entry is the JIT's key
+
+
+def test_a_cancelled_precompile_leaves_no_worker_and_no_file():
+    from fp4moe.kernels import compile_seeds
+
+    entries = [{"module": "fp4moe.kernels.moe_routing", "name": "_gone", "spec": "{}"}] * 4
+    job = compile_seeds.Precompile(entries, ("cuda", 90, 32), workers=2)
+    procs, path = list(job._procs), job._file
+    assert len(procs) == 2 and os.path.exists(path)
+    job.cancel()
+    assert all(p.poll() is not None for p in procs) and not os.path.exists(path)
+    assert job.wait().compiled == 0  # nothing left to wait for

@@ -59,13 +59,21 @@ class LLM:
         self.limit_images = int((config.limit_mm_per_prompt or {}).get("image", 4))
         self._vision = None
         self.load_format = config.load_format
-        self.model, self.config = load_model(
-            model,
-            dtype=config.dtype,
-            device=self.device,
-            hf_overrides=config.hf_overrides,
-            load_format=config.load_format,
-        )
+        # this GPU's recorded Triton variants compile in worker processes while the model loads
+        # (``kernels.compile_seeds``); they are done before the KV cache is sized by the GPU's free memory
+        self.precompile = _start_precompile(self.device)
+        try:
+            self.model, self.config = load_model(
+                model,
+                dtype=config.dtype,
+                device=self.device,
+                hf_overrides=config.hf_overrides,
+                load_format=config.load_format,
+            )
+        except BaseException:
+            if self.precompile is not None:
+                self.precompile.cancel()
+            raise
         args = self.model.args
         rope = args.rope
         limit = args.max_position_embeddings
@@ -100,6 +108,8 @@ class LLM:
         image_token = int(image_token) if image_token is not None else None
         # paged caches, fused decode kernels, CUDA graphs; the kernels are bf16 (an fp32 model on the GPU,
         # a debugging/parity mode, runs the module path)
+        if self.precompile is not None:
+            self.precompile.wait()
         if self.device.type == "cuda" and self.model.embed_tokens.dtype == torch.bfloat16:
             from fp4moe.engine.cuda_runner import CudaModelRunner
 
@@ -118,9 +128,6 @@ class LLM:
             self.speculator = MTPSpeculator(self, k)
             self.speculator.disable_by_batch_size = max(0, int(config.speculative_disable_by_batch_size))
         self.eos_ids = self.prompts.eos_ids
-        # this GPU's recorded Triton variants compile in worker processes from here (``warmup`` waits for
-        # them; ``kernels.compile_seeds``): after the KV cache is sized, which reads the GPU's free memory
-        self.precompile = _start_precompile(self.device)
         self._warm_tokens = 0  # the step budget ``warmup`` ran for (0: not warmed up)
         self.warmup_phases: dict[str, float] = {}  # seconds by phase of the last ``warmup``
         self.warmup_steps = (0, 0)  # the last ``warmup``'s progress bar: (steps done, steps counted ahead)
@@ -297,10 +304,6 @@ class LLM:
             steps[0] += n
             bar.update(n)
 
-        phase("precompile")
-        if self.precompile is not None:
-            self.precompile.wait()
-        stamps.append(("precompile", time.perf_counter()))
         phase("module path")
         graphs, self.runner.use_prompt_graphs = self.runner.use_prompt_graphs, False
         try:

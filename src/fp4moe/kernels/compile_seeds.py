@@ -7,7 +7,7 @@ path, BENCHMARKS.md "Start-up"), one kernel variant at a time on one core of six
 constexprs, alignment attributes, options: ``specialization_data``, what its own ``JITFunction.preload``
 takes). ``kernels.compiles.watch`` keeps them as the warm-up compiles; ``record`` writes them with the GPU's
 compile target (``benchmarks/startup.py --record-compiles``); ``Precompile`` compiles them in worker
-processes from the end of the engine's construction -- each worker calls ``triton.compile`` exactly as the JIT would for that
+processes while the model loads -- each worker calls ``triton.compile`` exactly as the JIT would for that
 specialization (the same source, target and options: the same cache key), so the JIT's own compile later is
 a disk-cache hit. Nothing depends on it being right: a variant the code no longer asks for is a compile
 wasted, one it asks for anew compiles as before, an entry that no longer compiles (a kernel renamed) is
@@ -136,8 +136,9 @@ class Precompile:
     multiprocessing's: the server's engine runs in a daemonic process, which multiprocessing lets have no
     children. They see the GPU as the engine does (compiling needs none, the target is given, but
     flash-linear-attention reads the device at import and its kernels' cache keys take in what it found)
-    and allocate nothing on it; the engine starts them after sizing its KV cache by the free memory. Stopped
-    at exit. A no-op with no entries."""
+    and allocate nothing on it; the engine starts them as it begins loading the model and waits for them
+    before it sizes its KV cache by the GPU's free memory (a CUDA context a worker may have made is gone
+    by then). Stopped at exit. A no-op with no entries."""
 
     def __init__(self, entries: list[dict], target: tuple[str, int, int], workers: int | None = None):
         import subprocess
