@@ -82,3 +82,7 @@ def test_a_cancelled_precompile_leaves_no_worker_and_no_file():
     job.cancel()
     assert all(p.poll() is not None for p in procs) and not os.path.exists(path)
     assert job.wait().compiled == 0  # nothing left to wait for
+    late = compile_seeds.Precompile(entries, ("cuda", 90, 32), workers=2)
+    procs = list(late._procs)
+    assert late.wait(timeout=0).compiled == 0  # out of time at once: the workers stopped, not awaited
+    assert all(p.poll() is not None for p in procs) and not os.path.exists(late._file)

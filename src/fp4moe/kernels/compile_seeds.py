@@ -166,16 +166,21 @@ class Precompile:
 
         atexit.register(self.cancel)
 
-    def wait(self) -> Precompile:
-        """Until every variant has compiled (or failed); the workers are then gone. Idempotent."""
+    def wait(self, timeout: float = 600.0) -> Precompile:
+        """Until every variant has compiled (or failed), ``timeout`` seconds from the start at most (then the
+        rest is dropped: the JIT compiles what it meets itself); the workers are then gone. Idempotent."""
+        import subprocess
+
         if self._procs:
             for p in self._procs:
-                out, _ = p.communicate()
+                try:
+                    out, _ = p.communicate(timeout=max(0.0, self._start + timeout - time.perf_counter()))
+                except subprocess.TimeoutExpired:
+                    break
                 last = (out.strip().splitlines() or ["0"])[-1]  # (imports may print before the count)
                 self.compiled += int(last) if p.returncode == 0 and last.isdigit() else 0
-            self._procs = []
+            self.cancel()
             self.seconds = time.perf_counter() - self._start
-            Path(self._file).unlink(missing_ok=True)
         return self
 
     def cancel(self) -> None:
