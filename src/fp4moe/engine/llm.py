@@ -435,11 +435,9 @@ class LLM:
 
 def _start_precompile(device: torch.device):
     """``compile_seeds.start`` for a CUDA device where Triton is installed, else None."""
-    if device.type != "cuda":
-        return None
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    from fp4moe.kernels import HAVE_TRITON
+
+    if device.type != "cuda" or not HAVE_TRITON:
         return None
     from fp4moe.kernels import compile_seeds
 

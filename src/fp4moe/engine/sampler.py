@@ -230,9 +230,8 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tens
     return tokens
 
 
-_noise_generators = (
-    threading.local()
-)  # per thread: a server's engine thread and an offline LLM never share one
+# per thread: a server's engine thread and an offline LLM never share one
+_noise_generators = threading.local()
 
 
 def _noise_generator(device: torch.device) -> torch.Generator:

@@ -59,14 +59,18 @@ def write_whole(path: Path, data: dict, indent: int = 1) -> Path:
     return path
 
 
+def triton_version() -> str | None:
+    """The installed Triton's version (None: not installed)."""
+    try:
+        return metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _versions(package: str) -> dict[str, str | None]:
     """Triton's and ``package``'s versions (its ``__version__``: fla's distribution is named fla-core)."""
-    try:
-        triton = metadata.version("triton")
-    except metadata.PackageNotFoundError:
-        triton = None
     mod = sys.modules.get(package)
-    return {"triton": triton, package: getattr(mod, "__version__", None)}
+    return {"triton": triton_version(), package: getattr(mod, "__version__", None)}
 
 
 def _autotuners(prefix: str):

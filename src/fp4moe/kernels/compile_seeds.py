@@ -21,22 +21,14 @@ import importlib
 import json
 import os
 import time
-from importlib import metadata
 from pathlib import Path
 
-from fp4moe.kernels.autotune_seeds import SEED_DIR, gpu_file, read_seed, write_whole
+from fp4moe.kernels.autotune_seeds import SEED_DIR, gpu_file, read_seed, triton_version, write_whole
 
 
 def seed_path(gpu_name: str, root: Path = SEED_DIR) -> Path:
     """The compile seed file of a GPU: ``compiles-<name with non-alphanumerics as _>.json``."""
     return gpu_file("compiles", gpu_name, root)
-
-
-def _triton_version() -> str | None:
-    try:
-        return metadata.version("triton")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def jit_function(module: str, name: str):
@@ -75,7 +67,7 @@ def record(gpu_name: str, specializations: list[tuple[str, str, str]], target: t
             seen.add((module, name, spec))
             kernels.append({"module": module, "name": name, "spec": spec})
     kernels.sort(key=lambda k: (k["module"], k["name"], k["spec"]))
-    return {"gpu": gpu_name, "triton": _triton_version(), "target": list(target), "kernels": kernels}
+    return {"gpu": gpu_name, "triton": triton_version(), "target": list(target), "kernels": kernels}
 
 
 def write(data: dict, root: Path) -> Path:
@@ -89,7 +81,7 @@ def load(gpu_name: str, target: tuple[str, int, int], root: Path = SEED_DIR) -> 
     data = read_seed(seed_path(gpu_name, root), "compile")
     if (
         data is None
-        or data.get("triton") != _triton_version()
+        or data.get("triton") != triton_version()
         or tuple(data.get("target", ())) != tuple(target)
     ):
         return []
