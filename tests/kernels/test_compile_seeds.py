@@ -86,3 +86,42 @@ def test_a_cancelled_precompile_leaves_no_worker_and_no_file():
     procs = list(late._procs)
     assert late.wait(timeout=0).compiled == 0  # out of time at once: the workers stopped, not awaited
     assert all(p.poll() is not None for p in procs) and not os.path.exists(late._file)
+
+
+SETTLE = r"""
+import importlib, json, sys
+for name in sys.argv[1:]:  # this process's import order
+    importlib.import_module(name)
+from fp4moe.kernels import compile_seeds, nvfp4_gemm, nvfp4_moe_prefill
+n = compile_seeds.settle_cache_keys()
+fns = [nvfp4_gemm._w4a16_kernel, nvfp4_moe_prefill._prefill_kernel]
+print(json.dumps(dict(n=n, keys=[f.cache_key for f in fns],
+                      globals=[sorted(name for name, _ in f.used_global_vals) for f in fns])))
+"""
+
+
+def test_settled_cache_keys_are_the_same_in_every_process():
+    """Triton folds a helper's constexpr globals into a caller's key only where the helper was hashed
+    first, so a kernel's key (and its disk-cache entry) depended on which kernels a process launched
+    first; settled, callees before callers, they agree across import orders and hash seeds and take in
+    every helper's globals (the dequantizing PTX string that ``_w4a16_kernel`` reaches through
+    ``dequant_asm``)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    runs = []
+    for seed, order in (
+        ("1", ["fp4moe.kernels.nvfp4_gemm"]),
+        ("2", ["fp4moe.kernels.attention", "fp4moe.kernels.nvfp4_moe_prefill"]),
+    ):
+        run = subprocess.run(
+            [sys.executable, "-c", SETTLE, *order],
+            env={**env, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    a, b = runs
+    assert a["n"] == b["n"] > 20
+    assert a["keys"] == b["keys"]
+    assert all("E2M1_BOTH" in names for names in a["globals"])

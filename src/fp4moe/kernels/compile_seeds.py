@@ -42,10 +42,77 @@ def jit_function(module: str, name: str):
             obj = getattr(obj, part)
     except Exception:  # noqa: BLE001 -- gone, renamed, or a module that no longer imports: not found
         return None
+    return obj if isinstance(obj, JITFunction) else _unwrapped(obj)
+
+
+def _callees(fn) -> list:
+    """The ``triton.jit`` functions ``fn``'s body names (``name`` or ``module.name``), as Triton's own
+    dependency walk finds them."""
+    import ast
+    import types
+
+    from triton.runtime.jit import JITCallable
+
+    found = []
+    for node in ast.walk(fn.parse()):
+        obj = None
+        if isinstance(node, ast.Name):
+            obj = fn.__globals__.get(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            base = fn.__globals__.get(node.value.id)
+            obj = getattr(base, node.attr, None) if isinstance(base, types.ModuleType) else None
+        if isinstance(obj, JITCallable) and obj is not fn:
+            found.append(obj)
+    return found
+
+
+def settle_cache_keys(package: str = "fp4moe.kernels") -> int:
+    """Compute the cache key of every ``triton.jit`` function in ``package``'s modules, callees before
+    callers -> how many. Triton 3.6 hashes a kernel the first time it is launched, and folds in the
+    constexpr globals of the helpers it calls only where a helper was already hashed (``_update_hash``
+    reads the callee's globals before it asks for its key): the same kernel gets a different key, so
+    misses the disk cache, depending on which kernels a process launched first (the precompile workers'
+    ``_w4a16_kernel`` and ``_prefill_kernel`` missed the engine's until this). Settling the keys in one
+    order before anything launches gives every process the same keys. A key already computed stays."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITCallable
+
+    roots = []
+    for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
+        try:
+            module = importlib.import_module(f"{package}.{info.name}")
+        except Exception:  # noqa: BLE001 -- a module that does not import here launches nothing either
+            continue
+        roots += [v if isinstance(v, JITCallable) else _unwrapped(v) for v in vars(module).values()]
+    done: set[int] = set()
+
+    def visit(fn) -> None:
+        if id(fn) in done:
+            return
+        done.add(id(fn))
+        for callee in _callees(fn):
+            visit(callee)
+        fn.cache_key  # noqa: B018 -- computed (and kept) now, after its callees'
+
+    for fn in roots:
+        if fn is not None:
+            visit(fn)
+    return len(done)
+
+
+def _unwrapped(obj):
+    """The ``triton.jit`` function inside autotuners and heuristics, else None."""
+    from triton.runtime.jit import JITFunction
+
     for _ in range(4):
+        try:
+            obj = getattr(obj, "fn", None)
+        except Exception:  # noqa: BLE001 -- an object whose attributes are computed: no kernel
+            return None
         if isinstance(obj, JITFunction):
             return obj
-        obj = getattr(obj, "fn", None)
     return None
 
 
@@ -63,7 +130,8 @@ def record(gpu_name: str, specializations: list[tuple[str, str, str]], target: t
     target (backend, arch, warp size) and Triton's version."""
     seen, kernels = set(), []
     for module, name, spec in specializations:
-        if (module, name, spec) not in seen and jit_function(module, name) is not None:
+        fn = jit_function(module, name)
+        if (module, name, spec) not in seen and fn is not None and not fn.is_gluon():
             seen.add((module, name, spec))
             kernels.append({"module": module, "name": name, "spec": spec})
     kernels.sort(key=lambda k: (k["module"], k["name"], k["spec"]))
@@ -98,7 +166,7 @@ def compile_entry(entry: dict, target: tuple[str, int, int]) -> bool:
     from triton.runtime.jit import convert_to_tuple_if_list
 
     fn = jit_function(entry["module"], entry["name"])
-    if fn is None:
+    if fn is None or fn.is_gluon():
         return False
 
     def constexpr(value):
@@ -190,6 +258,7 @@ def _worker(path: str, workers: int, index: int) -> int:
     """Compile the ``index``-th of ``workers`` shares of the variants in ``path`` -> how many compiled."""
     data = json.loads(Path(path).read_text())
     target = tuple(data["target"])
+    settle_cache_keys()  # as the engine did before it launched anything: the same keys
     return sum(compile_entry(e, target) for e in data["kernels"][index::workers])
 
 
@@ -202,6 +271,7 @@ def start(gpu_name: str, target: tuple[str, int, int], root: Path = SEED_DIR) ->
     it off."""
     key = (gpu_name, tuple(target), str(root))
     if key not in _started:
+        settle_cache_keys()  # before anything launches, as the workers do
         off = os.environ.get("FP4MOE_PRECOMPILE", "1") == "0"
         _started[key] = Precompile([] if off else load(gpu_name, target, root), target)
     return _started[key]
