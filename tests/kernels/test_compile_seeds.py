@@ -77,7 +77,7 @@ def test_a_cancelled_precompile_leaves_no_worker_and_no_file():
 
     entries = [{"module": "fp4moe.kernels.moe_routing", "name": "_gone", "spec": "{}"}] * 4
     job = compile_seeds.Precompile(entries, ("cuda", 90, 32), workers=2)
-    procs, path = list(job._procs), job._file
+    procs, path = list(job._procs), job._dir
     assert len(procs) == 2 and os.path.exists(path)
     job.cancel()
     assert all(p.poll() is not None for p in procs) and not os.path.exists(path)
@@ -85,7 +85,21 @@ def test_a_cancelled_precompile_leaves_no_worker_and_no_file():
     late = compile_seeds.Precompile(entries, ("cuda", 90, 32), workers=2)
     procs = list(late._procs)
     assert late.wait(timeout=0).compiled == 0  # out of time at once: the workers stopped, not awaited
-    assert all(p.poll() is not None for p in procs) and not os.path.exists(late._file)
+    assert all(p.poll() is not None for p in procs) and not os.path.exists(late._dir)
+
+
+def test_workers_claim_each_variant_once(tmp_path):
+    """A worker takes every variant no other worker has claimed (so one that drew cheap ones takes on more);
+    a worker that finds them all claimed compiles nothing."""
+    from fp4moe.kernels import compile_seeds
+
+    entries = [{"module": "fp4moe.kernels.moe_routing", "name": "_gone", "spec": "{}"}] * 5
+    (tmp_path / "entries.json").write_text(json.dumps({"target": ["cuda", 90, 32], "kernels": entries}))
+    assert compile_seeds._worker(str(tmp_path), 2, 1) == 0  # stale entries: claimed, none compiles
+    claims = sorted(p.name for p in tmp_path.glob("claim-*"))
+    assert claims == [f"claim-{i}" for i in range(5)]
+    assert compile_seeds._worker(str(tmp_path), 2, 0) == 0
+    assert sorted(p.name for p in tmp_path.glob("claim-*")) == claims
 
 
 SETTLE = r"""
@@ -125,3 +139,53 @@ def test_settled_cache_keys_are_the_same_in_every_process():
     assert a["n"] == b["n"] > 20
     assert a["keys"] == b["keys"]
     assert all("E2M1_BOTH" in names for names in a["globals"])
+
+
+GLUON = r"""
+import json, pathlib, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import convert_to_tuple_if_list
+from fp4moe.kernels import compile_seeds
+
+cache = pathlib.Path(sys.argv[1])
+compile_seeds.settle_cache_keys()  # as the engine does before anything launches (compile_seeds.start)
+entries = compile_seeds.load("NVIDIA H200", ("cuda", 90, 32))  # the committed seed file
+entry = next(e for e in entries if e["name"] == "_mma_gemv_kernel")
+job = compile_seeds.Precompile([entry], ("cuda", 90, 32), workers=1).wait()
+before = sorted(str(p) for p in cache.rglob("*"))
+# what the JIT compiles for this specialization: Gluon's source class, the recorded signature and constants
+fn = compile_seeds.jit_function(entry["module"], entry["name"])
+d = json.loads(entry["spec"])
+consts = {tuple(k): triton.language.constexpr(v["constexpr"]) if isinstance(v, dict) else v
+          for k, v in zip(d["constant_keys"], d["constant_vals"])}
+attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"])}
+signature = {k: convert_to_tuple_if_list(v) for k, v in d["signature"].items()}
+options = {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items() if k != "extern_libs"}
+k = triton.compile(GluonASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+after = sorted(str(p) for p in cache.rglob("*"))
+print(json.dumps(dict(compiled=job.compiled, hit=before == after, ok=bool(k.asm["cubin"]))))
+"""
+
+
+def test_a_recorded_gluon_variant_compiles_in_a_worker():
+    """The tensor-core GEMV is a Gluon kernel: compiled through Triton's plain source class it fails (the 3
+    variants of 75 that did not precompile on the H200); through Gluon's, as the JIT does, one of the H200's
+    recorded variants compiles and the JIT's compile of it is then a cache hit."""
+    import tempfile
+
+    from fp4moe.kernels import compile_seeds
+
+    recorded = json.loads(compile_seeds.seed_path("NVIDIA H200").read_text())["triton"]
+    if recorded != compile_seeds.triton_version():
+        pytest.skip(f"the H200's seed file is for Triton {recorded}, not this one's")
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["TRITON_CACHE_DIR"] = tmp
+        run = subprocess.run(
+            [sys.executable, "-c", GLUON, tmp], env=env, capture_output=True, text=True, timeout=600
+        )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got == {"compiled": 1, "hit": True, "ok": True}

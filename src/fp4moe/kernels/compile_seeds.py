@@ -73,9 +73,15 @@ def settle_cache_keys(package: str = "fp4moe.kernels") -> int:
     reads the callee's globals before it asks for its key): the same kernel gets a different key, so
     misses the disk cache, depending on which kernels a process launched first (the precompile workers'
     ``_w4a16_kernel`` and ``_prefill_kernel`` missed the engine's until this). Settling the keys in one
-    order before anything launches gives every process the same keys. A key already computed stays."""
+    order before anything launches gives every process the same keys. A key already computed stays. None
+    under Triton's interpreter (its functions have no keys)."""
     import importlib
     import pkgutil
+
+    from fp4moe.kernels import INTERPRET
+
+    if INTERPRET:
+        return 0
 
     from triton.runtime.jit import JITCallable
 
@@ -98,7 +104,10 @@ def settle_cache_keys(package: str = "fp4moe.kernels") -> int:
 
     for fn in roots:
         if fn is not None:
-            visit(fn)
+            try:
+                visit(fn)
+            except Exception:  # noqa: BLE001 -- one Triton cannot hash here: it keys it at launch, as before
+                continue
     return len(done)
 
 
@@ -130,8 +139,7 @@ def record(gpu_name: str, specializations: list[tuple[str, str, str]], target: t
     target (backend, arch, warp size) and Triton's version."""
     seen, kernels = set(), []
     for module, name, spec in specializations:
-        fn = jit_function(module, name)
-        if (module, name, spec) not in seen and fn is not None and not fn.is_gluon():
+        if (module, name, spec) not in seen and jit_function(module, name) is not None:
             seen.add((module, name, spec))
             kernels.append({"module": module, "name": name, "spec": spec})
     kernels.sort(key=lambda k: (k["module"], k["name"], k["spec"]))
@@ -166,8 +174,11 @@ def compile_entry(entry: dict, target: tuple[str, int, int]) -> bool:
     from triton.runtime.jit import convert_to_tuple_if_list
 
     fn = jit_function(entry["module"], entry["name"])
-    if fn is None or fn.is_gluon():
+    if fn is None:
         return False
+    source = ASTSource
+    if fn.is_gluon():  # the JIT's source class for Gluon kernels (set on a kernel at its first launch)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
 
     def constexpr(value):
         if tl.dtype.is_dtype(value):
@@ -184,7 +195,9 @@ def compile_entry(entry: dict, target: tuple[str, int, int]) -> bool:
         attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"], strict=True)}
         signature = {k: convert_to_tuple_if_list(v) for k, v in d["signature"].items()}
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items()}
-        triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget(*target), options=options)
+        if not all(os.path.exists(path) for _, path in options.get("extern_libs") or ()):
+            options.pop("extern_libs")  # recorded on another install: the backend's own (keyed by content)
+        triton.compile(source(fn, signature, consts, attrs), target=GPUTarget(*target), options=options)
     except Exception:  # noqa: BLE001 -- a stale entry: the JIT compiles what it needs itself
         return False
     return True
@@ -198,7 +211,10 @@ class Precompile:
     flash-linear-attention reads the device at import and its kernels' cache keys take in what it found)
     and allocate nothing on it; the engine starts them as it begins loading the model and waits for them
     before it sizes its KV cache by the GPU's free memory (a CUDA context a worker may have made is gone
-    by then). Stopped at exit. A no-op with no entries."""
+    by then). The work is shared out as it goes: each worker claims the next unclaimed variant (a file
+    created exclusively in the job's folder), starting at its own place in the list, so a worker that drew
+    cheap variants takes on more (a fixed share each left the job waiting on the worker with the slowest).
+    Stopped at exit. A no-op with no entries."""
 
     def __init__(self, entries: list[dict], target: tuple[str, int, int], workers: int | None = None):
         import subprocess
@@ -211,11 +227,12 @@ class Precompile:
         if not entries:
             return
         workers = max(1, min(workers or (os.cpu_count() or 2) - 1, len(entries)))
-        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="fp4moe-compiles-", delete=False) as f:
-            json.dump({"target": list(target), "kernels": entries}, f)
-        self._file = f.name
+        self._dir = tempfile.mkdtemp(prefix="fp4moe-compiles-")
+        (Path(self._dir) / "entries.json").write_text(
+            json.dumps({"target": list(target), "kernels": entries})
+        )
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the engine's environment
-        cmd = [sys.executable, "-m", "fp4moe.kernels.compile_seeds", self._file, str(workers)]
+        cmd = [sys.executable, "-m", "fp4moe.kernels.compile_seeds", self._dir, str(workers)]
         self._procs = [
             subprocess.Popen(
                 [*cmd, str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
@@ -250,16 +267,27 @@ class Precompile:
                 p.kill()
             p.wait()
         if self._procs:
-            Path(self._file).unlink(missing_ok=True)
+            import shutil
+
+            shutil.rmtree(self._dir, ignore_errors=True)
         self._procs = []
 
 
-def _worker(path: str, workers: int, index: int) -> int:
-    """Compile the ``index``-th of ``workers`` shares of the variants in ``path`` -> how many compiled."""
-    data = json.loads(Path(path).read_text())
-    target = tuple(data["target"])
+def _worker(folder: str, workers: int, index: int) -> int:
+    """Worker ``index`` of ``workers``: compile the variants in ``folder``/entries.json that no other worker
+    has claimed, from the ``index``-th of ``workers`` equal places in the list on -> how many it compiled."""
+    data = json.loads((Path(folder) / "entries.json").read_text())
+    target, entries = tuple(data["target"]), data["kernels"]
     settle_cache_keys()  # as the engine did before it launched anything: the same keys
-    return sum(compile_entry(e, target) for e in data["kernels"][index::workers])
+    compiled, n = 0, len(entries)
+    for j in range(n):
+        i = (index * n // workers + j) % n
+        try:
+            os.close(os.open(Path(folder) / f"claim-{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue  # another worker has it
+        compiled += compile_entry(entries[i], target)
+    return compiled
 
 
 _started: dict[tuple, Precompile] = {}
@@ -277,7 +305,7 @@ def start(gpu_name: str, target: tuple[str, int, int], root: Path = SEED_DIR) ->
     return _started[key]
 
 
-if __name__ == "__main__":  # a ``Precompile`` worker: FILE WORKERS INDEX
+if __name__ == "__main__":  # a ``Precompile`` worker: FOLDER WORKERS INDEX
     import sys
 
     print(_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
