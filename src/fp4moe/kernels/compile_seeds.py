@@ -8,11 +8,12 @@ constexprs, alignment attributes, options: ``specialization_data``, what its own
 takes). ``kernels.compiles.watch`` keeps them as the warm-up compiles; ``record`` writes them with the GPU's
 compile target (``benchmarks/startup.py --record-compiles``); ``Precompile`` compiles them in worker
 processes while the model loads -- each worker calls ``triton.compile`` exactly as the JIT would for that
-specialization (the same source, target and options: the same cache key), so the JIT's own compile later is
-a disk-cache hit. Nothing depends on it being right: a variant the code no longer asks for is a compile
-wasted, one it asks for anew compiles as before, an entry that no longer compiles (a kernel renamed) is
-skipped. Used only for the recorded GPU's target and Triton version. A cache-warming idea Triton supports
-(``jit_cache_hook`` / ``preload``), spread over processes.
+specialization (the same source, target and options; the kernels' own keys settled the same way in every
+process, ``settle_cache_keys``: the same cache key), so the JIT's own compile later is a disk-cache hit
+(H200: 75 of 75 in 18 s beside the load, a cold start 136 -> 71 s). Nothing depends on it being right: a
+variant the code no longer asks for is a compile wasted, one it asks for anew compiles as before, an entry
+that no longer compiles (a kernel renamed) is skipped. Used only for the recorded GPU's target and Triton
+version. A cache-warming idea Triton supports (``jit_cache_hook`` / ``preload``), spread over processes.
 """
 
 from __future__ import annotations
@@ -299,9 +300,9 @@ def start(gpu_name: str, target: tuple[str, int, int], root: Path = SEED_DIR) ->
     it off."""
     key = (gpu_name, tuple(target), str(root))
     if key not in _started:
-        settle_cache_keys()  # before anything launches, as the workers do
         off = os.environ.get("FP4MOE_PRECOMPILE", "1") == "0"
         _started[key] = Precompile([] if off else load(gpu_name, target, root), target)
+        settle_cache_keys()  # before anything launches here, as the workers do (they are under way)
     return _started[key]
 
 
