@@ -36,8 +36,9 @@ def main() -> int:
         type=Path,
         default=None,
         metavar="DIR",
-        help="after the warm-up, write every Triton variant it compiled for this GPU there "
-        "(kernels.compile_seeds; commit it under src/fp4moe/data: later cold starts compile them in parallel)",
+        help="after the warm-up, add every Triton variant it compiled for this GPU to the seed file there "
+        "(kernels.compile_seeds; commit it under src/fp4moe/data: later cold starts compile them in parallel; "
+        "run once per configuration served, e.g. with --num-speculative-tokens 2 and --prefix-caching too)",
     )
     p.add_argument(
         "--record-autotune",
@@ -113,11 +114,13 @@ def main() -> int:
         from fp4moe.kernels import compile_seeds, compiles
 
         device = torch.device("cuda")
-        data = compile_seeds.record(
-            torch.cuda.get_device_name(), compiles.specializations(), compile_seeds.cuda_target(device)
-        )
+        gpu, target = torch.cuda.get_device_name(), compile_seeds.cuda_target(device)
+        before = len(compile_seeds.load(gpu, target, args.record_compiles))
+        data = compile_seeds.record(gpu, compiles.specializations(), target, keep=args.record_compiles)
         path = compile_seeds.write(data, args.record_compiles)
-        print(f"recorded {len(data['kernels'])} Triton variants to {path}")
+        print(
+            f"recorded {len(data['kernels'])} Triton variants ({len(data['kernels']) - before} new) to {path}"
+        )
     if args.record_autotune:
         import torch
 

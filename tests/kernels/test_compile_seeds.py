@@ -189,3 +189,22 @@ def test_a_recorded_gluon_variant_compiles_in_a_worker():
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got == {"compiled": 1, "hit": True, "ok": True}
+
+
+def test_a_second_recording_adds_to_the_first(tmp_path, monkeypatch):
+    """One seed file for several recorded configurations: a recording with ``keep`` holds the variants
+    already there for the GPU (once each) and the new ones; a file for another target is not merged."""
+    from fp4moe.kernels import compile_seeds
+
+    # the session runs Triton's interpreter, whose kernels are not JIT functions: every kernel is "found"
+    monkeypatch.setattr(compile_seeds, "jit_function", lambda module, name: object())
+
+    module, name, target = "fp4moe.kernels.moe_routing", "_align_kernel", ("cuda", 90, 32)
+    first = compile_seeds.record("Test GPU 2", [(module, name, "a"), (module, name, "b")], target)
+    compile_seeds.write(first, tmp_path)
+    second = compile_seeds.record(
+        "Test GPU 2", [(module, name, "b"), (module, name, "c")], target, keep=tmp_path
+    )
+    assert [k["spec"] for k in second["kernels"]] == ["a", "b", "c"]
+    other = compile_seeds.record("Test GPU 2", [(module, name, "c")], ("cuda", 100, 32), keep=tmp_path)
+    assert [k["spec"] for k in other["kernels"]] == ["c"]

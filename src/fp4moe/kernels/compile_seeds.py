@@ -134,12 +134,20 @@ def cuda_target(device) -> tuple[str, int, int]:
     return ("cuda", major * 10 + minor, 32)
 
 
-def record(gpu_name: str, specializations: list[tuple[str, str, str]], target: tuple[str, int, int]) -> dict:
+def record(
+    gpu_name: str,
+    specializations: list[tuple[str, str, str]],
+    target: tuple[str, int, int],
+    keep: Path | None = None,
+) -> dict:
     """The seed file's content: the compiled variants (module, qualified name, Triton's specialization data,
     from ``compiles.specializations()``) that a fresh process can find again, with the GPU, its compile
-    target (backend, arch, warp size) and Triton's version."""
+    target (backend, arch, warp size) and Triton's version. ``keep``: a seed folder whose variants for this
+    GPU (same target and Triton) stay in -- one file for several recorded configurations (speculation on,
+    a prefix cache), each start compiling the union."""
+    kept = [(e["module"], e["name"], e["spec"]) for e in load(gpu_name, target, keep)] if keep else []
     seen, kernels = set(), []
-    for module, name, spec in specializations:
+    for module, name, spec in [*kept, *specializations]:
         if (module, name, spec) not in seen and jit_function(module, name) is not None:
             seen.add((module, name, spec))
             kernels.append({"module": module, "name": name, "spec": spec})
