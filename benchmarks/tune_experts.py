@@ -41,6 +41,11 @@ def main() -> None:
         help="which expert kernels to sweep: mma (grouped GEMM), gemv (per pair), tcgemv (tensor-core GEMV, "
         "blocks of up to 8 tokens of an expert)",
     )
+    ap.add_argument(
+        "--tiled",
+        action="store_true",
+        help="tcgemv: also time the same launches on tile_experts' weight layout",
+    )
     ap.add_argument("--budget", type=float, default=330, help="seconds of sweeping before it stops early")
     ap.add_argument("--out", default="", help="write every timing to this JSON file")
     args = ap.parse_args()
@@ -172,6 +177,30 @@ def main() -> None:
             ]
             rd = sweep("tcgemv down", grid, tc_down)
             keep_best("best_tcgemv", "tensor-core GEMV", rg, rd)
+            if (
+                args.tiled
+            ):  # the same kernel on ``expert_layout``'s tile order (the GPU engine's) at 64-byte steps
+                from fp4moe.kernels import expert_layout as el
+
+                step = 64
+                tiled = [el.tile_experts(*lay["gu"][:2], step, True) for lay in layers]
+                ref = mma.mma_gate_up(x, *layers[0]["gu"], blocks[0], K, tiles=mma.tiles_for(step, True))
+                got = mma.mma_gate_up(x, *tiled[0], layers[0]["gu"][2], blocks[0], K, tile=step)
+                assert torch.equal(ref, got), "tiled gate/up differs"
+                sweep("tcgemv gate_up tiled", [mma.tiles_for(step, True)], lambda c: graph_time(lambda: [
+                    mma.mma_gate_up(x, *tl, lay["gu"][2], r, K, out=act_tc, tiles=c, tile=step)
+                    for lay, tl, r in zip(layers, tiled, blocks, strict=True)
+                ]))  # fmt: skip
+                tiled = [el.tile_experts(*lay["dn"][:2], step, False) for lay in layers]
+                ref = mma.mma_down(act_tc, *layers[0]["dn"], blocks[0], w, tiles=mma.tiles_for(step, False))
+                assert torch.equal(
+                    ref, mma.mma_down(act_tc, *tiled[0], layers[0]["dn"][2], blocks[0], w, tile=step)
+                )
+                sweep("tcgemv down tiled", [mma.tiles_for(step, False)], lambda c: graph_time(lambda: [
+                    mma.mma_down(act_tc, *tl, lay["dn"][2], r, w, out=out_tc, tiles=c, tile=step)
+                    for lay, tl, r in zip(layers, tiled, blocks, strict=True)
+                ]))  # fmt: skip
+                del tiled
         best_gu, best_dn = {}, {}
         for mode, split in itertools.product(modes if "mma" in kinds else [], splits):
             dq.DEQUANT_MODE = mode

@@ -42,8 +42,9 @@ POINTERS = {
 fn = gemm._w4a16_kernel
 results = []
 for mode, epilogue, act_splits, dense in json.loads(sys.argv[1]):
+    # NVFP4 experts in the GPU engine's tile order at the full-size model's 64-byte steps (expert_layout)
     consts = dict(DENSE=dense, MODE=mode, EPILOGUE=epilogue, ACT_SPLITS=act_splits, BM=16, BN=64, BK=128,
-                  EVEN_K=True, DOT_F32=False, PDL=True)
+                  EVEN_K=True, DOT_F32=False, PDL=True, TILE=0 if dense or mode in (0, 3) else 64)
     pointers = dict(POINTERS)
     if act_splits:
         pointers["a_ptr"] = "*fp32"
@@ -78,7 +79,7 @@ for mode, gated, sum_each, dense in ((7, True, False, False), (7, False, True, F
     # as the engine launches them: PDL 3 (gate/up: trigger after the wait), 2 (dense: trigger at the start),
     # 1 (down: wait only)
     consts = dict(GATED=gated, DENSE=dense, MODE=mode, BN=16, BK=256, SUM_EACH=sum_each,
-                  PDL=3 if gated else 2 if dense else 1)
+                  PDL=3 if gated else 2 if dense else 1, TILE=0 if dense or mode == 0 else 64)
     pointers = {"a_ptr": "*bf16", "w_ptr": "*bf16" if mode == 0 else "*u8", "s_ptr": "*u8", "d_ptr": "*fp32",
                 "out_ptr": "*bf16", "ids_ptr": "*i32", "topw_ptr": "*fp32"}
     signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
@@ -152,8 +153,9 @@ POINTERS = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "d_ptr": "*fp32", 
             "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_count_ptr": "*i32", "nblk_ptr": "*i32",
             "topw_ptr": "*fp32"}
 results = []
-for gated, pairs, k, wk, kc, rows in json.loads(sys.argv[1]):
-    consts = dict(K=k, GATED=gated, PAIRS=pairs, ROWS=32 if gated else rows, WK=wk, KC=kc, PDL=3 if gated else 1)
+for gated, pairs, k, wk, kc, rows, tile in json.loads(sys.argv[1]):
+    consts = dict(K=k, GATED=gated, PAIRS=pairs, ROWS=32 if gated else rows, WK=wk, KC=kc, PDL=3 if gated else 1,
+                  TILE=tile)
     signature = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in consts and n not in ("TOPK", "stride_de")}
@@ -179,14 +181,19 @@ print(json.dumps(results))
 """
 # (gated, pairs, K, wk, kc, rows): the engine's launches on the full-size model (gate/up K = H = 2048, down K = I =
 # 512; blocks of 8 pairs, and one pair per block at batch 1) and on the decode gate's tiny model (H = I = 64)
+# and a tile step (expert_layout: the engine's experts are tiled at 64-byte steps at full size, 32 on the tiny
+# model; 0 row-major)
 MMA_VARIANTS = [
-    (True, False, 2048, 4, 32, 16),
-    (False, False, 512, 2, 32, 16),
-    (False, True, 512, 2, 64, 16),
-    (False, False, 512, 2, 32, 32),
-    (True, True, 2048, 4, 64, 16),
-    (True, False, 64, 1, 32, 16),
-    (False, False, 64, 1, 32, 16),
+    (True, False, 2048, 2, 32, 16, 64),
+    (False, False, 512, 1, 64, 16, 64),
+    (False, True, 512, 1, 64, 16, 64),
+    (True, False, 2048, 4, 32, 16, 0),
+    (False, False, 512, 2, 32, 16, 0),
+    (False, True, 512, 2, 64, 16, 0),
+    (False, False, 512, 2, 32, 32, 0),
+    (True, True, 2048, 4, 64, 16, 0),
+    (True, False, 64, 1, 32, 16, 32),
+    (False, False, 64, 1, 32, 16, 32),
 ]
 
 
@@ -197,7 +204,7 @@ def test_tensor_core_gemv_compiles_for_sm90():
     m16n8k16 MMA per 16 bytes of a row per matrix and parity, the inline-PTX dequantization, no spills, and
     only down programs reading before their wait (their expert and first weights)."""
     results = _compile(MMA_SCRIPT, MMA_VARIANTS)
-    for (gated, _, k, wk, _, rows), r in zip(MMA_VARIANTS, results, strict=True):
+    for (gated, _, k, wk, _, rows, _), r in zip(MMA_VARIANTS, results, strict=True):
         assert r["ok"], r["error"]
         rows_all = 32 if gated else rows
         # per warp: (rows / 16) M tiles x (K / 2 bytes / wk) / 16 bytes x 2 (even and odd weights)
@@ -282,7 +289,7 @@ pointers = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "d_ptr": "*fp32", 
 results = []
 for epilogue, bm in json.loads(sys.argv[1]):  # the default plan's tiles at this block size
     t = gemm.plan(bm, 8192 if bm == 128 else 2048)[epilogue - 1]
-    consts = dict(MODE=7, EPILOGUE=epilogue, BM=bm, BN=t.bn, BK=t.bk, EVEN_N=True, DOT_F32=False, PDL=True)
+    consts = dict(MODE=7, EPILOGUE=epilogue, BM=bm, BN=t.bn, BK=t.bk, EVEN_N=True, DOT_F32=False, PDL=True, TILE=64)
     signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in consts and n not in ("TOPK", "stride_de")}

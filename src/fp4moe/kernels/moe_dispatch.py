@@ -25,10 +25,12 @@ class ExpertWeights(NamedTuple):
     """One layer's routed experts as the kernels take them: gate/up and down, each (weights, block scales,
     decode scales). NVFP4: packed codes [E, 2I, H/2] / [E, H, I/2] uint8, FP8-E4M3 block scales
     [E, 2I, H/16] / [E, H, I/16], decode scales [E, 2] (gate, up) / [E] fp32. bf16 experts: the weights
-    [E, 2I, H] / [E, H, I] in both of the first two places and decode scales of 1."""
+    [E, 2I, H] / [E, H, I] in both of the first two places and decode scales of 1. ``tile``: the NVFP4 bytes'
+    order (``expert_layout``: 0 row-major as in the checkpoint, else tiled at that many bytes a step)."""
 
     gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     down: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    tile: int = 0
 
     @property
     def quantized(self) -> bool:
@@ -96,16 +98,36 @@ def _mma_gemv_fits(experts: ExpertWeights, x: torch.Tensor, one_token: bool = Fa
     return mma.fits(x.shape[1], experts.inter)
 
 
+def tile_step(experts: ExpertWeights) -> int:
+    """The ``expert_layout`` step these experts should be tiled at on their device: where the tensor-core GEMVs
+    run them (NVFP4, mode 7, sm89+, Gluon) and the shapes tile; else 0 (row-major)."""
+    from fp4moe.kernels import expert_layout
+
+    gu = experts.gate_up[0]
+    if not (
+        expert_layout.ENABLED
+        and experts.quantized
+        and experts.tile == 0
+        and gu.is_cuda
+        and not INTERPRET
+        and dq.DEQUANT_MODE == 7
+        and torch.cuda.get_device_capability(gu.device) >= (8, 9)
+        and _have_gluon()
+    ):
+        return 0
+    return expert_layout.step_for(gu.shape[2] * 2, experts.inter)
+
+
 def moe_pairs(experts: ExpertWeights, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
     """Each (token, expert) pair's weighted output [T*k, H] bf16 (pair = token * k + j)."""
     t, k = topk_ids.shape
-    gu, dn = experts.gate_up, experts.down
+    gu, dn, tile = experts.gate_up, experts.down, experts.tile
     if _mma_gemv_fits(experts, x):
         from fp4moe.kernels import nvfp4_mma_gemv as mma
 
         routing = align(topk_ids, experts.num_experts, mma.TOKENS)
-        act = mma.mma_gate_up(x, *gu, routing, k)
-        return mma.mma_down(act, *dn, routing, topk_weights)
+        act = mma.mma_gate_up(x, *gu, routing, k, tile=tile)
+        return mma.mma_down(act, *dn, routing, topk_weights, tile=tile)
     if t <= GEMV_MAX_TOKENS and x.shape[1] % 32 == 0 and experts.inter % 32 == 0:
         from fp4moe.kernels import nvfp4_gemv as gemv
 
@@ -117,12 +139,13 @@ def moe_pairs(experts: ExpertWeights, x: torch.Tensor, topk_ids: torch.Tensor, t
             and _mma_gemv_fits(experts, x, one_token=True)
         )
         pairs = pair_routing(topk_ids, 1) if one_token_mma else None  # (a view of the ids: no copy)
-        act = gemv.gemv_gate_up(x, *gu, topk_ids)
+        act = gemv.gemv_gate_up(x, *gu, topk_ids, tile=tile)
         if one_token_mma:
             from fp4moe.kernels import nvfp4_mma_gemv as mma
 
-            return mma.mma_down(act, *dn, pairs, topk_weights, tiles=mma.ONE_TOKEN_DOWN_TILES)
-        return gemv.gemv_down(act, *dn, topk_ids, topk_weights)
+            tiles = None if tile else mma.ONE_TOKEN_DOWN_TILES  # (tiled: the tile's own, ``tiles_for``)
+            return mma.mma_down(act, *dn, pairs, topk_weights, tiles=tiles, tile=tile)
+        return gemv.gemv_down(act, *dn, topk_ids, topk_weights, tile=tile)
     # 128-row blocks only where the weights-first kernel takes both launches (K a multiple of its tile)
     weights_first = dq.mode_of(gu[0]) in prefill.MODES and x.shape[1] % 32 == 0 and experts.inter % 32 == 0
     bm = gemm.block_m(t, k, experts.num_experts, weights_first)
@@ -130,5 +153,5 @@ def moe_pairs(experts: ExpertWeights, x: torch.Tensor, topk_ids: torch.Tensor, t
         routing = pair_routing(topk_ids, bm)
     else:
         routing = align(topk_ids, experts.num_experts, bm)
-    act = gemm.moe_gate_up(x, *gu, routing, k)
-    return gemm.moe_down(act, *dn, routing, topk_weights.float())
+    act = gemm.moe_gate_up(x, *gu, routing, k, tile=tile)
+    return gemm.moe_down(act, *dn, routing, topk_weights.float(), tile=tile)

@@ -31,6 +31,7 @@ from fp4moe.formats import nvfp4
 from fp4moe.kernels import INTERPRET, pdl_args, uint8_view, unit_scale
 from fp4moe.kernels import nvfp4_dequant as dq
 from fp4moe.kernels import nvfp4_moe_prefill as prefill
+from fp4moe.kernels.expert_layout import tiled_offsets
 from fp4moe.kernels.moe_routing import Routing
 from fp4moe.kernels.nvfp4_dequant import block_k, dequant_asm, dequant_bf16, dequant_bf16_bits, mode_of
 from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
@@ -136,6 +137,7 @@ def _w4a16_kernel(
     EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     PDL: tl.constexpr,
+    TILE: tl.constexpr = 0,
 ):
     """EPILOGUE 0: y = acc * decode (dense); 1 (GATED): silu(gate) * up from the gate rows n and up rows
     N + n; 2 (WEIGHTED): y * the pair's routing weight; 3 (PARTIAL): acc * decode of rows n < N/2 (gate)
@@ -168,6 +170,7 @@ def _w4a16_kernel(
     offs_k = tl.arange(0, BK)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     s_base = s_ptr + e.to(tl.int64) * stride_se
+    HALF = N // 2 if EPILOGUE == 3 else N  # gate/up: the first up row (split partials span both halves)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     a_base = a_ptr + rows[:, None].to(tl.int64) * stride_am
@@ -176,18 +179,27 @@ def _w4a16_kernel(
         if MODE == 0 or MODE == 3:
             w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
             s_ptrs = w_ptrs
-        else:
-            w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 // 2 + offs_kh)[None, :]
-            s_ptrs = s_base + offs_n[:, None] * stride_sn + (k0 // 16 + offs_ks)[None, :]
+        else:  # the experts' byte order (``expert_layout``): gate/up rows N / 2 on are up rows when split
+            w_ptrs = w_base + tiled_offsets(
+                offs_n, k0 // 2 + offs_kh, stride_wn, HALF, EPILOGUE % 2 == 1, TILE
+            )
+            s_ptrs = s_base + tiled_offsets(
+                offs_n, k0 // 16 + offs_ks, stride_sn, HALF, EPILOGUE % 2 == 1, TILE // 8
+            )
         a_mask = mask_m[:, None] & ((k0 + offs_k < K)[None, :] if not EVEN_K else (offs_k >= 0)[None, :])
         a = _load_a(a_base, (k0 + offs_k)[None, :], a_mask, K, stride_as, ACT_SPLITS)
         acc += _tile_dot(
             a, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, offs_ks, MODE, BN, BK, EVEN_K, DOT_F32
         )
         if EPILOGUE == 1:
+            if MODE == 0 or MODE == 3:
+                w_up = w_ptrs + N * stride_wn
+                s_up = w_up
+            else:
+                w_up = w_base + tiled_offsets(offs_n + N, k0 // 2 + offs_kh, stride_wn, N, True, TILE)
+                s_up = s_base + tiled_offsets(offs_n + N, k0 // 16 + offs_ks, stride_sn, N, True, TILE // 8)
             acc_up += _tile_dot(
-                a, k0, K, w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n, offs_k, offs_kh, offs_ks,
-                MODE, BN, BK, EVEN_K, DOT_F32,
+                a, k0, K, w_up, s_up, mask_n, offs_k, offs_kh, offs_ks, MODE, BN, BK, EVEN_K, DOT_F32
             )  # fmt: skip
     if MODE >= 4:  # the bf16-bit dequantization leaves a factor 2^-8 in the weights
         acc = acc * 256.0
@@ -272,7 +284,7 @@ def plan(bm: int, tokens: int, mode: int | None = None) -> tuple[Tiles, Tiles]:
 
 
 def _launch(a, a_strides, act_splits, w, s, stride_sn, decode, out, routing, topw, n, k, top_k, epilogue,
-            mode, t: Tiles, split: int = 1, dense_m: int = 0):  # fmt: skip
+            mode, t: Tiles, split: int = 1, dense_m: int = 0, tile: int = 0):  # fmt: skip
     """One ``_w4a16_kernel`` launch: grid (row blocks, N / BN, K splits); or with ``t.weights_first``, where
     it applies, ``nvfp4_moe_prefill``'s kernel over the same row blocks."""
     k_split = k // split
@@ -280,7 +292,9 @@ def _launch(a, a_strides, act_splits, w, s, stride_sn, decode, out, routing, top
     weights_first = t.weights_first and mode in prefill.MODES and k % bk == 0
     if weights_first and split == 1 and not (dense_m or act_splits):
         return prefill.launch(a, w, s, decode, out, routing, topw, n, k, top_k, epilogue, mode, t.bn, bk,
-                              t.warps, t.stages, INTERPRET)  # fmt: skip
+                              t.warps, t.stages, INTERPRET, tile)  # fmt: skip
+    if tile and (mode in (0, 3) or dense_m):
+        raise ValueError("only NVFP4 expert weights come in tile order (expert_layout)")
     if split > 1 and k_split % bk:
         raise ValueError(f"K = {k} does not split into {split} ranges of whole {bk}-wide tiles")
     if dense_m:
@@ -297,17 +311,26 @@ def _launch(a, a_strides, act_splits, w, s, stride_sn, decode, out, routing, top
         w.stride(0) if w.ndim == 3 else 0, w.stride(-2), s.stride(0) if s.ndim == 3 else 0, stride_sn,
         decode.stride(0) if decode.ndim else 0,
         DENSE=bool(dense_m), MODE=mode, EPILOGUE=epilogue, ACT_SPLITS=act_splits, BM=bm, BN=t.bn, BK=bk,
-        EVEN_K=k_split % bk == 0, DOT_F32=INTERPRET, num_warps=t.warps, num_stages=t.stages, **pdl_args(),
+        EVEN_K=k_split % bk == 0, DOT_F32=INTERPRET, TILE=tile, num_warps=t.warps, num_stages=t.stages,
+        **pdl_args(),
     )  # fmt: skip
     return out
 
 
 def moe_gate_up(
-    x, packed, scales, decode, routing: Routing, top_k: int, out=None, tiles: Tiles | None = None
+    x,
+    packed,
+    scales,
+    decode,
+    routing: Routing,
+    top_k: int,
+    out=None,
+    tiles: Tiles | None = None,
+    tile: int = 0,
 ):
     """x [T, H] bf16; packed [E, 2I, H/2] (or bf16 [E, 2I, H], scales unused) -> silu(gate) * up per pair
     [T*k, I] bf16 (rows = pair index), or with ``tiles.split`` = s >= 1 the gate/up partial sums
-    [s, T*k, 2I] fp32 that ``moe_down`` finishes."""
+    [s, T*k, 2I] fp32 that ``moe_down`` finishes. ``tile``: the experts' byte order (``expert_layout``)."""
     two_i, hidden = packed.shape[1], x.shape[1]
     t = tiles or plan(routing.bm, x.shape[0], mode_of(packed))[0]
     tk = x.shape[0] * top_k
@@ -322,13 +345,14 @@ def moe_gate_up(
         n, epilogue = two_i // 2, GATED
     return _launch(
         x, (x.stride(0), 0), 0, packed, s, s.stride(1), decode, out, routing, decode, n, hidden, top_k,
-        epilogue, mode_of(packed), t, max(1, t.split),
+        epilogue, mode_of(packed), t, max(1, t.split), tile=tile,
     )  # fmt: skip
 
 
 def moe_down(
-    act, packed, scales, decode, routing: Routing, topk_weights, out=None, tiles: Tiles | None = None
-):
+    act, packed, scales, decode, routing: Routing, topk_weights, out=None, tiles: Tiles | None = None,
+    tile: int = 0,
+):  # fmt: skip
     """act [T*k, I] bf16 (pair rows), or gate/up partial sums [s, T*k, 2I] fp32; packed [E, H, I/2] ->
     weight * down(silu(gate) * up) per pair [T*k, H] bf16. The kernel rounds each pair's weighted output to
     bf16 (as the CPU path does before its sum), so a bf16 buffer holds it exactly: half the bytes of fp32
@@ -344,7 +368,7 @@ def moe_down(
     a_strides = (act.stride(1), act.stride(0)) if splits else (act.stride(0), 0)
     return _launch(
         act, a_strides, splits, packed, s, s.stride(1), decode, out, routing, topk_weights.reshape(-1),
-        hidden, inter, 1, WEIGHTED, mode_of(packed), t,
+        hidden, inter, 1, WEIGHTED, mode_of(packed), t, tile=tile,
     )  # fmt: skip
 
 

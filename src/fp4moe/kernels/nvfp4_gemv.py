@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from fp4moe.kernels import pdl_args, uint8_view, unit_scale
+from fp4moe.kernels.expert_layout import tiled_offsets
 from fp4moe.kernels.nvfp4_dequant import (
     block_k,
     dequant_asm_of,
@@ -31,13 +32,17 @@ from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 
 
 @triton.jit
-def _tile_ptrs(w_base, s_base, k0, MODE: tl.constexpr, BK: tl.constexpr):
-    """Pointers to one K tile: weights [BN, BK] (bf16) or codes [BN, BK/2], and scale bytes [BN, BK/16]."""
+def _tile_ptrs(w_e, s_e, rows, k0, stride_wn, stride_sn, half, MODE: tl.constexpr, BK: tl.constexpr,
+               GATED: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+    """Pointers to one K tile of rows ``rows`` of the weights at ``w_e`` / ``s_e``: weights [BN, BK] (bf16) or
+    codes [BN, BK/2], and scale bytes [BN, BK/16], in the experts' byte order (``expert_layout``; TILE 0:
+    row-major)."""
     if MODE == 0:
-        w_ptrs = w_base + (k0 + tl.arange(0, BK))[None, :]
+        w_ptrs = w_e + rows[:, None] * stride_wn + (k0 + tl.arange(0, BK))[None, :]
     else:
-        w_ptrs = w_base + (k0 // 2 + tl.arange(0, BK // 2))[None, :]
-    return w_ptrs, s_base + (k0 // 16 + tl.arange(0, BK // 16))[None, :]
+        w_ptrs = w_e + tiled_offsets(rows, k0 // 2 + tl.arange(0, BK // 2), stride_wn, half, GATED, TILE)
+    s_ptrs = s_e + tiled_offsets(rows, k0 // 16 + tl.arange(0, BK // 16), stride_sn, half, GATED, TILE // 8)
+    return w_ptrs, s_ptrs
 
 
 @triton.jit
@@ -101,6 +106,7 @@ def _gemv_kernel(
     BK: tl.constexpr,
     SUM_EACH: tl.constexpr,
     PDL: tl.constexpr,
+    TILE: tl.constexpr = 0,
 ):
     """Program (pair p, output block): GATED: silu(gate) * up of rows n < N (gate) and N + n (up) of
     x[p // TOPK]; else the down product of act[p] times the pair's routing weight. K % BK == 0. SUM_EACH:
@@ -118,15 +124,15 @@ def _gemv_kernel(
         # DENSE: one weight matrix, row p of a, no routing weight. The pair's expert was written by the
         # router, which finished before the gate/up launch ahead let this one start (L2, not L1: ".cg")
         e = p.to(tl.int64) * 0 if DENSE else tl.load(ids_ptr + p, cache_modifier=".cg").to(tl.int64)
-        w_base = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
-        s_base = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
-        w_ptrs, s_ptrs = _tile_ptrs(w_base, s_base, 0, MODE, BK)
+        w_e = w_ptr + e * stride_we
+        s_e = s_ptr + e * stride_se
+        w_ptrs, s_ptrs = _tile_ptrs(w_e, s_e, offs_n, 0, stride_wn, stride_sn, N, MODE, BK, GATED, TILE)
         w_first, s_first = _load_tile(w_ptrs, s_ptrs, mask_n, MODE, BN, BK)
     wait_for_previous(PDL)
     if not PRELOAD:
         e = tl.load(ids_ptr + p).to(tl.int64)
-        w_base = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
-        s_base = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
+        w_e = w_ptr + e * stride_we
+        s_e = s_ptr + e * stride_se
     a_row = a_ptr + (p // TOPK).to(tl.int64) * stride_am
     ACC_K: tl.constexpr = 1 if SUM_EACH else BK // 2 if MODE == 7 else BK
     acc = tl.zeros((BN, ACC_K), dtype=tl.float32)
@@ -134,11 +140,14 @@ def _gemv_kernel(
     if PRELOAD:
         acc = _partial(acc, a_row, 0, w_first, s_first, MODE, BN, BK, SUM_EACH)
     for k0 in range(BK if PRELOAD else 0, K, BK):
-        w_ptrs, s_ptrs = _tile_ptrs(w_base, s_base, k0, MODE, BK)
+        w_ptrs, s_ptrs = _tile_ptrs(w_e, s_e, offs_n, k0, stride_wn, stride_sn, N, MODE, BK, GATED, TILE)
         w, s = _load_tile(w_ptrs, s_ptrs, mask_n, MODE, BN, BK)
         acc = _partial(acc, a_row, k0, w, s, MODE, BN, BK, SUM_EACH)
         if GATED:
-            w, s = _load_tile(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask_n, MODE, BN, BK)
+            w_ptrs, s_ptrs = _tile_ptrs(
+                w_e, s_e, offs_n + N, k0, stride_wn, stride_sn, N, MODE, BK, GATED, TILE
+            )  # fmt: skip
+            w, s = _load_tile(w_ptrs, s_ptrs, mask_n, MODE, BN, BK)
             acc_up = _partial(acc_up, a_row, k0, w, s, MODE, BN, BK, SUM_EACH)
     y = tl.sum(acc, 1)
     if MODE >= 4:  # the bf16-bit dequantization leaves a factor 2^-8 in the weights
@@ -191,7 +200,7 @@ def _tiles(default: GemvTiles, n: int, x: torch.Tensor) -> GemvTiles:
 
 
 def _launch(a, w, s, stride_sn, decode, out, ids, topw, n, k, top_k, gated: bool, mode: int, t: GemvTiles,
-            rows: int = 0, trigger: str = ""):  # fmt: skip
+            rows: int = 0, trigger: str = "", tile: int = 0):  # fmt: skip
     """One ``_gemv_kernel`` launch: grid (pairs -- or ``rows`` of a dense product --, N / BN); ``trigger``:
     when the kernel behind it may start (``pdl_args``). A gate/up launch lets the down launch behind it
     start once the router's outputs are in (the down programs then load their experts' first tiles)."""
@@ -203,16 +212,18 @@ def _launch(a, w, s, stride_sn, decode, out, ids, topw, n, k, top_k, gated: bool
         a, a.stride(0), w, s, decode, out, out.stride(0), ids, topw, n, k, top_k,
         0 if dense else w.stride(0), w.stride(-2), s.stride(0) if s.ndim == 3 else 0, stride_sn,
         decode.stride(0) if decode.ndim else 0,
-        GATED=gated, DENSE=dense, MODE=mode, BN=t.bn, BK=bk, SUM_EACH=t.sum_each, num_warps=t.warps,
+        GATED=gated, DENSE=dense, MODE=mode, BN=t.bn, BK=bk, SUM_EACH=t.sum_each, TILE=tile, num_warps=t.warps,
         num_stages=t.stages,
         **pdl_args("after_wait" if gated else trigger),
     )  # fmt: skip
     return out
 
 
-def gemv_gate_up(x, packed, scales, decode, topk_ids, out=None, tiles: GemvTiles | None = None):
+def gemv_gate_up(
+    x, packed, scales, decode, topk_ids, out=None, tiles: GemvTiles | None = None, tile: int = 0
+):
     """x [T, H] bf16; packed [E, 2I, H/2] (or bf16 [E, 2I, H]); topk_ids [T, k] -> silu(gate) * up per pair
-    [T*k, I] bf16 (row = pair index token * k + j)."""
+    [T*k, I] bf16 (row = pair index token * k + j). ``tile``: the experts' byte order (``expert_layout``)."""
     two_i, hidden = packed.shape[1], x.shape[1]
     mode = mode_of(packed)
     ids = topk_ids.reshape(-1)
@@ -221,11 +232,21 @@ def gemv_gate_up(x, packed, scales, decode, topk_ids, out=None, tiles: GemvTiles
     s = uint8_view(scales)
     return _launch(
         x, packed, s, s.stride(1), decode, out, ids, decode, two_i // 2, hidden, topk_ids.shape[-1], True,
-        mode, tiles or _tiles(GATE_UP_TILES, two_i // 2, x),
+        mode, tiles or _tiles(GATE_UP_TILES, two_i // 2, x), tile=tile,
     )  # fmt: skip
 
 
-def gemv_down(act, packed, scales, decode, topk_ids, topk_weights, out=None, tiles: GemvTiles | None = None):
+def gemv_down(
+    act,
+    packed,
+    scales,
+    decode,
+    topk_ids,
+    topk_weights,
+    out=None,
+    tiles: GemvTiles | None = None,
+    tile: int = 0,
+):
     """act [T*k, I] bf16 (pair rows); packed [E, H, I/2] (or bf16 [E, H, I]) -> weight * down(act) per pair
     [T*k, H] bf16. ``topk_ids`` must be contiguous: the down programs read them before they wait for the
     kernel ahead (``_gemv_kernel``), so a copy launched just before them could still be in flight."""
@@ -238,7 +259,7 @@ def gemv_down(act, packed, scales, decode, topk_ids, topk_weights, out=None, til
     s = uint8_view(scales)
     return _launch(
         act, packed, s, s.stride(1), decode, out, ids, topk_weights.reshape(-1).float(), hidden, inter, 1, False,
-        mode_of(packed), tiles or _tiles(DOWN_TILES, hidden, act),
+        mode_of(packed), tiles or _tiles(DOWN_TILES, hidden, act), tile=tile,
     )  # fmt: skip
 
 

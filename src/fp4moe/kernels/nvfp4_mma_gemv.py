@@ -147,6 +147,7 @@ def _mma_gemv_kernel(
     WK: gl.constexpr,
     KC: gl.constexpr,
     PDL: gl.constexpr,
+    TILE: gl.constexpr = 0,
 ):
     """Program (row block b, output rows): GATED: silu(gate) * up of rows n0..n0+15 (gate, tile rows 0-15)
     and N + n0.. (up, tile rows 16-31) for the block's tokens (rows pair // TOPK of a); else the down
@@ -203,16 +204,32 @@ def _mma_gemv_kernel(
     else:
         row_a = n0 + ra
         row_s = n0 + rs
-    w_ptrs = (
-        w_ptr
-        + e * stride_we
-        + (row_a[None, :, None] * stride_wn + (wa[:, None, None] * KC + ja[None, None, :]))
-    )
-    s_ptrs = (
-        s_ptr
-        + e * stride_se
-        + (row_s[None, :, None] * stride_sn + (ws[:, None, None] * (KC // 8) + js[None, None, :]))
-    )
+    if TILE:  # ``expert_layout``'s order: the program's rows of one step contiguous, its steps in turn
+        gl.static_assert(TILE == STEP, "the launch's K step must be the experts' tile step")
+        t0 = gl.program_id(1) * STEPS * ROWS
+        w_ptrs = (
+            w_ptr
+            + e * stride_we
+            + ((t0 + ra)[None, :, None] * STEP + (wa[:, None, None] * KC + ja[None, None, :]))
+        )
+        s_ptrs = (
+            s_ptr
+            + e * stride_se
+            + ((t0 + rs)[None, :, None] * (STEP // 8) + (ws[:, None, None] * (KC // 8) + js[None, None, :]))
+        )
+        WSTEP: gl.constexpr = ROWS * STEP
+    else:
+        w_ptrs = (
+            w_ptr
+            + e * stride_we
+            + (row_a[None, :, None] * stride_wn + (wa[:, None, None] * KC + ja[None, None, :]))
+        )
+        s_ptrs = (
+            s_ptr
+            + e * stride_se
+            + (row_s[None, :, None] * stride_sn + (ws[:, None, None] * (KC // 8) + js[None, None, :]))
+        )
+        WSTEP: gl.constexpr = STEP
     cw = gl.load(w_ptrs)
     cs = gl.load(s_ptrs)
     if PRELOAD:
@@ -233,8 +250,8 @@ def _mma_gemv_kernel(
     acc = gl.zeros([WK, ROWS, 8], gl.float32, layout=MMA)
     for i in gl.static_range(STEPS):
         if i + 1 < STEPS:  # the next step's weights in flight during this one
-            nw = gl.load(w_ptrs + (i + 1) * STEP)
-            ns = gl.load(s_ptrs + (i + 1) * (STEP // 8))
+            nw = gl.load(w_ptrs + (i + 1) * WSTEP)
+            ns = gl.load(s_ptrs + (i + 1) * (WSTEP // 8))
         a_even, a_odd = _split_act(gl.load(a_ptrs + 2 * i * STEP, mask=a_mask, other=0.0), WK, KC, SB)
         lo, hi = _dequant(cw, cs, SA, S4)
         acc = mma_v2(lo, a_even, acc)
@@ -299,10 +316,20 @@ def fits(hidden: int, inter: int) -> bool:
     return hidden % 64 == 0 and inter % 64 == 0
 
 
-def _launch(a, w, s, decode, out, routing: Routing, topw, n, k, top_k, gated: bool, t: MmaTiles):
+def tiles_for(tile: int, gated: bool) -> MmaTiles:
+    """Launch settings for experts in ``expert_layout``'s order at ``tile``-byte steps (the K step must be the
+    tile's): H200, 16 and 64 tokens, gate/up (2, 32) and down (1, 64) are the best of ``tune_experts.py --tiled``."""
+    return MmaTiles(tile // 32, 32) if gated else MmaTiles(1, tile)
+
+
+def _launch(a, w, s, decode, out, routing: Routing, topw, n, k, top_k, gated: bool, t: MmaTiles | None,
+            default: MmaTiles, tile: int):  # fmt: skip
     """One launch: grid (row blocks, N / rows). A block table of one pair per block (``pair_routing(ids,
-    1)``) runs without reading it (PAIRS)."""
-    t = t.for_k(k)
+    1)``) runs without reading it (PAIRS). ``tile``: the experts' byte order (``expert_layout``; 0: row-major);
+    ``t`` None: ``tiles_for(tile)``, or ``default`` for row-major experts."""
+    t = (t or (tiles_for(tile, gated) if tile else default)).for_k(k)
+    if tile and (t.wk * t.kc != tile or (not gated and t.rows != 16)):
+        raise ValueError(f"{t} does not read experts tiled at {tile}-byte steps (see tiles_for)")
     rows = 16 if gated else t.rows
     if n % rows:
         raise ValueError(f"N = {n} is not a multiple of {rows} (the program's rows)")
@@ -312,39 +339,41 @@ def _launch(a, w, s, decode, out, routing: Routing, topw, n, k, top_k, gated: bo
         a, a.stride(0), w, s, decode, out, out.stride(0), routing.order, routing.blk_expert, routing.blk_start,
         routing.blk_count, routing.nblk, topw, n, top_k, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
         decode.stride(0), K=k, GATED=gated, PAIRS=routing.bm == 1, ROWS=32 if gated else t.rows, WK=t.wk,
-        KC=t.kc, num_warps=t.wk, **pdl_args("after_wait" if gated else ""),
+        KC=t.kc, TILE=tile, num_warps=t.wk, **pdl_args("after_wait" if gated else ""),
     )  # fmt: skip
     return out
 
 
-def mma_gate_up(
-    x, packed, scales, decode, routing: Routing, top_k: int, out=None, tiles: MmaTiles | None = None
-):
-    """x [T, H] bf16; packed [E, 2I, H/2] NVFP4 -> silu(gate) * up per pair [T*k, I] bf16 (row = pair)."""
+def _check_mode(packed) -> None:
     if mode_of(packed) != 7:
         raise ValueError(
             "the tensor-core GEMV takes NVFP4 experts with the inline-PTX dequantization (mode 7)"
         )
+
+
+def mma_gate_up(x, packed, scales, decode, routing: Routing, top_k: int, out=None, tiles: MmaTiles | None = None,
+                tile: int = 0):  # fmt: skip
+    """x [T, H] bf16; packed [E, 2I, H/2] NVFP4 -> silu(gate) * up per pair [T*k, I] bf16 (row = pair).
+    ``tile``: the experts' byte order (``expert_layout``)."""
+    _check_mode(packed)
     two_i, hidden = packed.shape[1], x.shape[1]
     if out is None:
         out = torch.empty(x.shape[0] * top_k, two_i // 2, dtype=x.dtype, device=x.device)
     s = uint8_view(scales)
     return _launch(
-        x, packed, s, decode, out, routing, decode, two_i // 2, hidden, top_k, True, tiles or GATE_UP_TILES
-    )
+        x, packed, s, decode, out, routing, decode, two_i // 2, hidden, top_k, True, tiles, GATE_UP_TILES, tile
+    )  # fmt: skip
 
 
-def mma_down(
-    act, packed, scales, decode, routing: Routing, topk_weights, out=None, tiles: MmaTiles | None = None
-):
+def mma_down(act, packed, scales, decode, routing: Routing, topk_weights, out=None, tiles: MmaTiles | None = None,
+             tile: int = 0):  # fmt: skip
     """act [T*k, I] bf16 (pair rows); packed [E, H, I/2] -> weight * down(act) per pair [T*k, H] bf16."""
-    if mode_of(packed) != 7:
-        raise ValueError(
-            "the tensor-core GEMV takes NVFP4 experts with the inline-PTX dequantization (mode 7)"
-        )
+    _check_mode(packed)
     hidden, inter = packed.shape[1], act.shape[1]
     if out is None:
         out = torch.empty(act.shape[0], hidden, dtype=torch.bfloat16, device=act.device)
     s = uint8_view(scales)
     topw = topk_weights.reshape(-1).float()
-    return _launch(act, packed, s, decode, out, routing, topw, hidden, inter, 1, False, tiles or DOWN_TILES)
+    return _launch(
+        act, packed, s, decode, out, routing, topw, hidden, inter, 1, False, tiles, DOWN_TILES, tile
+    )

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from fp4moe.kernels import pdl_args
+from fp4moe.kernels.expert_layout import tiled_offsets
 from fp4moe.kernels.nvfp4_dequant import dequant_asm, dequant_bf16
 from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 
@@ -67,7 +68,7 @@ def _prefill_kernel(
     order_ptr, blk_expert_ptr, blk_start_ptr, blk_count_ptr, nblk_ptr, topw_ptr,
     N, K, TOPK, stride_we, stride_wn, stride_se, stride_sn, stride_de,
     MODE: tl.constexpr, EPILOGUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, TILE: tl.constexpr = 0,
 ):  # fmt: skip
     wait_for_previous(PDL)
     pid_b = tl.program_id(0)
@@ -95,12 +96,14 @@ def _prefill_kernel(
         a_t = tl.load(a_base + (k0 + offs_k)[:, None], mask=mask_m[None, :], other=0.0)  # [BK, BM]
         if DOT_F32:
             a_t = a_t.to(tl.float32)
-        w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 // 2 + offs_kh)[None, :]
-        s_ptrs = s_base + offs_n[:, None] * stride_sn + (k0 // 16 + offs_ks)[None, :]
+        # the experts' byte order (``expert_layout``)
+        w_ptrs = w_base + tiled_offsets(offs_n, k0 // 2 + offs_kh, stride_wn, N, EPILOGUE == 1, TILE)
+        s_ptrs = s_base + tiled_offsets(offs_n, k0 // 16 + offs_ks, stride_sn, N, EPILOGUE == 1, TILE // 8)
         acc = tl.dot(_weights(w_ptrs, s_ptrs, w_mask, MODE, BN, BK, DOT_F32), a_t, acc=acc)
         if EPILOGUE == 1:
-            w_up = _weights(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, w_mask, MODE, BN, BK, DOT_F32)
-            acc_up = tl.dot(w_up, a_t, acc=acc_up)
+            w_ptrs = w_base + tiled_offsets(offs_n + N, k0 // 2 + offs_kh, stride_wn, N, True, TILE)
+            s_ptrs = s_base + tiled_offsets(offs_n + N, k0 // 16 + offs_ks, stride_sn, N, True, TILE // 8)
+            acc_up = tl.dot(_weights(w_ptrs, s_ptrs, w_mask, MODE, BN, BK, DOT_F32), a_t, acc=acc_up)
     if MODE == 7:  # the bf16-bit dequantization leaves a factor 2^-8 in the weights
         acc = acc * 256.0
         acc_up = acc_up * 256.0
@@ -115,9 +118,10 @@ def _prefill_kernel(
 
 
 def launch(a, w, s, decode, out, routing, topw, n: int, k: int, top_k: int, epilogue: int, mode: int,
-           bn: int, bk: int, warps: int, stages: int, dot_f32: bool):  # fmt: skip
+           bn: int, bk: int, warps: int, stages: int, dot_f32: bool, tile: int = 0):  # fmt: skip
     """One launch over ``routing``'s row blocks: a [rows, K] bf16 (token rows for gate/up, pair rows for
-    down), w [E, N (x2 for gate/up), K/2] codes, s the block-scale bytes, decode [E, 2] or [E], out [pairs, N]."""
+    down), w [E, N (x2 for gate/up), K/2] codes, s the block-scale bytes, decode [E, 2] or [E], out [pairs, N];
+    ``tile``: the experts' byte order (``expert_layout``)."""
     if k % bk:
         raise ValueError(f"K = {k} is not a multiple of the {bk}-wide K tile")
     if epilogue not in (1, 2):
@@ -126,7 +130,7 @@ def launch(a, w, s, decode, out, routing, topw, n: int, k: int, top_k: int, epil
         a, a.stride(0), w, s, decode, out, out.stride(0),
         routing.order, routing.blk_expert, routing.blk_start, routing.blk_count, routing.nblk, topw,
         n, k, top_k, w.stride(0), w.stride(1), s.stride(0), s.stride(1), decode.stride(0),
-        MODE=mode, EPILOGUE=epilogue, BM=routing.bm, BN=bn, BK=bk, EVEN_N=n % bn == 0, DOT_F32=dot_f32,
+        MODE=mode, EPILOGUE=epilogue, BM=routing.bm, BN=bn, BK=bk, EVEN_N=n % bn == 0, DOT_F32=dot_f32, TILE=tile,
         num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out

@@ -23,6 +23,7 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
         self.quantized = False
+        self.tile = 0  # NVFP4 bytes in ``kernels.expert_layout``'s order at this step (0: the checkpoint's)
 
     def use_nvfp4(self) -> None:
         """Hold packed NVFP4 weights instead (set before loading)."""
@@ -37,21 +38,46 @@ class RoutedExperts(nn.Module):
         self.register_buffer("down_decode", torch.empty(e, dtype=torch.float32))
         self.quantized = True
 
+    def tile_for_kernels(self, step: int) -> None:
+        """Reorder the NVFP4 bytes in place into ``kernels.expert_layout``'s tiles at ``step``-byte steps (the
+        GPU kernels' fastest order; ``kernel_weights`` says which), one tensor at a time."""
+        from fp4moe.kernels.expert_layout import tile_experts
+
+        if not self.quantized or self.tile:
+            raise ValueError("only row-major NVFP4 experts are tiled")
+        for name, gated in (("gate_up", True), ("down", False)):
+            packed, scales = tile_experts(
+                getattr(self, f"{name}_packed"), getattr(self, f"{name}_scales"), step, gated
+            )
+            setattr(self, f"{name}_packed", packed)
+            setattr(self, f"{name}_scales", scales)
+        self.tile = step
+
+    def _row_major(self, name: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``e``'s codes and block scales of ``name`` (gate_up, down) in the checkpoint's order."""
+        packed, scales = (
+            getattr(self, f"{name}_packed")[e : e + 1],
+            getattr(self, f"{name}_scales")[e : e + 1],
+        )
+        if self.tile:
+            from fp4moe.kernels.expert_layout import untile_experts
+
+            packed, scales = untile_experts(packed, scales, self.tile, name == "gate_up")
+        return packed[0], scales[0]
+
     def weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.quantized:
             return self.gate_up_proj[e], self.down_proj[e]
         i = self.inter  # gate and up may carry different decode scales (kept exact, unlike vLLM)
+        gu_packed, gu_scales = self._row_major("gate_up", e)
         gate_up = torch.cat(
             [
-                nvfp4.dequantize_modelopt(
-                    self.gate_up_packed[e, :i], self.gate_up_scales[e, :i], self.gate_up_decode[e, 0], dtype
-                ),
-                nvfp4.dequantize_modelopt(
-                    self.gate_up_packed[e, i:], self.gate_up_scales[e, i:], self.gate_up_decode[e, 1], dtype
-                ),
+                nvfp4.dequantize_modelopt(gu_packed[:i], gu_scales[:i], self.gate_up_decode[e, 0], dtype),
+                nvfp4.dequantize_modelopt(gu_packed[i:], gu_scales[i:], self.gate_up_decode[e, 1], dtype),
             ]
         )
-        down = nvfp4.dequantize_modelopt(self.down_packed[e], self.down_scales[e], self.down_decode[e], dtype)
+        dn_packed, dn_scales = self._row_major("down", e)
+        down = nvfp4.dequantize_modelopt(dn_packed, dn_scales, self.down_decode[e], dtype)
         return gate_up, down
 
     def kernel_weights(self):
@@ -63,6 +89,7 @@ class RoutedExperts(nn.Module):
             return ExpertWeights(
                 (self.gate_up_packed, self.gate_up_scales, self.gate_up_decode),
                 (self.down_packed, self.down_scales, self.down_decode),
+                self.tile,
             )
         if getattr(self, "_ones", None) is None or self._ones[0].device != self.gate_up_proj.device:
             dev = self.gate_up_proj.device

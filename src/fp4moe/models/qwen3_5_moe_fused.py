@@ -41,6 +41,14 @@ class Qwen3_5MoeFused:
         self._fuse(with_mtp)
 
     def _fuse(self, with_mtp: bool) -> None:
+        from fp4moe.kernels.moe_dispatch import tile_step
+        from fp4moe.layers.moe import RoutedExperts
+
+        for experts in self.model.modules():  # NVFP4 experts in the GPU kernels' order (``expert_layout``)
+            if isinstance(experts, RoutedExperts) and experts.quantized and experts.tile == 0:
+                step = tile_step(experts.kernel_weights())
+                if step:
+                    experts.tile_for_kernels(step)
         self.fused = []  # (mixer projections, router + shared expert) per layer
         for layer in self.model.layers:
             if layer.is_attention:
