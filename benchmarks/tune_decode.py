@@ -93,6 +93,9 @@ def variants(runner) -> dict:
     v["one token: tensor-core down GEMV (2, 32)"] = lambda: attr(
         mma, "ONE_TOKEN_DOWN_TILES", mma.MmaTiles(2, 32)
     )
+    v["experts row-major (the checkpoint's order, not expert_layout's tiles)"] = lambda: row_major_experts(
+        runner.fwd.model
+    )
     v["grouped GEMM for the experts (no tensor-core GEMV)"] = lambda: attr(gemm, "MMA_GEMV_MAX_TOKENS", 0)
     for gu, dn in (
         ((2, 64), (2, 32, 16)),
@@ -105,6 +108,22 @@ def variants(runner) -> dict:
             lambda: attr(mma, "DOWN_TILES", mma.MmaTiles(*dn)),
         )
     return v
+
+
+@contextlib.contextmanager
+def row_major_experts(model):
+    """The model's tiled NVFP4 experts back in row-major order for the duration (the kernels follow each
+    ``RoutedExperts.tile``), tiled again after."""
+    from fp4moe.layers.moe import RoutedExperts
+
+    tiled = [(m, m.tile) for m in model.modules() if isinstance(m, RoutedExperts) and m.tile]
+    for m, _ in tiled:
+        m.untile()
+    try:
+        yield
+    finally:
+        for m, step in tiled:
+            m.tile_for_kernels(step)
 
 
 @contextlib.contextmanager

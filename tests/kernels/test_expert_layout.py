@@ -152,3 +152,7 @@ def test_routed_experts_tile_in_place_and_dequantize_as_before():
     assert torch.equal(m(x, ids, w), y)
     with pytest.raises(ValueError, match="row-major"):
         m.tile_for_kernels(32)
+    m.untile()
+    assert m.tile == 0 and torch.equal(m.gate_up_packed, gp.cpu()) and torch.equal(m.down_packed, dp.cpu())
+    with pytest.raises(ValueError, match="row-major already"):
+        m.untile()

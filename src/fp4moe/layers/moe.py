@@ -53,6 +53,19 @@ class RoutedExperts(nn.Module):
             setattr(self, f"{name}_scales", scales)
         self.tile = step
 
+    def untile(self) -> None:
+        """``tile_for_kernels`` undone: the checkpoint's row-major order again (for comparisons)."""
+        from fp4moe.kernels.expert_layout import untile_experts
+
+        if not self.tile:
+            raise ValueError("the experts are row-major already")
+        for name, gated in (("gate_up", True), ("down", False)):
+            packed, scales = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scales")
+            packed, scales = untile_experts(packed, scales, self.tile, gated)
+            setattr(self, f"{name}_packed", packed)
+            setattr(self, f"{name}_scales", scales)
+        self.tile = 0
+
     def _row_major(self, name: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ``e``'s codes and block scales of ``name`` (gate_up, down) in the checkpoint's order."""
         packed, scales = (
