@@ -76,7 +76,6 @@ def settle_cache_keys(package: str = "fp4moe.kernels") -> int:
     ``_w4a16_kernel`` and ``_prefill_kernel`` missed the engine's until this). Settling the keys in one
     order before anything launches gives every process the same keys. A key already computed stays. None
     under Triton's interpreter (its functions have no keys)."""
-    import importlib
     import pkgutil
 
     from fp4moe.kernels import INTERPRET

@@ -55,25 +55,23 @@ def _order(x: torch.Tensor, width: int, gated: bool, forward: bool) -> torch.Ten
     return x.reshape(tiled).permute(to_rows).reshape(e, r, c).contiguous()
 
 
-def _check(packed: torch.Tensor, step: int, gated: bool) -> None:
+def _reorder(packed: torch.Tensor, scales: torch.Tensor, step: int, gated: bool, forward: bool):
     e, r, kb = packed.shape
     if step not in (32, 64) or kb % step or r % (2 * TILE_ROWS if gated else TILE_ROWS):
         raise ValueError(f"experts {tuple(packed.shape)} do not tile at {step}-byte steps (gated: {gated})")
+    s = _order(scales.view(torch.uint8), step // 8, gated, forward).view(scales.dtype)
+    return _order(packed, step, gated, forward), s
 
 
 def tile_experts(packed: torch.Tensor, scales: torch.Tensor, step: int, gated: bool):
     """packed [E, R, K/2] uint8, scales [E, R, K/16] (FP8) row-major -> both in tile order (new tensors of the
     same shapes and dtypes). ``gated``: gate/up weights (rows R/2 onwards are the up rows)."""
-    _check(packed, step, gated)
-    s = scales.view(torch.uint8)
-    return _order(packed, step, gated, True), _order(s, step // 8, gated, True).view(scales.dtype)
+    return _reorder(packed, scales, step, gated, True)
 
 
 def untile_experts(packed: torch.Tensor, scales: torch.Tensor, step: int, gated: bool):
     """``tile_experts``' inverse."""
-    _check(packed, step, gated)
-    s = scales.view(torch.uint8)
-    return _order(packed, step, gated, False), _order(s, step // 8, gated, False).view(scales.dtype)
+    return _reorder(packed, scales, step, gated, False)
 
 
 @triton.jit
@@ -94,3 +92,13 @@ def tiled_offsets(rows, cols, row_stride, half, GATED: tl.constexpr, STEP: tl.co
             col_off = (cols // STEP) * (16 * STEP) + cols % STEP
         off = row_off[:, None] + col_off[None, :]
     return off
+
+
+@triton.jit
+def expert_ptrs(w_e, s_e, rows, k0, stride_wn, stride_sn, half, BK: tl.constexpr, GATED: tl.constexpr,
+                TILE: tl.constexpr):  # fmt: skip
+    """Pointers to one [rows, BK] K tile from weight k0 of one expert's NVFP4 codes at ``w_e`` [rows, BK/2]
+    and block-scale bytes at ``s_e`` [rows, BK/16], in the order TILE says (``tiled_offsets``)."""
+    w_ptrs = w_e + tiled_offsets(rows, k0 // 2 + tl.arange(0, BK // 2), stride_wn, half, GATED, TILE)
+    s_ptrs = s_e + tiled_offsets(rows, k0 // 16 + tl.arange(0, BK // 16), stride_sn, half, GATED, TILE // 8)
+    return w_ptrs, s_ptrs

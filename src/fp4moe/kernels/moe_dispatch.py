@@ -81,16 +81,24 @@ def _have_gluon() -> bool:
     return True
 
 
-def _mma_gemv_fits(experts: ExpertWeights, x: torch.Tensor, one_token: bool = False) -> bool:
-    if not (
+def _tensor_cores_take(experts: ExpertWeights, device: torch.device) -> bool:
+    """Whether the tensor-core GEMVs can run these experts on ``device``: NVFP4 with mode 7's dequantization,
+    an NVIDIA GPU of sm89+ (fp8 scale conversion), Triton with Gluon, not the interpreter."""
+    return (
         experts.quantized
         and not INTERPRET
-        and x.is_cuda
+        and device.type == "cuda"
         and dq.DEQUANT_MODE == 7
-        and MMA_GEMV_MAX_TOKENS > 0
-        and (one_token or GEMV_MAX_TOKENS < x.shape[0] <= MMA_GEMV_MAX_TOKENS)
-        and torch.cuda.get_device_capability(x.device) >= (8, 9)  # (fp8 scale conversion: sm89+)
+        and torch.cuda.get_device_capability(device) >= (8, 9)
         and _have_gluon()
+    )
+
+
+def _mma_gemv_fits(experts: ExpertWeights, x: torch.Tensor, one_token: bool = False) -> bool:
+    if not (
+        MMA_GEMV_MAX_TOKENS > 0
+        and (one_token or GEMV_MAX_TOKENS < x.shape[0] <= MMA_GEMV_MAX_TOKENS)
+        and _tensor_cores_take(experts, x.device)
     ):
         return False
     from fp4moe.kernels import nvfp4_mma_gemv as mma
@@ -104,16 +112,7 @@ def tile_step(experts: ExpertWeights) -> int:
     from fp4moe.kernels import expert_layout
 
     gu = experts.gate_up[0]
-    if not (
-        expert_layout.ENABLED
-        and experts.quantized
-        and experts.tile == 0
-        and gu.is_cuda
-        and not INTERPRET
-        and dq.DEQUANT_MODE == 7
-        and torch.cuda.get_device_capability(gu.device) >= (8, 9)
-        and _have_gluon()
-    ):
+    if not (expert_layout.ENABLED and experts.tile == 0 and _tensor_cores_take(experts, gu.device)):
         return 0
     return expert_layout.step_for(gu.shape[2] * 2, experts.inter)
 

@@ -31,7 +31,7 @@ from fp4moe.formats import nvfp4
 from fp4moe.kernels import INTERPRET, pdl_args, uint8_view, unit_scale
 from fp4moe.kernels import nvfp4_dequant as dq
 from fp4moe.kernels import nvfp4_moe_prefill as prefill
-from fp4moe.kernels.expert_layout import tiled_offsets
+from fp4moe.kernels.expert_layout import expert_ptrs
 from fp4moe.kernels.moe_routing import Routing
 from fp4moe.kernels.nvfp4_dequant import block_k, dequant_asm, dequant_bf16, dequant_bf16_bits, mode_of
 from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
@@ -180,12 +180,9 @@ def _w4a16_kernel(
             w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
             s_ptrs = w_ptrs
         else:  # the experts' byte order (``expert_layout``): gate/up rows N / 2 on are up rows when split
-            w_ptrs = w_base + tiled_offsets(
-                offs_n, k0 // 2 + offs_kh, stride_wn, HALF, EPILOGUE % 2 == 1, TILE
-            )
-            s_ptrs = s_base + tiled_offsets(
-                offs_n, k0 // 16 + offs_ks, stride_sn, HALF, EPILOGUE % 2 == 1, TILE // 8
-            )
+            w_ptrs, s_ptrs = expert_ptrs(
+                w_base, s_base, offs_n, k0, stride_wn, stride_sn, HALF, BK, EPILOGUE % 2 == 1, TILE
+            )  # fmt: skip
         a_mask = mask_m[:, None] & ((k0 + offs_k < K)[None, :] if not EVEN_K else (offs_k >= 0)[None, :])
         a = _load_a(a_base, (k0 + offs_k)[None, :], a_mask, K, stride_as, ACT_SPLITS)
         acc += _tile_dot(
@@ -196,8 +193,9 @@ def _w4a16_kernel(
                 w_up = w_ptrs + N * stride_wn
                 s_up = w_up
             else:
-                w_up = w_base + tiled_offsets(offs_n + N, k0 // 2 + offs_kh, stride_wn, N, True, TILE)
-                s_up = s_base + tiled_offsets(offs_n + N, k0 // 16 + offs_ks, stride_sn, N, True, TILE // 8)
+                w_up, s_up = expert_ptrs(
+                    w_base, s_base, offs_n + N, k0, stride_wn, stride_sn, N, BK, True, TILE
+                )
             acc_up += _tile_dot(
                 a, k0, K, w_up, s_up, mask_n, offs_k, offs_kh, offs_ks, MODE, BN, BK, EVEN_K, DOT_F32
             )  # fmt: skip

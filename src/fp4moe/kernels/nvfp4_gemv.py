@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from fp4moe.kernels import pdl_args, uint8_view, unit_scale
-from fp4moe.kernels.expert_layout import tiled_offsets
+from fp4moe.kernels.expert_layout import expert_ptrs
 from fp4moe.kernels.nvfp4_dequant import (
     block_k,
     dequant_asm_of,
@@ -37,11 +37,9 @@ def _tile_ptrs(w_e, s_e, rows, k0, stride_wn, stride_sn, half, MODE: tl.constexp
     """Pointers to one K tile of rows ``rows`` of the weights at ``w_e`` / ``s_e``: weights [BN, BK] (bf16) or
     codes [BN, BK/2], and scale bytes [BN, BK/16], in the experts' byte order (``expert_layout``; TILE 0:
     row-major)."""
+    w_ptrs, s_ptrs = expert_ptrs(w_e, s_e, rows, k0, stride_wn, stride_sn, half, BK, GATED, TILE)
     if MODE == 0:
         w_ptrs = w_e + rows[:, None] * stride_wn + (k0 + tl.arange(0, BK))[None, :]
-    else:
-        w_ptrs = w_e + tiled_offsets(rows, k0 // 2 + tl.arange(0, BK // 2), stride_wn, half, GATED, TILE)
-    s_ptrs = s_e + tiled_offsets(rows, k0 // 16 + tl.arange(0, BK // 16), stride_sn, half, GATED, TILE // 8)
     return w_ptrs, s_ptrs
 
 

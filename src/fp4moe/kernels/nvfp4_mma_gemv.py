@@ -198,38 +198,20 @@ def _mma_gemv_kernel(
     ws = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, SS)))
     rs = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, SS)))
     js = gl.arange(0, KC // 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, SS)))
-    if GATED:
-        row_a = n0 + ra % 16 + (ra // 16) * N
-        row_s = n0 + rs % 16 + (rs // 16) * N
-    else:
-        row_a = n0 + ra
-        row_s = n0 + rs
     if TILE:  # ``expert_layout``'s order: the program's rows of one step contiguous, its steps in turn
         gl.static_assert(TILE == STEP, "the launch's K step must be the experts' tile step")
         t0 = gl.program_id(1) * STEPS * ROWS
-        w_ptrs = (
-            w_ptr
-            + e * stride_we
-            + ((t0 + ra)[None, :, None] * STEP + (wa[:, None, None] * KC + ja[None, None, :]))
-        )
-        s_ptrs = (
-            s_ptr
-            + e * stride_se
-            + ((t0 + rs)[None, :, None] * (STEP // 8) + (ws[:, None, None] * (KC // 8) + js[None, None, :]))
-        )
+        row_w = (t0 + ra) * STEP
+        row_sc = (t0 + rs) * (STEP // 8)
         WSTEP: gl.constexpr = ROWS * STEP
-    else:
-        w_ptrs = (
-            w_ptr
-            + e * stride_we
-            + (row_a[None, :, None] * stride_wn + (wa[:, None, None] * KC + ja[None, None, :]))
-        )
-        s_ptrs = (
-            s_ptr
-            + e * stride_se
-            + (row_s[None, :, None] * stride_sn + (ws[:, None, None] * (KC // 8) + js[None, None, :]))
-        )
+    else:  # row-major (gate/up: rows 16+ of the tile are the up rows, N on)
+        row_w = (n0 + ra % 16 + (ra // 16) * N if GATED else n0 + ra) * stride_wn
+        row_sc = (n0 + rs % 16 + (rs // 16) * N if GATED else n0 + rs) * stride_sn
         WSTEP: gl.constexpr = STEP
+    w_ptrs = w_ptr + e * stride_we + (row_w[None, :, None] + (wa[:, None, None] * KC + ja[None, None, :]))
+    s_ptrs = (
+        s_ptr + e * stride_se + (row_sc[None, :, None] + (ws[:, None, None] * (KC // 8) + js[None, None, :]))
+    )
     cw = gl.load(w_ptrs)
     cs = gl.load(s_ptrs)
     if PRELOAD:

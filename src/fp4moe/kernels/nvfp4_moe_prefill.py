@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from fp4moe.kernels import pdl_args
-from fp4moe.kernels.expert_layout import tiled_offsets
+from fp4moe.kernels.expert_layout import expert_ptrs
 from fp4moe.kernels.nvfp4_dequant import dequant_asm, dequant_bf16
 from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 
@@ -84,8 +84,6 @@ def _prefill_kernel(
     rows = pairs // TOPK  # gate/up read token rows (TOPK = k), down reads pair rows (TOPK = 1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     w_mask = offs_n[:, None] >= 0 if EVEN_N else offs_n[:, None] < N
-    offs_kh = tl.arange(0, BK // 2)
-    offs_ks = tl.arange(0, BK // 16)
     offs_k = tl.arange(0, BK)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     s_base = s_ptr + e.to(tl.int64) * stride_se
@@ -97,12 +95,14 @@ def _prefill_kernel(
         if DOT_F32:
             a_t = a_t.to(tl.float32)
         # the experts' byte order (``expert_layout``)
-        w_ptrs = w_base + tiled_offsets(offs_n, k0 // 2 + offs_kh, stride_wn, N, EPILOGUE == 1, TILE)
-        s_ptrs = s_base + tiled_offsets(offs_n, k0 // 16 + offs_ks, stride_sn, N, EPILOGUE == 1, TILE // 8)
+        w_ptrs, s_ptrs = expert_ptrs(
+            w_base, s_base, offs_n, k0, stride_wn, stride_sn, N, BK, EPILOGUE == 1, TILE
+        )
         acc = tl.dot(_weights(w_ptrs, s_ptrs, w_mask, MODE, BN, BK, DOT_F32), a_t, acc=acc)
         if EPILOGUE == 1:
-            w_ptrs = w_base + tiled_offsets(offs_n + N, k0 // 2 + offs_kh, stride_wn, N, True, TILE)
-            s_ptrs = s_base + tiled_offsets(offs_n + N, k0 // 16 + offs_ks, stride_sn, N, True, TILE // 8)
+            w_ptrs, s_ptrs = expert_ptrs(
+                w_base, s_base, offs_n + N, k0, stride_wn, stride_sn, N, BK, True, TILE
+            )
             acc_up = tl.dot(_weights(w_ptrs, s_ptrs, w_mask, MODE, BN, BK, DOT_F32), a_t, acc=acc_up)
     if MODE == 7:  # the bf16-bit dequantization leaves a factor 2^-8 in the weights
         acc = acc * 256.0

@@ -41,30 +41,27 @@ class RoutedExperts(nn.Module):
     def tile_for_kernels(self, step: int) -> None:
         """Reorder the NVFP4 bytes in place into ``kernels.expert_layout``'s tiles at ``step``-byte steps (the
         GPU kernels' fastest order; ``kernel_weights`` says which), one tensor at a time."""
-        from fp4moe.kernels.expert_layout import tile_experts
-
         if not self.quantized or self.tile:
             raise ValueError("only row-major NVFP4 experts are tiled")
+        self._reorder(step, True)
+
+    def untile(self) -> None:
+        """``tile_for_kernels`` undone: the checkpoint's row-major order again (for comparisons)."""
+        if not self.tile:
+            raise ValueError("the experts are row-major already")
+        self._reorder(self.tile, False)
+
+    def _reorder(self, step: int, tiled: bool) -> None:
+        from fp4moe.kernels.expert_layout import tile_experts, untile_experts
+
+        reorder = tile_experts if tiled else untile_experts
         for name, gated in (("gate_up", True), ("down", False)):
-            packed, scales = tile_experts(
+            packed, scales = reorder(
                 getattr(self, f"{name}_packed"), getattr(self, f"{name}_scales"), step, gated
             )
             setattr(self, f"{name}_packed", packed)
             setattr(self, f"{name}_scales", scales)
-        self.tile = step
-
-    def untile(self) -> None:
-        """``tile_for_kernels`` undone: the checkpoint's row-major order again (for comparisons)."""
-        from fp4moe.kernels.expert_layout import untile_experts
-
-        if not self.tile:
-            raise ValueError("the experts are row-major already")
-        for name, gated in (("gate_up", True), ("down", False)):
-            packed, scales = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scales")
-            packed, scales = untile_experts(packed, scales, self.tile, gated)
-            setattr(self, f"{name}_packed", packed)
-            setattr(self, f"{name}_scales", scales)
-        self.tile = 0
+        self.tile = step if tiled else 0
 
     def _row_major(self, name: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ``e``'s codes and block scales of ``name`` (gate_up, down) in the checkpoint's order."""

@@ -45,10 +45,10 @@ class Qwen3_5MoeFused:
         from fp4moe.layers.moe import RoutedExperts
 
         for experts in self.model.modules():  # NVFP4 experts in the GPU kernels' order (``expert_layout``)
-            if isinstance(experts, RoutedExperts) and experts.quantized and experts.tile == 0:
-                step = tile_step(experts.kernel_weights())
-                if step:
-                    experts.tile_for_kernels(step)
+            quantized = isinstance(experts, RoutedExperts) and experts.quantized
+            step = tile_step(experts.kernel_weights()) if quantized else 0
+            if step:  # (row-major NVFP4 experts where the tensor-core GEMVs run)
+                experts.tile_for_kernels(step)
         self.fused = []  # (mixer projections, router + shared expert) per layer
         for layer in self.model.layers:
             if layer.is_attention:
