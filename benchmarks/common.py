@@ -288,6 +288,56 @@ def _kernel_table(prof, top: int) -> list[dict]:
     return rows[:top] if top else rows
 
 
+def timeline(fn, repeats: int = 5, top: int = 30) -> dict:
+    """Where ``repeats`` calls of ``fn`` (e.g. graph replays) spend the GPU's time, from a profiler trace:
+    per call, the span from the first kernel's start to the last one's end, the busy time (the union of
+    kernel intervals, so overlapping side-stream work counts once), the kernel count, and the kernels by
+    device time (us per call)."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    kernels = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel" and "dur" in e
+    )
+    if not kernels:
+        return dict(span_us=None, busy_us=None, kernels=0, table=[])
+    busy, end = 0.0, kernels[0][0]
+    for start, stop, _ in kernels:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    by_name: dict[str, list[float]] = {}
+    for start, stop, name in kernels:
+        by_name.setdefault(name[:90], []).append(stop - start)
+    table = sorted(
+        (dict(kernel=k, calls=len(v) / repeats, us=sum(v) / repeats) for k, v in by_name.items()),
+        key=lambda r: -r["us"],
+    )
+    return dict(
+        span_us=(kernels[-1][1] - kernels[0][0]) / repeats,  # includes the gaps between calls
+        busy_us=busy / repeats,
+        kernel_us=sum(stop - start for start, stop, _ in kernels) / repeats,
+        kernels=len(kernels) / repeats,
+        table=table[:top] if top else table,
+    )
+
+
 def kernel_breakdown(model, b: int = 1, ctx: int = 1024) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 

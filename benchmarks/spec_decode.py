@@ -85,6 +85,17 @@ def main() -> int:
     ap.add_argument(
         "--ks", nargs="+", type=int, default=[0, 1, 2, 3], help="draft tokens per step to compare"
     )
+    ap.add_argument(
+        "--round-tokens", nargs="+", choices=["random", "same"], default=["random"],
+        help="--full-size: the tokens each timed round verifies: random ids, a different one per row (the "
+        "default: rows route to different experts, as real text does) or id 1 in every row (the runs before "
+        "2026-12-05: rows that route alike make the verification cheaper)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--profile", action="store_true",
+        help="--full-size: also where the GPU's time goes in the plain step and in each round (graph replays "
+        "under the torch profiler: span, busy time, kernel count, kernels by device time)",
+    )  # fmt: skip
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8], help="concurrent sequences")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens per sequence (default 1024)")
     ap.add_argument("--max-tokens", type=int, default=128, help="generated tokens per sequence (default 128)")
@@ -191,8 +202,14 @@ def full_size(args) -> int:
         for b in args.batches:
             step_s = common.time_decode(model, b, ctx, "auto")["engine_s"]
             rows.append(dict(k=0, batch=b, context=ctx, step_s=step_s, tok_s=b / step_s))
-            print(json.dumps(rows[-1]), flush=True)
-            for k, vocab in [(k, v) for k in args.ks if k > 0 for v in args.draft_vocabs]:
+            if args.profile:
+                rows[-1]["profile"] = step_profile(common, model, b, ctx)
+                print(json.dumps(_brief(rows[-1]["profile"])), flush=True)
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"}), flush=True)
+            points = [
+                (k, v, t) for k in args.ks if k > 0 for v in args.draft_vocabs for t in args.round_tokens
+            ]
+            for k, vocab, kind in points:
                 ids = draft_token_ids(model.args.vocab_size, vocab) if vocab else None
                 model.mtp.use_draft_vocab(model, ids)
                 runner = common.random_runner(
@@ -200,7 +217,11 @@ def full_size(args) -> int:
                 )
                 fused = FusedSpecRound(runner, k)
                 fused.forced = torch.zeros(1, dtype=torch.long, device=dev)
-                slots, tokens = list(range(b)), [[1] * (k + 1) for _ in range(b)]
+                slots = list(range(b))
+                if kind == "same":
+                    tokens = [[1] * (k + 1) for _ in range(b)]
+                else:
+                    tokens = torch.randint(0, model.args.vocab_size, (b, k + 1)).tolist()
                 by_accepted = {}
                 for a in range(k + 1):
                     fused.forced.fill_(a)
@@ -219,38 +240,62 @@ def full_size(args) -> int:
                     by_accepted[a] = statistics.median(common.event_seconds(one_round, args.rounds))
                 round_s = statistics.median(by_accepted.values())
                 row = dict(
-                    k=k, batch=b, context=ctx, sampling=args.sampling, draft_vocab=vocab, round_s=round_s,
+                    k=k, batch=b, context=ctx, sampling=args.sampling, draft_vocab=vocab, round_tokens=kind,
+                    round_s=round_s,
                     round_over_step=round_s / step_s,
                     round_s_by_accepted=by_accepted,
                     tok_s_by_accepted={a: b * (a + 1) / t for a, t in by_accepted.items()},
                     speedup_at_alpha={al: sum(al**j for j in range(k + 1)) * step_s / round_s for al in ALPHAS},
                 )  # fmt: skip
+                if args.profile:  # the graph's own time, at every draft accepted
+                    fused.forced.fill_(k)
+                    fused(slots, [ctx] * b, tokens, [0] * b)  # back to the context's end (pages reserved)
+                    graph, _ = fused.graphs[runner.graph_bucket(b), 0]
+                    row["profile"] = common.timeline(graph.replay)
+                    print(json.dumps(_brief(row["profile"])), flush=True)
                 rows.append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
                 del runner, fused
                 torch.cuda.empty_cache()
     out = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), model="full-size",
                rows=rows)  # fmt: skip
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(
-        "\n| context | batch | k | draft vocabulary | step or round ms | round / step | "
+        "\n| context | batch | k | draft vocabulary | round tokens | step or round ms | round / step | "
         + " | ".join(f"x at {a:.0%}" for a in ALPHAS)
         + " |"
     )
-    print("|---|---|---|---|---|---|" + "---|" * len(ALPHAS))
+    print("|---|---|---|---|---|---|---|" + "---|" * len(ALPHAS))
     for r in rows:
         if r["k"] == 0:
             print(
-                f"| {r['context']} | {r['batch']} | 0 | - | {r['step_s'] * 1e3:.2f} | - |"
+                f"| {r['context']} | {r['batch']} | 0 | - | - | {r['step_s'] * 1e3:.2f} | - |"
                 + " - |" * len(ALPHAS)
             )
         else:
             gains = " | ".join(f"{r['speedup_at_alpha'][a]:.2f}" for a in ALPHAS)
             print(
-                f"| {r['context']} | {r['batch']} | {r['k']} | {r['draft_vocab'] or 'all'} | {r['round_s'] * 1e3:.2f} | "
+                f"| {r['context']} | {r['batch']} | {r['k']} | {r['draft_vocab'] or 'all'} | {r['round_tokens']} | "
+                f"{r['round_s'] * 1e3:.2f} | "
                 f"{r['round_over_step']:.2f} | {gains} |"
             )
     return 0
+
+
+def step_profile(common, model, b: int, ctx: int) -> dict:
+    """The plain decode step's graph replay under the profiler (random distinct tokens, as timed)."""
+    runner = common.random_runner(model, b, ctx, "auto", 8)
+    tokens = torch.randint(0, model.args.vocab_size, (b,), device=model.embed_tokens.device)
+    runner.decode_logits(list(range(b)), tokens, [ctx] * b)  # captures the bucket's graph
+    graph, _ = runner.graphs[runner.graph_bucket(b)]
+    out = common.timeline(graph.replay)
+    del runner
+    torch.cuda.empty_cache()
+    return out
+
+
+def _brief(profile: dict) -> dict:
+    return {k: v for k, v in profile.items() if k != "table"} | {"top": profile["table"][:8]}
 
 
 def _stats(llm) -> dict:
