@@ -151,7 +151,9 @@ class _ChainRunner:
         return None
 
     def forward_rows(self, ids, pos, slots, rope, tokens_per_seq):
-        self.history[0, : len(ids)] = torch.arange(len(ids), dtype=torch.float32)
+        rows = torch.arange(len(ids), dtype=torch.float32)
+        self.history[0, : len(ids)] = rows  # the states after each row; the last row's in the slot
+        self.states.rec[0, slots[::tokens_per_seq].long()] = rows[tokens_per_seq - 1 :: tokens_per_seq]
         x = torch.nn.functional.one_hot(ids, 2 * self.v).float()
         return x, x
 

@@ -135,11 +135,14 @@ def test_gdn_verify_walks_each_sequences_tokens_and_rolls_back():
         before = states.snapshot(slot)
         for j in range(t):
             assert rel(got[i * t + j], reference(x[i * t + j], p + j, i)) < RTOL, (i, j)
-            assert rel(history[i * t + j], states.get(0, slot)[1]) < 1e-2, (i, j)
+            after = history[i * t + j] if j < t - 1 else state[slot]  # the last token's: in the slot
+            assert rel(after, states.get(0, slot)[1]) < 1e-2, (i, j)
         states.restore(slot, before)  # the reference keeps only the accepted tokens
         for j in range(accepted[i] + 1):
             reference(x[i * t + j], p + j, i)
-        state[slot] = history[i * t + accepted[i]]
+    rec = state[None]
+    accepted_t = torch.tensor(accepted, device=DEV)
+    gdn_k.restore_states(history[None], rec, accepted_t, torch.tensor(slots, device=DEV), t, kernel=True)
     for step in range(2):  # plain decoding on, each sequence from its own position
         x = torch.randn(b, 64, generator=gen).to(BF16).to(DEV)
         for i, slot in enumerate(slots):
@@ -267,3 +270,29 @@ def test_deltanet_varlen_prefill_is_each_sequence_alone(monkeypatch):
         c_ref, r_ref = alone.get(0, slots[i], end)
         assert torch.equal(c_got, c_ref), i  # copies of the conv inputs
         assert rel(r_got, r_ref) < 1e-2, i
+
+
+@pytest.mark.parametrize("t", [2, 3, 4])
+def test_restore_states_copies_the_accepted_state_where_drafts_were_rejected(t):
+    """The rollback kernel against its torch reference, exactly (a copy): several layers, sequences whose
+    slots are out of order, every accepted count (the ones that accepted all drafts keep their slot's
+    state), states whose size is not a multiple of the kernel's block, and a history with more rows than
+    the round uses (the runner's is sized for its largest batch)."""
+    gen = torch.Generator().manual_seed(t)
+    layers, b, slots_n = 3, 5, 7
+    history = torch.randn(layers, (b + 2) * t, 2, 3, 700, generator=gen).to(DEV)
+    state = torch.randn(layers, slots_n, 2, 3, 700, generator=gen).to(DEV)
+    accepted = torch.tensor([i % t for i in range(b)], device=DEV)
+    slots = torch.tensor([6, 0, 3, 2, 5], dtype=torch.int32, device=DEV)
+    before = state.clone()
+    want = state.clone()
+    gdn_k.restore_states_reference(history, want, accepted, slots, t)
+    gdn_k.restore_states(history, state, accepted, slots, t, kernel=True)
+    assert torch.equal(state, want)
+    for i, slot in enumerate(
+        slots.tolist()
+    ):  # the reference itself: restored, or kept where all were accepted
+        a = i % t
+        assert torch.equal(want[:, slot], before[:, slot] if a == t - 1 else history[:, i * t + a]), i
+    untouched = [s for s in range(slots_n) if s not in slots.tolist()]
+    assert torch.equal(state[:, untouched], before[:, untouched])

@@ -13,7 +13,8 @@ round (or from the module path's first drafting after prefill). The round:
    p_t and the draft distributions q_t the drafts were drawn from -- draft j is accepted when
    u_j q_j(d_j) <= p_j(d_j), the final token comes from max(0, p_a - q_a) (or p_k after k acceptances);
    the sequence gains d_1..d_a and y_a, distributed as plain sampling from the target;
-3. rolls back: each Gated DeltaNet state becomes the one after token a (a copy from the history); the
+3. rolls back: each Gated DeltaNet state becomes the one after token a (the verification left the state
+   after token k in the slot and the ones before in the history: a copy from there where a < k); the
    conv rings are long enough that nothing was lost, and keys/values past p+a are simply not counted;
 4. catches the MTP head up on positions p..p+k with (target hidden h_{p+t}, token y_t) -- for t <= a, y_t
    is the token that really follows (d_{t+1}, then the final token) -- and drafts the next round's d'_1
@@ -208,6 +209,8 @@ class FusedSpecRound:
 
     def forward(self, b: int, mode: int = GREEDY) -> torch.Tensor:
         """The round over the first ``b`` buffer rows -> [b, 1 + (k+1) + k] int64: a, y, next drafts."""
+        from fp4moe.kernels import gdn_decode as gdn_k
+
         r, t, k = self.runner, self.t, self.k
         model = r.model
         steps = torch.arange(t, device=self.pos.device, dtype=torch.int32)
@@ -233,8 +236,7 @@ class FusedSpecRound:
         if self.forced is not None:
             accepted = self.forced.expand(b)
         rows = torch.arange(b, device=pos.device) * t + accepted
-        st = r.states
-        st.rec.index_copy_(1, self.slots[:b].long(), r.history[:, rows])
+        gdn_k.restore_states(r.history, r.states.rec, accepted, self.slots[:b], t)
         hidden = r.mtp_rows(choices.reshape(-1), x, pos, slots, rope, keep=rows)  # after the final token
         drafts = [self._draft(hidden, b, mode, 0)]
         for j in range(1, k):

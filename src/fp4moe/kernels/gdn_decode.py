@@ -9,8 +9,9 @@ its own T tokens, from the ring otherwise -- and writes p+t, an entry no reader 
 (programs of the value heads that share a key head write the same q/k inputs). Because the ring holds
 KC - 1 + T positions, inputs of rejected drafts never overwrite ones a rolled-back sequence still needs.
 Positions below 0 read as zero, and position 0 starts from a zero state, so a reused slot needs no
-clearing. With T = 1 the state goes back into the slot; with T > 1 the state after each token goes into
-``history[b, t]`` and the caller copies the one after the last accepted token into the slot.
+clearing. The state after the last token goes back into the slot; with T > 1 the states after the tokens
+before it go into ``history[b, t]``, and the round's rollback (``restore_states``) copies the one after the
+last accepted token into the slot where not all were accepted -- when every draft is, nothing moves.
 
 Reference: ``layers.deltanet`` (``_conv`` and ``delta_rule_recurrent``), which this kernel matches up to
 fp32 rounding; the bf16 roundings of the CPU path are kept at the same places."""
@@ -98,7 +99,7 @@ def _gdn_decode_kernel(
         predicted = tl.sum(state * k[:, None], 0)
         u = (v - predicted) * beta
         state = state + k[:, None] * u[None, :]
-        if T > 1:  # the state after each token, for rollback to the last accepted one
+        if t < T - 1:  # the state after each token but the last, for rollback to the last accepted one
             h_ptrs = hist_ptr + (first_row + t) * stride_hb + h * DK * DV + dk[:, None] * DV + dv[None, :]
             tl.store(h_ptrs, state)
         o = round_bf16(tl.sum(state * q[:, None], 0))
@@ -111,8 +112,58 @@ def _gdn_decode_kernel(
             z = tl.load(row + z_off + h * DV + dv).to(tl.float32)
             y = round_bf16(w * normed) * (z * tl.sigmoid(z))
             tl.store(out_row + h * DV + dv, round_bf16(y).to(out_ptr.dtype.element_ty))
-    if T == 1:
-        tl.store(s_ptrs, state)
+    tl.store(s_ptrs, state)
+
+
+@triton.jit
+def _restore_states_kernel(
+    hist_ptr, stride_hl, stride_hr, state_ptr, stride_sl, stride_ss, accepted_ptr, stride_a, slot_ptr, n,
+    T: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (layer, sequence, block): the sequence's state after its last accepted token, from the
+    history into its slot -- unless it accepted every draft (the slot holds that state already)."""
+    layer = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    a = tl.load(accepted_ptr + b * stride_a)
+    if a < T - 1:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(hist_ptr + layer * stride_hl + (b * T + a).to(tl.int64) * stride_hr + offs, mask=mask)
+        tl.store(state_ptr + layer * stride_sl + slot * stride_ss + offs, x, mask=mask)
+
+
+def restore_states(history, state, accepted, slots, tokens_per_seq: int, kernel: bool | None = None) -> None:
+    """A speculative round's rollback of the Gated DeltaNet states, in place: history [L, >= B*T, ...] (the
+    states after each verified token but the last, ``gdn_decode`` with T = ``tokens_per_seq``), state [L,
+    slots, ...] (after the last), accepted [B] drafts per sequence, slots [B] -> sequence b's state
+    becomes history[:, b*T + a_b] where a_b < T - 1. ``kernel`` (default: on CUDA tensors): the Triton
+    kernel, one pass that a CUDA graph can hold; else torch (``restore_states_reference``)."""
+    b, t = accepted.shape[0], tokens_per_seq
+    if (
+        history.shape[1] < b * t
+        or state.shape[0] != history.shape[0]
+        or state.shape[2:] != history.shape[2:]
+        or not (history[0, 0].is_contiguous() and state[0, 0].is_contiguous())
+    ):
+        raise ValueError(f"history {tuple(history.shape)} and state {tuple(state.shape)} for {b} x {t} rows")
+    if not (history.is_cuda if kernel is None else kernel):
+        restore_states_reference(history, state, accepted, slots, t)
+        return
+    n = history[0, 0].numel()
+    block = min(4096, triton.next_power_of_2(n))
+    if b:
+        _restore_states_kernel[(history.shape[0], b, triton.cdiv(n, block))](
+            history, history.stride(0), history.stride(1), state, state.stride(0), state.stride(1),
+            accepted, accepted.stride(0), slots, n, T=t, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+
+
+def restore_states_reference(history, state, accepted, slots, tokens_per_seq: int) -> None:
+    """``restore_states`` in torch (data-dependent shapes: not for a CUDA graph)."""
+    rows = torch.arange(accepted.shape[0], device=accepted.device) * tokens_per_seq + accepted
+    moved = accepted < tokens_per_seq - 1
+    state.index_copy_(1, slots[moved].long(), history[:, rows[moved]])
 
 
 @triton.jit
@@ -163,8 +214,9 @@ def gdn_decode(
     """proj [B*T, conv_dim + Hv*Dv + 2*Hv] (fused in_proj output: qkv | z | b | a; a sequence's T rows
     consecutive), conv_w [C, KC], ring [slots, RING, C], state [slots, Hv, Dk, Dv] fp32, slots/positions
     [B*T] int32 (per row; a sequence's rows at consecutive positions) -> [B*T, Hv*Dv]. ``dims`` = (Hk, Hv,
-    Dk, Dv). With ``tokens_per_seq`` T > 1 the slot's state is left as it was and ``history`` [>= B*T, Hv,
-    Dk, Dv] fp32 receives the state after each row."""
+    Dk, Dv). The slot's state becomes the one after the sequence's last row; with ``tokens_per_seq`` T > 1
+    ``history`` [>= B*T, Hv, Dk, Dv] fp32 receives the state after each of the rows before it (row b*T + t,
+    t < T - 1) for ``restore_states``."""
     hk, hv, dk, dv = dims
     t = tokens_per_seq
     rows = proj.shape[0]

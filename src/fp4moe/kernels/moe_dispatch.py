@@ -51,7 +51,9 @@ def moe_experts(experts: ExpertWeights, x: torch.Tensor, topk_ids: torch.Tensor,
     return moe_pairs(experts, x, topk_ids, topk_weights).view(t, k, -1).sum(1, dtype=torch.float32)
 
 
-GEMV_MAX_TOKENS = 4  # up to this many tokens, every (token, expert) pair runs as GEMVs (nvfp4_gemv)
+# up to this many tokens, every (token, expert) pair runs as GEMVs (nvfp4_gemv); FP4MOE_GEMV_MAX_TOKENS for
+# benchmarks (benchmarks/spec_decode.py: a batch-1 verification's 3 tokens on the tensor-core GEMVs)
+GEMV_MAX_TOKENS = int(os.environ.get("FP4MOE_GEMV_MAX_TOKENS", "4"))
 # from GEMV_MAX_TOKENS + 1 up to this many tokens, NVFP4 experts run as tensor-core GEMVs in blocks of up to 8
 # tokens of an expert (nvfp4_mma_gemv; sm89+, not under the interpreter). H200, full-size experts per layer
 # (benchmarks/tune_experts.py): 50 + 29 us at 16 tokens against the grouped GEMM's 81 + 43, 101 + 58 at 64
