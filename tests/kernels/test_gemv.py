@@ -94,7 +94,9 @@ def test_gemv_refuses_a_k_that_no_tile_divides():
         gemv.gemv_gate_up(x, gp, gs, gd, torch.zeros(1, 2, dtype=torch.int32, device=DEV))
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 96, 256), (1, 1281, 256), (3, 41, 2048)])
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 96, 256), (1, 1281, 256), (3, 41, 2048), (2, 2048, 512), (4, 200, 4096)]
+)
 def test_bf16_gemv(m, n, k):
     """Any N: the router group's 1,281 rows end in a part-filled block of the kernel's output tile."""
     gen = torch.Generator().manual_seed(m)
@@ -113,3 +115,9 @@ def test_gemv_fits_only_weights_the_kernel_reads():
         assert not gemv.gemv_fits(x, torch.zeros(64, 8, dtype=BF16, device=DEV).T)  # K not contiguous
         assert not gemv.gemv_fits(x, w[:, :32])  # K mismatch
         assert not gemv.gemv_fits(torch.zeros(2, 64, dtype=BF16, device=DEV), w)  # two rows
+        assert gemv.gemv_fits(torch.zeros(2, 64, dtype=BF16, device=DEV), w, max_rows=4)  # allowed
+        assert not gemv.gemv_fits(torch.zeros(5, 64, dtype=BF16, device=DEV), w, max_rows=4)
+        wide = torch.zeros(gemv.FEW_ROWS_MAX_N + 8, 64, dtype=BF16, device=DEV)
+        assert gemv.gemv_fits(x, wide) and not gemv.gemv_fits(
+            torch.zeros(2, 64, dtype=BF16, device=DEV), wide, 4
+        )

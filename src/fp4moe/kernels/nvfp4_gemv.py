@@ -268,14 +268,26 @@ def dense_tiles(n: int) -> GemvTiles:
     return GemvTiles(16, 256, 4, 3) if n >= 8192 else GemvTiles(4, 1024, 8, 3, sum_each=True)
 
 
-def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether one bf16 row on the GPU goes through ``bf16_gemv``: K a multiple of 32, rows of both with unit
-    stride along K (the kernel reads them so), and a weight small enough that launch latency, not bandwidth,
-    bounds cuBLAS (the 1 GB lm_head runs at the copy rate) and whose output blocks fit one grid axis."""
+# 2-4 rows (a batch-1 speculative verification, batches of 2-4) of the narrower projections -- out_proj and
+# o_proj 2048 x 4096, the MTP head's fc, shared down 2048 x 512: H200, 3 rows, benchmarks/tune_dense.py --kernels
+# gemv: 8.0 and 2.6 us against cuBLAS's 8.8 (split-K and its reduce) and 3.8. Wider ones read their weight
+# once per row here (the in_proj's 12,352 x 2048: 20.8 us against 16.0) and stay with cuBLAS or the grouped
+# kernel.
+FEW_ROWS = 4
+FEW_ROWS_MAX_N = 4096
+FEW_ROWS_TILES = GemvTiles(8, 512, 4, 3)
+
+
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int = 1) -> bool:
+    """Whether bf16 rows on the GPU go through ``bf16_gemv``: one row, or up to ``max_rows`` of an output no
+    wider than ``FEW_ROWS_MAX_N``; K a multiple of 32, rows of both with unit stride along K (the kernel
+    reads them so), and a weight small enough that launch latency, not bandwidth, bounds cuBLAS (the 1 GB
+    lm_head runs at the copy rate) and whose output blocks fit one grid axis."""
+    rows = x.numel() // max(x.shape[-1], 1)
     return (
         x.is_cuda
         and weight.device == x.device
-        and x.numel() == x.shape[-1]
+        and (rows == 1 or (rows <= max_rows and weight.shape[0] <= FEW_ROWS_MAX_N and x.is_contiguous()))
         and x.stride(-1) == 1
         and x.dtype == weight.dtype == torch.bfloat16
         and weight.ndim == 2
@@ -299,7 +311,8 @@ def bf16_gemv(
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     one = unit_scale(x.device)
+    default = dense_tiles(n) if m == 1 else FEW_ROWS_TILES
     return _launch(
-        x, weight, weight, 0, one, out, one, one, n, k, 1, False, 0, tiles or _tiles(dense_tiles(n), n, x), rows=m,
+        x, weight, weight, 0, one, out, one, one, n, k, 1, False, 0, tiles or _tiles(default, n, x), rows=m,
         trigger=trigger,
     )  # fmt: skip

@@ -97,10 +97,11 @@ class Linear(nn.Module):
                 *x.shape[:-1], -1
             )
         if self.weight is not None and x.is_cuda:
-            from fp4moe.kernels.nvfp4_gemv import bf16_gemv, gemv_fits
+            from fp4moe.kernels.nvfp4_gemv import FEW_ROWS, bf16_gemv, gemv_fits
 
-            if gemv_fits(x, self.weight):  # one decode row: our GEMV beats cuBLAS's launch-bound kernels
-                return bf16_gemv(x.reshape(1, -1), self.weight).view(*x.shape[:-1], -1)
+            # decode rows: our GEMV beats cuBLAS's launch-bound kernels (1-4 rows, ``gemv_fits``)
+            if gemv_fits(x, self.weight, max_rows=FEW_ROWS):
+                return bf16_gemv(x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
         if self.fp8 is not None and x.is_cuda and x.dtype == torch.bfloat16:  # weight-only FP8 kernel
             from fp4moe.kernels.nvfp4_gemm import fp8_linear
 
