@@ -296,3 +296,57 @@ def test_restore_states_copies_the_accepted_state_where_drafts_were_rejected(t):
         assert torch.equal(want[:, slot], before[:, slot] if a == t - 1 else history[:, i * t + a]), i
     untouched = [s for s in range(slots_n) if s not in slots.tolist()]
     assert torch.equal(state[:, untouched], before[:, untouched])
+
+
+@pytest.mark.parametrize(
+    "m,k,dv,n", [(1, 512, 128, 70), (2, 4096, 128, 2048), (3, 256, 64, 33), (4, 1024, 128, 8)]
+)
+def test_gated_norm_gemv_is_the_norm_then_the_projection(m, k, dv, n):
+    """out_proj with the gated RMSNorm fused into its input reads, against the layer's norm then the bf16
+    product (z as a strided view of the projection, as the engine passes it; outputs not a multiple of the
+    program's block)."""
+    from fp4moe.kernels import gated_norm_gemv as gng
+
+    gen = torch.Generator().manual_seed(m * 7 + k)
+    o = torch.randn(m, k, generator=gen).to(BF16).to(DEV)
+    proj = torch.randn(m, k + 40, generator=gen).to(BF16).to(DEV)
+    z = proj[:, 24 : 24 + k]
+    norm_w = (1 + 0.3 * torch.randn(dv, generator=gen)).to(BF16).to(DEV)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(BF16).to(DEV)
+    got = gng.gated_norm_gemv(o, z, norm_w, 1e-6, w)
+    ref = gng.gated_norm_gemv_reference(o, z, norm_w, 1e-6, w)
+    assert got.shape == (m, n) and rel(got.float(), ref.float()) < RTOL
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_deferred_norm_in_out_proj_matches_the_layer(b, monkeypatch):
+    """A small batch's decode step as the fused model runs it: the kernel leaves the norm to out_proj
+    (``defer_norm``, value heads split), and ``gated_out_proj`` fuses it into the GEMV (here forced on under
+    the interpreter) or, switched off, launches it alone; both against the layer."""
+    from fp4moe.kernels import gated_norm_gemv as gng
+    from fp4moe.models import qwen3_5_moe_fused as fused
+
+    gen = torch.Generator().manual_seed(11 + b)
+    layer = _gdn_layer(gen)
+    hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.k_dim, layer.v_dim
+    states = DeltaNetStates(layer.conv_dim, 4, hv, dk, dv, BF16, DEV)
+    ring = torch.zeros(5, 4, layer.conv_dim).to(BF16).to(DEV)
+    state = torch.zeros(5, hv, dk, dv).to(DEV)
+    slots = torch.tensor([3, 0, 4][:b], dtype=torch.int32, device=DEV)
+    w_in = torch.cat(
+        [layer.in_proj_qkv.weight, layer.in_proj_z.weight, layer.in_proj_b.weight, layer.in_proj_a.weight]
+    )
+    monkeypatch.setattr(gng, "fits", lambda o, w, d: o.shape[0] <= gng.MAX_ROWS)
+    for step in range(3):
+        x = torch.randn(b, 64, generator=gen).to(BF16).to(DEV)
+        ref = layer(x, StepContext([1] * b, [step] * b, slots.tolist(), KVCache(), states))
+        proj = x @ w_in.T
+        core, normed = gdn_k.gdn_decode(
+            proj, layer.conv1d_weight.view(layer.conv_dim, 4), ring, state, slots,
+            torch.full((b,), step, dtype=torch.int32, device=DEV), layer.A_log, layer.dt_bias, layer.norm_weight,
+            layer.eps, (hk, hv, dk, dv), v_splits=2, defer_norm=True,
+        )  # fmt: skip
+        assert not normed
+        for on in (True, False):
+            monkeypatch.setattr(fused, "FUSE_GATED_NORM", on)
+            assert rel(fused.gated_out_proj(layer, core, proj), ref) < RTOL, (step, on)
