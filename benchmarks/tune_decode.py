@@ -86,11 +86,6 @@ def variants(runner) -> dict:
     for splits in (2, 4, 8):
         v[f"gdn {splits} value splits"] = lambda s=splits: patched(gdn_decode, "gdn_decode", v_splits=s)
     v["shared expert on the main stream"] = lambda: attr(runner, "overlap_shared", False)
-    from fp4moe.models import qwen3_5_moe_fused
-
-    v["gated norm in its own launch (not in out_proj's GEMV)"] = lambda: attr(
-        qwen3_5_moe_fused, "FUSE_GATED_NORM", False
-    )
     from fp4moe.kernels import nvfp4_mma_gemv as mma
 
     v["route: no early trigger"] = lambda: patched(moe_router, "route", trigger="")

@@ -210,16 +210,13 @@ def gdn_decode(
     num_warps=None,
     tokens_per_seq: int = 1,
     history=None,
-    defer_norm: bool = False,
 ):
     """proj [B*T, conv_dim + Hv*Dv + 2*Hv] (fused in_proj output: qkv | z | b | a; a sequence's T rows
     consecutive), conv_w [C, KC], ring [slots, RING, C], state [slots, Hv, Dk, Dv] fp32, slots/positions
     [B*T] int32 (per row; a sequence's rows at consecutive positions) -> [B*T, Hv*Dv]. ``dims`` = (Hk, Hv,
     Dk, Dv). The slot's state becomes the one after the sequence's last row; with ``tokens_per_seq`` T > 1
     ``history`` [>= B*T, Hv, Dk, Dv] fp32 receives the state after each of the rows before it (row b*T + t,
-    t < T - 1) for ``restore_states``. ``defer_norm``: return (out, normed) -- where the value heads were
-    split across programs (small batches) ``normed`` is False and ``out`` the readout before the gated norm,
-    left to the caller (``gated_norm`` or, fused into out_proj, ``gated_norm_gemv``)."""
+    t < T - 1) for ``restore_states``."""
     hk, hv, dk, dv = dims
     t = tokens_per_seq
     rows = proj.shape[0]
@@ -246,11 +243,9 @@ def gdn_decode(
         z_off, conv_dim + hv * dv, conv_dim + hv * dv + hv, eps,
         HK=hk, HV=hv, DK=dk, DV=dv, KC=kc, BV=dv // v_splits, T=t, RING=ring_len, num_warps=num_warps, **pdl_args(),
     )  # fmt: skip
-    if v_splits > 1 and defer_norm:
-        return raw, False
     if v_splits > 1:  # the gated norm needs whole heads: a second launch
         gated_norm(raw, proj[:, z_off : z_off + hv * dv], norm_w, eps, hv, out)
-    return (out, True) if defer_norm else out
+    return out
 
 
 def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, heads: int, out=None):

@@ -27,10 +27,6 @@ import torch
 
 from fp4moe.layers.fused_linear import FusedLinear
 
-# a small batch's Gated DeltaNet norm inside out_proj's GEMV (``kernels.gated_norm_gemv``) instead of a launch of
-# its own; benchmarks/tune_decode.py's "gated norm in its own launch" turns it off for an A/B
-FUSE_GATED_NORM = True
-
 
 class Qwen3_5MoeFused:
     """The fused forward over ``kv`` (paged keys/values) and ``states`` (Gated DeltaNet slots); ``history``:
@@ -210,13 +206,12 @@ class Qwen3_5MoeFused:
             if layer.is_attention:
                 return self.attention(layer.self_attn, i, proj, cos, sin, geometry)
             m, gi = layer.linear_attn, st.index[i]
-            core, normed = gdn_k.gdn_decode(
+            core = gdn_k.gdn_decode(
                 proj, m.conv1d_weight.view(m.conv_dim, -1), st.ring[gi], st.rec[gi], slots, pos,
                 m.A_log, m.dt_bias, m.norm_weight, m.eps, (m.num_k_heads, m.num_v_heads, m.k_dim, m.v_dim),
                 tokens_per_seq=tokens_per_seq, history=None if tokens_per_seq == 1 else self.history[gi],
-                defer_norm=True,
             )  # fmt: skip
-            return m.out_proj(core) if normed else gated_out_proj(m, core, proj)
+            return m.out_proj(core)
 
         return self.layers(model.embed_tokens[ids], mixer)
 
@@ -322,17 +317,3 @@ class _PromptLayout:
 
     def tensors(self, device) -> _PromptLayout:
         return self
-
-
-def gated_out_proj(m, core: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
-    """A Gated DeltaNet layer ``m``'s out_proj over its readout ``core`` before the gated norm (small batches,
-    ``gdn_decode(defer_norm=True)``), ``proj`` its fused in_proj rows (z among them): the norm fused into the
-    GEMV where that takes the rows (``FUSE_GATED_NORM``), else the norm's own launch first."""
-    from fp4moe.kernels import gated_norm_gemv as gng
-    from fp4moe.kernels.gdn_decode import gated_norm
-
-    z = proj[:, m.conv_dim : m.conv_dim + core.shape[1]]
-    w = m.out_proj.weight
-    if FUSE_GATED_NORM and w is not None and gng.fits(core, w, m.v_dim):
-        return gng.gated_norm_gemv(core, z, m.norm_weight, m.eps, w)
-    return m.out_proj(gated_norm(core, z, m.norm_weight, m.eps, m.num_v_heads))
