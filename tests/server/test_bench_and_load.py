@@ -137,6 +137,10 @@ def test_vllm_command_across_gpus(checkpoints, capsys, monkeypatch):
     assert "needs --engine vllm" in capsys.readouterr().err
     assert main(["serve", path, "--engine", "vllm", "--tensor-parallel-size", "0"]) == 2
     assert "at least 1" in capsys.readouterr().err
+    # shapes that do not split over the GPUs asked for: refused with what breaks, before vLLM's loader
+    assert main(["serve", path, "--engine", "vllm", "--tensor-parallel-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "does not split over --tensor-parallel-size 3" in err and "4 attention heads" in err
 
 
 def test_vllm_command_speculation_and_flashinfer_less_install(checkpoints, capsys, monkeypatch):

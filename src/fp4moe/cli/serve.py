@@ -221,6 +221,25 @@ def vllm_command(args) -> list[str]:
     return cmd
 
 
+def check_split(args) -> None:
+    """Refuse a --tensor-parallel-size the checkpoint's shapes cannot be split over, with what breaks
+    (``formats.sharding``), before vLLM fails in its loader."""
+    from fp4moe.engine.loader import load_config
+    from fp4moe.formats import sharding
+    from fp4moe.models.qwen3_5_moe import text_config_dict
+
+    config = load_config(args.model)
+    found = sharding.problems(
+        text_config_dict(config), args.tensor_parallel_size, args.enable_expert_parallel,
+        nvfp4_experts="quantization_config" in config,
+    )  # fmt: skip
+    if found:
+        raise ValueError(
+            f"{args.model} does not split over --tensor-parallel-size {args.tensor_parallel_size}"
+            f"{' with expert parallelism' if args.enable_expert_parallel else ''}: " + "; ".join(found)
+        )
+
+
 # NVLink multicast off in every library that would use it (the command's environment, ``vllm_env``)
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -246,6 +265,7 @@ def run(args) -> int:
         raise ValueError("--tensor-parallel-size > 1 needs --engine vllm (fp4moe's engine runs on one GPU)")
     args.model = resolve(args.model, args.load_format)
     if args.engine == "vllm":
+        check_split(args)
         cmd, env = vllm_command(args), vllm_env(args)
         if args.exec:
             os.execvpe(cmd[0], cmd, {**os.environ, **env})
