@@ -309,3 +309,18 @@ def test_mtp_present_but_not_declared(good):
     cfg["text_config"]["mtp_num_hidden_layers"] = 0
     (good / "config.json").write_text(json.dumps(cfg))
     _assert_problem(inspect_checkpoint(good), "declares no MTP layer")
+
+
+def test_split_over_gpus_is_checked_when_asked(good, capsys):
+    """``--tensor-parallel-size``: the tiny checkpoint (4 attention heads, 2 Gated DeltaNet key heads,
+    experts of 32 intermediate rows) splits over 2 GPUs either way; over 4 its DeltaNet heads do not, nor,
+    without expert parallelism, its experts (8 rows a GPU, half an NVFP4 block); over 3 nothing splits."""
+    assert inspect_checkpoint(good, split=(2, False)).ok and inspect_checkpoint(good, split=(2, True)).ok
+    with_ep = inspect_checkpoint(good, split=(4, True))
+    assert with_ep.problems == [
+        "--tensor-parallel-size 4: 2 Gated DeltaNet key heads do not split over 4 GPUs"
+    ]
+    _assert_problem(inspect_checkpoint(good, split=(4, False)), "block scales would not line up")
+    assert main(["inspect", str(good), "--tensor-parallel-size", "3"]) == 1
+    out = capsys.readouterr().out
+    assert "--tensor-parallel-size 3: 4 attention heads do not split over 3 GPUs" in out

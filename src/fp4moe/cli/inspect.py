@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fp4moe.cli.options import (
     EXIT_PROBLEMS,
+    add_split_options,
 )
 
 
@@ -20,6 +21,7 @@ def add(sub) -> None:
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--reference", help="the bf16 source: also check nothing but the routed experts changed")
+    add_split_options(p, "also check that vLLM can split the shapes over this many GPUs: ")
 
 
 def run(args) -> int:
@@ -27,6 +29,7 @@ def run(args) -> int:
     from fp4moe.quantize.inspect import inspect_checkpoint
 
     reference = CheckpointReader(args.reference) if args.reference else None
-    report = inspect_checkpoint(args.path, reference=reference)
+    split = (args.tensor_parallel_size, args.enable_expert_parallel)
+    report = inspect_checkpoint(args.path, reference=reference, split=split)
     print(report.to_json() if args.json else report.table())
     return 0 if report.ok else EXIT_PROBLEMS

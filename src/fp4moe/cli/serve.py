@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fp4moe.cli.options import (
     add_engine_options,
+    add_split_options,
     engine_config,
     limit_mm,
     positive,
@@ -125,17 +126,7 @@ def add(sub) -> None:
     p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None, help="parse tool calls")
     p.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"')
     add_engine_options(p, max_num_seqs="auto", max_num_batched_tokens="auto")
-    p.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="with --engine vllm: GPUs to shard over"
-    )
-    p.add_argument(
-        "--enable-expert-parallel",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="with --engine vllm and --tensor-parallel-size > 1: each GPU holds whole routed experts (vLLM's "
-        "expert parallelism, default on); --no-enable-expert-parallel splits every expert across the GPUs "
-        "(tensor parallelism, as the rest of the model)",
-    )
+    add_split_options(p, "with --engine vllm: ")
     p.add_argument(
         "--nvlink-multicast",
         action="store_true",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fp4moe.formats import layouts
+from fp4moe.formats import layouts, sharding
 from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
 from fp4moe.formats.layouts import SUFFIXES, OutputFormat, detect_format
 from fp4moe.formats.nvfp4 import BLOCK_SIZE
@@ -394,9 +394,12 @@ def _compare_with_reference(
             problems.add("changed-values", f"{name} is not quantized, but {difference}")
 
 
-def inspect_checkpoint(path: str | Path, reference: CheckpointReader | None = None) -> InspectReport:
+def inspect_checkpoint(
+    path: str | Path, reference: CheckpointReader | None = None, split: tuple[int, bool] = (1, True)
+) -> InspectReport:
     """Validate ``path``; ``reference`` (the bf16 source) adds a check that nothing was lost and that every
-    tensor not quantized is byte-identical to the source's."""
+    tensor not quantized is byte-identical to the source's; ``split`` (GPUs, expert parallelism) that vLLM
+    can split the shapes over that many GPUs (``formats.sharding``)."""
     path = Path(path)
     report = InspectReport(path=str(path))
     problems = _Problems(report)
@@ -436,6 +439,9 @@ def inspect_checkpoint(path: str | Path, reference: CheckpointReader | None = No
         )
     if cfg.has_vision and not report.vision_tensors:
         problems.add("vision", "config has a vision_config but no model.visual.* tensors exist")
+    text = arch.text_config_dict(cfg.raw)
+    for found in sharding.problems(text, *split, nvfp4_experts=report.experts_quantized > 0):
+        problems.add("split", f"--tensor-parallel-size {split[0]}: {found}")
     if reference is not None:
         _compare_with_reference(reader, reference, problems)
     _sizes(reader, report)
