@@ -21,7 +21,9 @@ def add(sub) -> None:
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--reference", help="the bf16 source: also check nothing but the routed experts changed")
-    add_split_options(p, "also check that vLLM can split the shapes over this many GPUs: ")
+    add_split_options(
+        p, "also check that vLLM can split the shapes over this many GPUs (default 1: no check)"
+    )
 
 
 def run(args) -> int:

@@ -181,15 +181,15 @@ def add_engine_options(p, max_num_seqs: int | str, max_num_batched_tokens: int |
     )
 
 
-def add_split_options(p, where: str) -> None:
+def add_split_options(p, gpus_help: str, when: str = "with ") -> None:
     """How vLLM splits the model over GPUs (``serve --engine vllm`` runs it so; ``inspect`` checks the shapes
-    allow it): ``where`` prefixes the help."""
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help=f"{where}GPUs to shard over")
+    allow it): ``gpus_help`` for the GPU count, ``when`` prefixes the expert-parallel option's help."""
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help=gpus_help)
     p.add_argument(
         "--enable-expert-parallel",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help=f"{where}with --tensor-parallel-size > 1: each GPU holds whole routed experts (vLLM's expert "
+        help=f"{when}--tensor-parallel-size > 1: each GPU holds whole routed experts (vLLM's expert "
         "parallelism, default on); --no-enable-expert-parallel splits every expert across the GPUs (tensor "
         "parallelism, as the rest of the model)",
     )

@@ -126,7 +126,7 @@ def add(sub) -> None:
     p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None, help="parse tool calls")
     p.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"')
     add_engine_options(p, max_num_seqs="auto", max_num_batched_tokens="auto")
-    add_split_options(p, "with --engine vllm: ")
+    add_split_options(p, "with --engine vllm: GPUs to shard over", when="with --engine vllm and ")
     p.add_argument(
         "--nvlink-multicast",
         action="store_true",
