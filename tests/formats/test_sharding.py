@@ -4,21 +4,25 @@ dequantization is elementwise per 16-value block -- where the blocks line up."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from fp4moe.formats import nvfp4, sharding
-from fp4moe.models.qwen3_5_moe import REAL_TEXT_CONFIG
+from fp4moe.models.qwen3_5_moe import REAL_TEXT_CONFIG, ModelArgs
+
+FULL = ModelArgs.from_text_config(REAL_TEXT_CONFIG)
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("expert_parallel", [True, False])
 def test_the_full_size_model_splits_over_powers_of_two(gpus, expert_parallel):
-    assert sharding.problems(REAL_TEXT_CONFIG, gpus, expert_parallel) == []
+    assert sharding.problems(FULL, gpus, expert_parallel) == []
 
 
 def test_what_does_not_split_is_named():
-    found = sharding.problems(REAL_TEXT_CONFIG, 3, expert_parallel=False)
+    found = sharding.problems(FULL, 3, expert_parallel=False)
     text = "; ".join(found)
     for part in (
         "16 attention heads",
@@ -27,9 +31,9 @@ def test_what_does_not_split_is_named():
         "512 intermediate",
     ):
         assert part in text, part
-    assert len(sharding.problems(REAL_TEXT_CONFIG, 32, expert_parallel=True)) == 2  # heads, DeltaNet keys
+    assert len(sharding.problems(FULL, 32, expert_parallel=True)) == 2  # heads, DeltaNet keys
     # experts whose per-GPU share is not whole NVFP4 blocks: refused for tensor parallelism, fine for EP
-    odd = {**REAL_TEXT_CONFIG, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 64}
+    odd = dataclasses.replace(FULL, moe_intermediate_size=48, shared_intermediate_size=64)
     (only,) = sharding.problems(odd, 2, expert_parallel=False)
     assert "24 of an expert's 48" in only and "block scales" in only
     assert sharding.problems(odd, 2, expert_parallel=False, nvfp4_experts=False) == []

@@ -217,12 +217,12 @@ def check_split(args) -> None:
     (``formats.sharding``), before vLLM fails in its loader."""
     from fp4moe.engine.loader import load_config
     from fp4moe.formats import sharding
-    from fp4moe.models.qwen3_5_moe import text_config_dict
+    from fp4moe.models.qwen3_5_moe import ModelArgs, text_config_dict
 
     config = load_config(args.model)
     found = sharding.problems(
-        text_config_dict(config), args.tensor_parallel_size, args.enable_expert_parallel,
-        nvfp4_experts="quantization_config" in config,
+        ModelArgs.from_text_config(text_config_dict(config)), args.tensor_parallel_size,
+        args.enable_expert_parallel, nvfp4_experts="quantization_config" in config,
     )  # fmt: skip
     if found:
         raise ValueError(

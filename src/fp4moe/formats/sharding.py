@@ -29,8 +29,9 @@ from fp4moe.formats.nvfp4 import BLOCK_SIZE
 SHARDED_DIM = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}
 
 
-def problems(text: dict, gpus: int, expert_parallel: bool, nvfp4_experts: bool = True) -> list[str]:
-    """What stops vLLM from splitting a model with text config ``text`` over ``gpus`` GPUs (empty: none)."""
+def problems(args, gpus: int, expert_parallel: bool, nvfp4_experts: bool = True) -> list[str]:
+    """What stops vLLM from splitting a model of shapes ``args`` (the text model's ``ModelArgs``) over ``gpus``
+    GPUs (empty: none)."""
     if gpus <= 1:
         return []
     out = []
@@ -39,18 +40,17 @@ def problems(text: dict, gpus: int, expert_parallel: bool, nvfp4_experts: bool =
         if not ok:
             out.append(message)
 
-    heads, kv = int(text["num_attention_heads"]), int(text["num_key_value_heads"])
+    heads, kv = args.num_heads, args.num_kv_heads
     need(heads % gpus == 0, f"{heads} attention heads do not split over {gpus} GPUs")
     need(
         kv % gpus == 0 if gpus < kv else gpus % kv == 0,
         f"{kv} key/value heads neither split over {gpus} GPUs nor replicate evenly onto them",
     )
-    for key in ("linear_num_key_heads", "linear_num_value_heads"):
-        n = int(text.get(key, 0) or 0)
-        need(n % gpus == 0, f"{n} Gated DeltaNet {key.split('_')[2]} heads do not split over {gpus} GPUs")
-    shared = int(text.get("shared_expert_intermediate_size", 0) or 0)
+    for kind, n in (("key", args.linear_num_key_heads), ("value", args.linear_num_value_heads)):
+        need(n % gpus == 0, f"{n} Gated DeltaNet {kind} heads do not split over {gpus} GPUs")
+    shared = args.shared_intermediate_size
     need(shared % gpus == 0, f"the shared expert's {shared} intermediate rows do not split over {gpus} GPUs")
-    experts, inter = int(text["num_experts"]), int(text["moe_intermediate_size"])
+    experts, inter = args.num_experts, args.moe_intermediate_size
     if expert_parallel:
         need(experts >= gpus, f"{experts} experts leave some of {gpus} GPUs without one")
     elif inter % gpus:

@@ -439,8 +439,7 @@ def inspect_checkpoint(
         )
     if cfg.has_vision and not report.vision_tensors:
         problems.add("vision", "config has a vision_config but no model.visual.* tensors exist")
-    text = arch.text_config_dict(cfg.raw)
-    for found in sharding.problems(text, *split, nvfp4_experts=report.experts_quantized > 0):
+    for found in sharding.problems(cfg.text, *split, nvfp4_experts=report.experts_quantized > 0):
         problems.add("split", f"--tensor-parallel-size {split[0]}: {found}")
     if reference is not None:
         _compare_with_reference(reader, reference, problems)
