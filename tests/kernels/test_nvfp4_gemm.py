@@ -89,6 +89,33 @@ def test_weights_first_prefill_experts_match_the_reference(tokens, inter, kernel
     assert bool(((pairs.float() - row_pairs.float()).abs() <= ulp).all())
 
 
+@pytest.mark.parametrize("h", [64, 96])
+def test_wide_down_gives_the_narrow_launchs_outputs(h):
+    """Weights-first down with two row tiles a program (``Tiles.wide``: rows n and n + bn share each
+    activation tile) gives the one-tile launch's outputs; h = 96 with bn 32 leaves the second program's upper
+    tile past N (masked). Exact under the interpreter (the same fp32 dot per element, same epilogue); on the
+    GPU within the relative tolerance (different MMA tile shapes)."""
+    if dq.DEQUANT_MODE not in prefill.MODES:
+        pytest.skip(f"dequantization mode {dq.DEQUANT_MODE} has no weights-first kernel")
+    gen = torch.Generator().manual_seed(h)
+    tokens, e, inter, k = 150, 8, 32, 3
+    dp, ds, dd = quantized((e, h, inter), gen)
+    act = torch.randn(tokens * k, inter, generator=gen).to(BF16).to(DEV)
+    ids, w = moe_router.router_reference(torch.randn(tokens, e, generator=gen).to(DEV), k)
+    routing = mr.align(ids, e, 64)
+    narrow = gemm.moe_down(
+        act, dp, ds, dd, routing, w.float(), tiles=gemm.Tiles(32, 32, 4, 2, weights_first=True)
+    )
+    wide = gemm.moe_down(
+        act, dp, ds, dd, routing, w.float(), tiles=gemm.Tiles(32, 32, 4, 2, weights_first=True, wide=True)
+    )
+    if DEV.type == "cuda":
+        assert rel(wide, narrow) < RTOL
+    else:
+        assert torch.equal(wide, narrow)
+    assert float(narrow.float().abs().amax()) > 0
+
+
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_pair_routing_gives_the_sorted_routings_outputs(tokens):
     """A few tokens skip the sort: each (token, expert) pair is its own row block. Rows of a tile do not

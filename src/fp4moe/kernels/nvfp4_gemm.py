@@ -244,18 +244,26 @@ class Tiles:
     silu(gate) * up into the launch; s >= 1 writes fp32 partial sums of s K ranges, gate and up rows in
     separate programs, and the down launch computes the activation from them). ``weights_first``: the
     launch runs ``nvfp4_moe_prefill``'s kernel (weights as the MMA's first operand; no split, K a multiple
-    of BK, dequantization mode 1 or 7), else it falls back to the row kernel with the same tiles."""
+    of BK, dequantization mode 1 or 7), else it falls back to the row kernel with the same tiles; ``wide``
+    (weights-first down only): two ``bn`` row tiles a program sharing each activation tile."""
 
     def __init__(
-        self, bn: int, bk: int, warps: int, stages: int, split: int = 0, weights_first: bool = False
+        self,
+        bn: int,
+        bk: int,
+        warps: int,
+        stages: int,
+        split: int = 0,
+        weights_first: bool = False,
+        wide: bool = False,
     ):
         self.bn, self.bk, self.warps, self.stages, self.split = bn, bk, warps, stages, split
-        self.weights_first = weights_first
+        self.weights_first, self.wide = weights_first, wide
 
     def __repr__(self) -> str:
         return (
             f"Tiles(bn={self.bn}, bk={self.bk}, warps={self.warps}, stages={self.stages}, split={self.split}, "
-            f"weights_first={self.weights_first})"
+            f"weights_first={self.weights_first}{', wide=True' if self.wide else ''})"
         )
 
 
@@ -290,7 +298,7 @@ def _launch(a, a_strides, act_splits, w, s, stride_sn, decode, out, routing, top
     weights_first = t.weights_first and mode in prefill.MODES and k % bk == 0
     if weights_first and split == 1 and not (dense_m or act_splits):
         return prefill.launch(a, w, s, decode, out, routing, topw, n, k, top_k, epilogue, mode, t.bn, bk,
-                              t.warps, t.stages, INTERPRET, tile)  # fmt: skip
+                              t.warps, t.stages, INTERPRET, tile, t.wide)  # fmt: skip
     if tile and (mode in (0, 3) or dense_m):
         raise ValueError("only NVFP4 expert weights come in tile order (expert_layout)")
     if split > 1 and k_split % bk:

@@ -69,6 +69,7 @@ def _prefill_kernel(
     N, K, TOPK, stride_we, stride_wn, stride_se, stride_sn, stride_de,
     MODE: tl.constexpr, EPILOGUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, TILE: tl.constexpr = 0,
+    WIDE: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_previous(PDL)
     pid_b = tl.program_id(0)
@@ -82,8 +83,11 @@ def _prefill_kernel(
     mask_m = offs_m < count
     pairs = tl.load(order_ptr + start + offs_m, mask=mask_m, other=0)
     rows = pairs // TOPK  # gate/up read token rows (TOPK = k), down reads pair rows (TOPK = 1)
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    # WIDE (down only): two [BN] row tiles a program, rows n and n + BN, both multiplied with each activation
+    # tile it loads -- as gate/up's gate and up rows are -- so a block's activations are read half as often
+    offs_n = pid_n * (2 * BN if WIDE else BN) + tl.arange(0, BN)
     w_mask = offs_n[:, None] >= 0 if EVEN_N else offs_n[:, None] < N
+    w_mask_up = w_mask if EVEN_N else offs_n[:, None] + BN < N
     offs_k = tl.arange(0, BK)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     s_base = s_ptr + e.to(tl.int64) * stride_se
@@ -104,6 +108,11 @@ def _prefill_kernel(
                 w_base, s_base, offs_n + N, k0, stride_wn, stride_sn, N, BK, True, TILE
             )
             acc_up = tl.dot(_weights(w_ptrs, s_ptrs, w_mask, MODE, BN, BK, DOT_F32), a_t, acc=acc_up)
+        elif WIDE:
+            w_ptrs, s_ptrs = expert_ptrs(
+                w_base, s_base, offs_n + BN, k0, stride_wn, stride_sn, N, BK, False, TILE
+            )
+            acc_up = tl.dot(_weights(w_ptrs, s_ptrs, w_mask_up, MODE, BN, BK, DOT_F32), a_t, acc=acc_up)
     if MODE == 7:  # the bf16-bit dequantization leaves a factor 2^-8 in the weights
         acc = acc * 256.0
         acc_up = acc_up * 256.0
@@ -113,24 +122,32 @@ def _prefill_kernel(
         y = gated_bf16(acc, acc_up, d_ptr + e * stride_de)
     else:
         topw = tl.load(topw_ptr + pairs, mask=mask_m, other=0.0)
-        y = weighted_bf16(acc * tl.load(d_ptr + e * stride_de), topw[None, :])
+        decode = tl.load(d_ptr + e * stride_de)
+        y = weighted_bf16(acc * decode, topw[None, :])
+        if WIDE:
+            y_up = weighted_bf16(acc_up * decode, topw[None, :])
+            tl.store(out_ptrs + BN, y_up.to(out_ptr.dtype.element_ty),
+                     mask=mask_m[None, :] & (offs_n[:, None] + BN < N))  # fmt: skip
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def launch(a, w, s, decode, out, routing, topw, n: int, k: int, top_k: int, epilogue: int, mode: int,
-           bn: int, bk: int, warps: int, stages: int, dot_f32: bool, tile: int = 0):  # fmt: skip
+           bn: int, bk: int, warps: int, stages: int, dot_f32: bool, tile: int = 0, wide: bool = False):  # fmt: skip
     """One launch over ``routing``'s row blocks: a [rows, K] bf16 (token rows for gate/up, pair rows for
     down), w [E, N (x2 for gate/up), K/2] codes, s the block-scale bytes, decode [E, 2] or [E], out [pairs, N];
-    ``tile``: the experts' byte order (``expert_layout``)."""
+    ``tile``: the experts' byte order (``expert_layout``); ``wide`` (down): 2 x ``bn`` weight rows a program."""
     if k % bk:
         raise ValueError(f"K = {k} is not a multiple of the {bk}-wide K tile")
     if epilogue not in (1, 2):
         raise ValueError(f"epilogue {epilogue}: 1 (gated) or 2 (weighted)")
-    _prefill_kernel[(routing.blk_expert.numel(), triton.cdiv(n, bn))](
+    wide = wide and epilogue == 2
+    width = 2 * bn if wide else bn
+    _prefill_kernel[(routing.blk_expert.numel(), triton.cdiv(n, width))](
         a, a.stride(0), w, s, decode, out, out.stride(0),
         routing.order, routing.blk_expert, routing.blk_start, routing.blk_count, routing.nblk, topw,
         n, k, top_k, w.stride(0), w.stride(1), s.stride(0), s.stride(1), decode.stride(0),
-        MODE=mode, EPILOGUE=epilogue, BM=routing.bm, BN=bn, BK=bk, EVEN_N=n % bn == 0, DOT_F32=dot_f32, TILE=tile,
+        MODE=mode, EPILOGUE=epilogue, BM=routing.bm, BN=bn, BK=bk, EVEN_N=n % width == 0, DOT_F32=dot_f32, TILE=tile,
+        WIDE=wide,
         num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out
