@@ -268,13 +268,26 @@ def time_prefill(model, tokens: int, breakdown: bool = False, fused: bool = True
         fused=fused,
     )
     if breakdown:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             run(tokens)
             torch.cuda.synchronize()
         kernels = _kernel_table(prof, None)
-        result["kernels"] = kernels[:25]
+        result["kernels"] = kernels[:40]
         result["kernel_s"] = sum(r["us"] for r in kernels) / 1e6
+        result["ops"] = _op_table(prof, 30)
     return result
+
+
+def _op_table(prof, top: int) -> list[dict]:
+    """torch ops by the device time of the kernels they launched themselves, per input shape: which
+    elementwise passes, copies and concatenations an unnamed ``elementwise_kernel`` row stands for."""
+    rows = []
+    for ev in prof.key_averages(group_by_input_shape=True):
+        t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if t > 0 and ev.key.startswith("aten::"):
+            rows.append(dict(op=ev.key, shapes=str(ev.input_shapes)[:120], calls=ev.count, us=t))
+    rows.sort(key=lambda r: -r["us"])
+    return rows[:top]
 
 
 def _kernel_table(prof, top: int) -> list[dict]:

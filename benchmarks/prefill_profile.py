@@ -1,6 +1,7 @@
 """Where one prefill's time goes on the GPU: the full-size model with random weights (decode.py's
 ``build_model``; NVFP4 routed experts, bf16 rest), one ``--tokens`` prompt through the runner's fused
-prefill, timed (median of 3), then one more under torch's profiler: device time per kernel, grouped.
+prefill, timed (median of 3), then one more under torch's profiler: device time per kernel, grouped, and the
+torch ops (with their input shapes) whose own kernels took it.
 
     python3 benchmarks/prefill_profile.py --tokens 8192 --out prefill-profile.json
 """
@@ -29,6 +30,9 @@ def main() -> None:
           f"{p['pct_peak']:.1%} of {peak / 1e12:.0f} TFLOP/s; kernels {p['kernel_s'] * 1e3:.1f} ms")  # fmt: skip
     for r in p["kernels"][: args.top]:
         print(f"{r['us'] / 1e3:8.2f} ms  x{r['calls']:4d}  {r['kernel']}")
+    print("torch ops by their own kernels' device time, per input shape:")
+    for r in p["ops"][: args.top]:
+        print(f"{r['us'] / 1e3:8.2f} ms  x{r['calls']:4d}  {r['op']}  {r['shapes']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(p, f, indent=1, default=float)

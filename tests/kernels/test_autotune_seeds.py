@@ -102,3 +102,21 @@ def test_a_damaged_seed_file_is_a_clear_error(package, tmp_path):
     autotune_seeds.seed_path("NVIDIA H200", tmp_path).write_text('{"gpu": "NVIDIA H200", ')
     with pytest.raises(ValueError, match="not a valid autotune seed file"):
         autotune_seeds.seed("NVIDIA H200", "fakefla", tmp_path)
+
+
+def _file(gpu="G", versions=None, **kernels):
+    return {"gpu": gpu, "package": "fla", "versions": versions or {"triton": "3", "fla": "1"},
+            "kernels": {k: [{"key": list(key), "config": {"n": c}} for key, c in v] for k, v in kernels.items()}}  # fmt: skip
+
+
+def test_merge_keeps_old_keys_and_takes_new_winners():
+    """A re-tune at another size replaces the keys it tuned, keeps the rest, adds new kernels; a file of
+    another GPU or other versions is not mixed in."""
+    old = _file(a=[((1, "x"), 1), ((2, "x"), 2)], b=[((1,), 5)])
+    new = _file(a=[((2, "x"), 9), ((3, "x"), 3)], c=[((7,), 7)])
+    got = autotune_seeds.merge(old, new)
+    pairs = {k: {tuple(e["key"]): e["config"]["n"] for e in v} for k, v in got["kernels"].items()}
+    assert pairs == {"a": {(1, "x"): 1, (2, "x"): 9, (3, "x"): 3}, "b": {(1,): 5}, "c": {(7,): 7}}
+    assert autotune_seeds.merge(_file(gpu="H", a=[((1, "x"), 1)]), new) == new
+    assert autotune_seeds.merge(_file(versions={"triton": "2"}, b=[((1,), 5)]), new) == new
+    assert autotune_seeds.merge(None, new) == new

@@ -154,6 +154,24 @@ def seed(gpu_name: str, package: str = "fla", root: Path = SEED_DIR) -> int:
     return seeded
 
 
+def merge(old: dict | None, new: dict) -> dict:
+    """``new``'s recorded winners over ``old``'s (a seed file of the same GPU and versions, or None): a key
+    tuned in both takes ``new``'s config, every other key of either is kept. Files of another GPU or other
+    versions are not mixed: ``new`` alone."""
+    if not old or (old.get("gpu"), old.get("package"), old.get("versions")) != (
+        new["gpu"],
+        new["package"],
+        new["versions"],
+    ):
+        return new
+    kernels = {}
+    for where in sorted(set(old.get("kernels", {})) | set(new["kernels"])):
+        entries = {json.dumps(e["key"]): e for e in old.get("kernels", {}).get(where, [])}
+        entries.update({json.dumps(e["key"]): e for e in new["kernels"].get(where, [])})
+        kernels[where] = [entries[k] for k in sorted(entries)]
+    return {**new, "kernels": kernels}
+
+
 def write(data: dict, root: Path) -> Path:
     """``record``'s result to its seed file under ``root`` (written whole, then renamed)."""
     return write_whole(seed_path(data["gpu"], root), data)

@@ -279,9 +279,12 @@ def plan(bm: int, tokens: int, mode: int | None = None) -> tuple[Tiles, Tiles]:
         return Tiles(64, 256, 4, 3), Tiles(64, 128, 4, 3)
     if bm >= 64 and (dq.DEQUANT_MODE if mode is None else mode) in prefill.MODES:
         # H200, 8,192 tokens (bm 128): gate/up 1.02 ms, down 0.78 ms per layer against the row kernel's best
-        # 1.37 and 0.86; 2,048 tokens (bm 64): 0.45 and 0.27 against 0.47 and 0.28
+        # 1.37 and 0.86; 2,048 tokens (bm 64): 0.45 and 0.27 against 0.47 and 0.28. Down with two row tiles
+        # a program (wide, 2 stages): 0.668 ms at 8,192 tokens, 0.393 at 4,096 (0.785, 0.427 one-tile)
         down = (
-            Tiles(64, 128, 4, 3, weights_first=True) if bm >= 128 else Tiles(64, 64, 4, 3, weights_first=True)
+            Tiles(64, 128, 4, 2, weights_first=True, wide=True)
+            if bm >= 128
+            else Tiles(64, 64, 4, 3, weights_first=True)
         )
         return Tiles(64, 128, 4, 2, weights_first=True), down
     if bm >= 64:  # prefill (8K tokens: down 1.02 ms per layer against 1.32 with the gate/up's tiles)
