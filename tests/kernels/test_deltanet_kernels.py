@@ -186,6 +186,33 @@ def test_causal_conv_varlen_is_each_sequence_alone():
         assert torch.equal(new[i].cpu(), ref_state), i
 
 
+def test_causal_conv_planar_parts_are_the_row_major_outputs_columns():
+    """``parts``: q, k and v each one contiguous block of the same values (exactly: same sums, another
+    layout), for a single sequence and the varlen launch; a split past the channels is refused."""
+    from fp4moe.kernels.causal_conv import causal_conv_silu, causal_conv_silu_varlen
+
+    gen = torch.Generator().manual_seed(13)
+    layer = GatedDeltaNet(64, 2, 4, 16, 16, 4, 1e-6, 0)
+    layer.conv1d_weight.data = (torch.randn(layer.conv_dim, 1, 4, generator=gen) * 0.5).to(BF16)
+    w = layer.conv1d_weight.to(DEV)
+    lengths = [3, 40, 70]
+    x, ctx = _varlen_rows(gen, lengths, layer.conv_dim)
+    states = torch.randn(len(lengths), layer.conv_dim, 3, generator=gen).to(BF16)
+    t = ctx.tensors(DEV)
+    whole, _ = causal_conv_silu_varlen(x.to(DEV), states.to(DEV), w, t.token_seq, t.starts, t.ends)
+    parts, _ = causal_conv_silu_varlen(
+        x.to(DEV), states.to(DEV), w, t.token_seq, t.starts, t.ends, layer.parts()
+    )
+    one, _ = causal_conv_silu(x[:3].to(DEV), states[0].to(DEV), w)
+    one_parts, _ = causal_conv_silu(x[:3].to(DEV), states[0].to(DEV), w, layer.parts())
+    for ref, got in ((whole, parts), (one, one_parts)):
+        assert all(p.is_contiguous() for p in got)
+        for r, g in zip(layer.split_qkv(ref), got, strict=True):
+            assert torch.equal(r.cpu(), g.cpu())
+    with pytest.raises(ValueError, match="do not split"):
+        causal_conv_silu(x[:3].to(DEV), states[0].to(DEV), w, (32, layer.conv_dim + 1))
+
+
 def test_slot_states_gather_and_scatter_are_get_and_set():
     """The GPU states' batched read/write of a step against the per-slot get/set: exact (copies), stale
     ring entries and states of a fresh sequence read as zeros, positions wrap around the ring."""

@@ -46,3 +46,33 @@ def test_add_norm_and_moe_combine():
     h2, x2 = norm.moe_combine(h, y, k, shared, proj, 6, w, 1e-6)
     ref = h.float() + y.view(t, k, n).sum(1) + torch.sigmoid(proj[:, 6:7].float()) * shared.float()
     assert rel(h2, ref) < RTOL and rel(x2, rms_norm_zero_centred(ref.to(BF16), w, 1e-6)) < RTOL
+
+
+@pytest.mark.parametrize("heads,rotary", [(4, 16), (2, 64), (3, 0)])
+def test_head_norm_rope_is_the_norm_then_the_rotary(heads, rotary):
+    """q/k norm + rotary in one pass over heads read at their projection's strides (q's query half of each
+    query/gate row; k out of a wider row): the rotary over the kernel's own normed heads (cos 1, sin 0 give
+    those back) exactly -- products of bf16 values are exact in fp32 and each is rounded where torch rounds --
+    and the norm against torch's fp32 chain within the relative tolerance (another summation order)."""
+    from fp4moe.layers.rope import Rotary
+
+    gen = torch.Generator().manual_seed(heads + rotary)
+    t, d, eps = 7, 64, 1e-6
+    q_gate = torch.randn(t, heads, 2 * d, generator=gen).to(BF16)
+    q = q_gate.to(DEV).chunk(2, dim=-1)[0]  # [t, heads, d] at stride 2d per head
+    row = torch.randn(t, heads * d + 24, generator=gen).to(BF16).to(DEV)
+    k = row[:, 8 : 8 + heads * d].view(t, heads, d)  # rows at the wider projection's stride
+    w = (0.1 * torch.randn(d, generator=gen)).to(BF16).to(DEV)
+    angle = torch.rand(t, rotary, generator=gen) * 6.3
+    cos, sin = angle.cos().to(BF16).to(DEV), angle.sin().to(BF16).to(DEV)
+    one, zero = torch.ones_like(cos), torch.zeros_like(sin)
+    for x in (q, k):
+        got = norm.head_norm_rope(x, w, eps, cos, sin)
+        assert got.shape == x.shape and got.is_contiguous()
+        normed = norm.head_norm_rope(x, w, eps, one, zero)
+        assert rel(normed, rms_norm_zero_centred(x, w, eps)) < RTOL
+        ref = Rotary.apply(normed.cpu(), cos.cpu(), sin.cpu()) if rotary else normed.cpu()
+        assert torch.equal(got.cpu(), ref)
+    with pytest.raises(ValueError, match="rotary dims"):
+        odd = torch.zeros(t, 3, dtype=BF16, device=DEV)
+        norm.head_norm_rope(q, w, eps, odd, odd)

@@ -3,6 +3,11 @@ block, channel block) reads its inputs straight from the projection rows -- the 
 chunk from the conv state -- so neither the concatenation nor the transposes of the torch path are made
 (H200, an 8K prompt: 40 ms of the torch path's cat + depthwise conv per 30 layers). The conv output is
 rounded to bf16 before the SiLU and the SiLU's result again, where the torch path rounds.
+
+With ``parts`` the output is planar: the channels before ``parts[0]`` (q), from there to ``parts[1]`` (k) and
+the rest (v) each fill a contiguous [n, width] block of one buffer, so fla's chunked rule takes q, k and v
+as they are -- it copied every strided view of a [n, C] output first (an 8K prompt on the H200: 4.9 ms of
+copies over 30 layers, ``benchmarks/prefill_profile.py``). Same values, another layout.
 Reference: ``layers.deltanet.GatedDeltaNet._conv``."""
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 
 @triton.jit(do_not_specialize=["T"])  # the token count: a server meets every value (issue 20)
 def _causal_conv_kernel(
-    x_ptr, stride_x, state_ptr, w_ptr, out_ptr, stride_o, seq_ptr, start_ptr, T, C,
+    x_ptr, stride_x, state_ptr, w_ptr, out_ptr, seq_ptr, start_ptr, T, C, P1, P2,
     KC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous(PDL)
@@ -65,20 +70,25 @@ def _causal_conv_kernel(
             acc += (x.to(tl.float32) + st.to(tl.float32)) * w[None, :]
     y = round_bf16(acc)
     y = round_bf16(y * tl.sigmoid(y))
+    # planar output: channel c of part p (columns [lo_p, hi_p)) at T * lo_p + t * (hi_p - lo_p) + c - lo_p;
+    # P1 = P2 = C is one part, the row-major [T, C]
+    lo = tl.where(c >= P2, P2, tl.where(c >= P1, P1, 0))
+    width = tl.where(c >= P2, C - P2, tl.where(c >= P1, P2 - P1, P1))
     tl.store(
-        out_ptr + t[:, None].to(tl.int64) * stride_o + c[None, :],
+        out_ptr + lo[None, :].to(tl.int64) * T + t[:, None].to(tl.int64) * width[None, :] + (c - lo)[None, :],
         y.to(out_ptr.dtype.element_ty),
         mask=t_ok[:, None] & c_ok[None, :],
     )
 
 
 def causal_conv_silu(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, parts: tuple[int, int] | None = None
+) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:
     """x [n, C] (rows may be strided), state [C, K-1] (the inputs before x), weight [C, K] -> (silu(conv)
-    [n, C] in x's dtype, the new state [C, K-1]: the last K-1 inputs)."""
+    [n, C] in x's dtype -- with ``parts`` (a, b) its contiguous column blocks [n, a], [n, b - a], [n, C - b]
+    instead -- and the new state [C, K-1]: the last K-1 inputs)."""
     n = x.shape[0]
-    out = _launch(x, state.to(x.dtype).contiguous(), weight, None, None)
+    out = _launch(x, state.to(x.dtype).contiguous(), weight, None, None, parts)
     kc = weight.shape[-1]
     if n >= kc - 1:
         new_state = x[n - (kc - 1) :].transpose(0, 1).contiguous()
@@ -89,13 +99,13 @@ def causal_conv_silu(
 
 def causal_conv_silu_varlen(
     x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, token_seq: torch.Tensor, starts: torch.Tensor,
-    ends: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    ends: torch.Tensor, parts: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:  # fmt: skip
     """Several sequences' rows in one launch: x [T, C] (sequence ``token_seq[t]`` owns row t; sequence i
-    rows ``starts[i]`` .. ``ends[i]`` - 1), states [N, C, K-1] -> (silu(conv) [T, C], new states [N, C, K-1]).
-    Each sequence as ``causal_conv_silu`` computes it alone."""
+    rows ``starts[i]`` .. ``ends[i]`` - 1), states [N, C, K-1] -> (silu(conv) [T, C] or its ``parts``, new
+    states [N, C, K-1]). Each sequence as ``causal_conv_silu`` computes it alone."""
     states = states.to(x.dtype).contiguous()
-    return _launch(x, states, weight, token_seq, starts), last_inputs(x, states, starts, ends)
+    return _launch(x, states, weight, token_seq, starts, parts), last_inputs(x, states, starts, ends)
 
 
 def last_inputs(
@@ -111,16 +121,21 @@ def last_inputs(
     return torch.where((pos >= starts[:, None])[:, None, :], from_x, from_state).contiguous()
 
 
-def _launch(x, states, weight, token_seq, starts) -> torch.Tensor:
+def _launch(x, states, weight, token_seq, starts, parts=None):
     n, c = x.shape
     kc = weight.shape[-1]
-    out = torch.empty(n, c, dtype=x.dtype, device=x.device)
+    p1, p2 = parts or (c, c)
+    if not 0 <= p1 <= p2 <= c:
+        raise ValueError(f"parts {parts} do not split {c} channels")
+    flat = torch.empty(n * c, dtype=x.dtype, device=x.device)
     varlen = token_seq is not None
     # one tile shape for every token count: per-count variants were compiled on users' requests (py-spy on
     # the H200 server at 16 streams: 30% of the engine thread in Triton's compiler, all for this kernel)
     bt, bc = 32, 128
     _causal_conv_kernel[(triton.cdiv(n, bt), triton.cdiv(c, bc))](
-        x, x.stride(0), states, weight.reshape(c, kc), out, out.stride(0), token_seq if varlen else x,
-        starts if varlen else x, n, c, KC=kc, BT=bt, BC=bc, VARLEN=varlen, num_warps=4, **pdl_args(),
+        x, x.stride(0), states, weight.reshape(c, kc), flat, token_seq if varlen else x,
+        starts if varlen else x, n, c, p1, p2, KC=kc, BT=bt, BC=bc, VARLEN=varlen, num_warps=4, **pdl_args(),
     )  # fmt: skip
-    return out
+    if parts is None:
+        return flat.view(n, c)
+    return tuple(flat[n * lo : n * hi].view(n, hi - lo) for lo, hi in ((0, p1), (p1, p2), (p2, c)))

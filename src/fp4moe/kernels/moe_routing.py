@@ -53,6 +53,60 @@ def _align_kernel(
         tl.store(blk_count_ptr + bstart + j, tl.minimum(counts - j * BM, BM), mask=has)
 
 
+@triton.jit(do_not_specialize=["TK"])
+def _chunk_sort_kernel(ids_ptr, TK, sorted_ptr, counts_ptr, E: tl.constexpr, CH: tl.constexpr,
+                       PDL: tl.constexpr):  # fmt: skip
+    """Program c: chunk c's pairs (CH of them) sorted by (expert, pair index) -- keys expert * CH + the
+    pair's place in the chunk, to ``sorted_ptr`` -- and its count of pairs per expert [E] to ``counts_ptr``
+    row c."""
+    wait_for_previous(PDL)
+    c = tl.program_id(0)
+    offs = tl.arange(0, CH)
+    live = c * CH + offs < TK
+    ids = tl.load(ids_ptr + c * CH + offs, mask=live, other=E)  # padding sorts after every expert
+    tl.store(sorted_ptr + c * CH + offs, tl.sort(ids * CH + offs), mask=live)
+    tl.store(counts_ptr + c * E + tl.arange(0, E), tl.histogram(ids, E, mask=live))
+
+
+@triton.jit(do_not_specialize=["TK", "NCH"])
+def _chunk_place_kernel(
+    TK, sorted_ptr, counts_ptr, base_ptr, order_ptr, blk_expert_ptr, blk_start_ptr, blk_count_ptr, nblk_ptr,
+    NCH, E: tl.constexpr, CH: tl.constexpr, NCHP: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program c: each of chunk c's sorted pairs to its place in the whole order -- its expert's start, plus
+    that expert's pairs in earlier chunks, plus its rank among the expert's pairs in this chunk (stable: the
+    single-program sort's order). Program 0 also writes the block table, as ``_align_kernel`` does."""
+    wait_for_previous(PDL)
+    c = tl.program_id(0)
+    chunks = tl.arange(0, NCHP)
+    experts = tl.arange(0, E)
+    all_counts = tl.load(
+        counts_ptr + chunks[:, None] * E + experts[None, :], mask=(chunks < NCH)[:, None], other=0
+    )
+    counts = tl.sum(all_counts, 0)  # [E] pairs per expert
+    starts = tl.cumsum(counts, 0) - counts
+    before = tl.sum(tl.where((chunks < c)[:, None], all_counts, 0), 0)  # the expert's pairs in earlier chunks
+    mine = tl.load(counts_ptr + c * E + experts)
+    local = tl.cumsum(mine, 0) - mine  # where the expert's run starts in this chunk's sorted pairs
+    # where sorted position i of this chunk goes: base[expert] + i
+    tl.store(base_ptr + c * E + experts, starts + before - local)
+    tl.debug_barrier()
+    offs = tl.arange(0, CH)
+    live = c * CH + offs < TK
+    key = tl.load(sorted_ptr + c * CH + offs, mask=live, other=0)
+    dest = tl.load(base_ptr + c * E + key // CH, mask=live, other=0) + offs
+    tl.store(order_ptr + dest, c * CH + key % CH, mask=live)
+    if c == 0:
+        nb = (counts + BM - 1) // BM
+        bstart = tl.cumsum(nb, 0) - nb
+        tl.store(nblk_ptr, tl.sum(nb, 0))
+        for j in range(0, tl.max(nb, 0)):
+            has = nb > j
+            tl.store(blk_expert_ptr + bstart + j, experts, mask=has)
+            tl.store(blk_start_ptr + bstart + j, starts + j * BM, mask=has)
+            tl.store(blk_count_ptr + bstart + j, tl.minimum(counts - j * BM, BM), mask=has)
+
+
 def max_blocks(num_pairs: int, num_experts: int, bm: int) -> int:
     return num_pairs // bm + min(num_pairs, num_experts)
 
@@ -76,7 +130,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, bm: int, num_warps: int | No
     verification, small prefill chunks); torch sorting otherwise."""
     tk = topk_ids.numel()
     if tk > ALIGN_MAX_PAIRS:
-        return align_reference(topk_ids, num_experts, bm)
+        return align_chunked(topk_ids, num_experts, bm)
     maxb = max_blocks(tk, num_experts, bm)
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int32)
@@ -95,6 +149,36 @@ def align(topk_ids: torch.Tensor, num_experts: int, bm: int, num_warps: int | No
 
 
 ALIGN_MAX_PAIRS = 4096
+ALIGN_CHUNKS = 32  # chunks of ALIGN_MAX_PAIRS the two-launch align takes (a constexpr: one variant)
+
+
+def align_chunked(topk_ids: torch.Tensor, num_experts: int, bm: int, chunk: int = ALIGN_MAX_PAIRS) -> Routing:
+    """``align`` for prefill-sized steps in two launches: each chunk of ``chunk`` pairs sorted in its own
+    program, then every pair placed (where ``align_reference``'s torch sort, scatter, cumsum and search took
+    ~20 launches: an 8K prefill on the H200 spent ~4 ms in them over 40 layers). The same tables; past
+    ``ALIGN_CHUNKS`` chunks, ``align_reference``'s."""
+    tk = topk_ids.numel()
+    if tk > ALIGN_CHUNKS * chunk:
+        return align_reference(topk_ids, num_experts, bm)
+    maxb = max_blocks(tk, num_experts, bm)
+    dev = topk_ids.device
+    e = next_pow2(num_experts)
+    nch = triton.cdiv(tk, chunk)
+    flat = topk_ids.reshape(-1).to(torch.int32)
+    tk4 = -(-tk // 4) * 4  # (every part of the scratch on 16 bytes: one variant of each kernel)
+    scratch = torch.empty(tk4 + 2 * nch * e, dtype=torch.int32, device=dev)  # sorted chunks, counts, bases
+    sorted_, counts, base = scratch.split([tk4, nch * e, nch * e])
+    order = torch.empty(tk, dtype=torch.int32, device=dev)
+    blk = torch.empty(3, -(-maxb // 4) * 4, dtype=torch.int32, device=dev)[:, :maxb]  # (16-byte rows: align)
+    nblk = torch.empty(1, dtype=torch.int32, device=dev)
+    _chunk_sort_kernel[(nch,)](flat, tk, sorted_, counts, E=e, CH=chunk, num_warps=8, **pdl_args())
+    _chunk_place_kernel[(nch,)](
+        tk, sorted_, counts, base, order, blk[0], blk[1], blk[2], nblk, nch,
+        E=e, CH=chunk, NCHP=ALIGN_CHUNKS, BM=bm, num_warps=8, **pdl_args(),
+    )  # fmt: skip
+    return Routing(order, blk[0], blk[1], blk[2], nblk, bm)
+
+
 PAIR_ROUTING_MAX_TOKENS = 4  # up to this many tokens, every pair is its own row block (no sort)
 _PAIR_TABLES: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
 

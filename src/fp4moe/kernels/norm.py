@@ -1,6 +1,7 @@
-"""Residual add + zero-centred RMSNorm in one pass, and the MoE combine (sum of the k weighted expert
-outputs + sigmoid-gated shared expert + residual) followed by the next layer's norm. One program per token.
-References: ``layers.norm.rms_norm_zero_centred`` and ``layers.moe.SparseMoE``."""
+"""Residual add + zero-centred RMSNorm in one pass, the MoE combine (sum of the k weighted expert outputs +
+sigmoid-gated shared expert + residual) followed by the next layer's norm, and the attention heads' q/k norm
+with the rotary embedding (``head_norm_rope``). One program per token.
+References: ``layers.norm.rms_norm_zero_centred``, ``layers.moe.SparseMoE``, ``layers.rope.Rotary.apply``."""
 
 from __future__ import annotations
 
@@ -118,3 +119,55 @@ def moe_combine(
         **pdl_args("start"),  # the next layer's input projection loads its first tile meanwhile
     )  # fmt: skip
     return h_out, x_out
+
+
+@triton.jit
+def _head_norm_rope_kernel(
+    x_ptr, stride_t, stride_h, w_ptr, cos_ptr, sin_ptr, stride_c, out_ptr, H, D, R, eps,
+    HB: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_previous(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HB)
+    d = tl.arange(0, BD)
+    d_ok = d < D
+    mask = (h < H)[:, None] & d_ok[None, :]
+    row = x_ptr + t * stride_t + h[:, None] * stride_h
+    x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+    w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+    y = round_bf16(x * r * (1.0 + w)[None, :])
+    # rotate-half over the first R dims, at the rotary's roundings: each product to bf16, then their sum;
+    # the partner of dim i is i + R/2 (first half, negated) or i - R/2, normed from the same row scale
+    rot = d < R
+    half = R // 2
+    partner = tl.where(d < half, d + half, d - half)
+    xp = tl.load(row + partner[None, :], mask=mask & rot[None, :], other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    yp = round_bf16(xp * r * (1.0 + wp)[None, :])
+    c = tl.load(cos_ptr + t * stride_c + d, mask=rot, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + t * stride_c + d, mask=rot, other=0.0).to(tl.float32)[None, :]
+    sign = tl.where(d < half, -1.0, 1.0)[None, :]
+    y = tl.where(rot[None, :], round_bf16(round_bf16(y * c) + round_bf16(sign * yp * s)), y)
+    tl.store(out_ptr + (t * H + h[:, None]) * D + d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """x [T, H, D] (unit stride along D; tokens and heads at any stride: q read straight out of q_proj's
+    query/gate rows, k out of a fused projection) -> the zero-centred RMSNorm of each head with ``Rotary.apply``
+    on its first R = cos.shape[-1] dims, [T, H, D] contiguous in x's dtype. cos/sin [T, R]. One pass where
+    the torch path makes ~10 (the q norm's fp32 chain on a strided view, the rotary's products, sums and two
+    concatenations)."""
+    t, h, d = x.shape
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        raise ValueError("head_norm_rope: x, cos and sin need unit stride along their last dim")
+    r = cos.shape[-1]
+    if r % 2 or r > d:
+        raise ValueError(f"head_norm_rope: {r} rotary dims for heads of {d}")
+    out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
+    if t:
+        _head_norm_rope_kernel[(t,)](
+            x, x.stride(0), x.stride(1), weight, cos, sin, cos.stride(0), out, h, d, r, eps,
+            HB=next_pow2(h), BD=next_pow2(d), num_warps=4, **pdl_args(),
+        )  # fmt: skip
+    return out

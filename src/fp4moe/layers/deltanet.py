@@ -167,16 +167,27 @@ class GatedDeltaNet(nn.Module):
             out = gated_rms_norm(core, z, self.norm_weight, self.eps).reshape(t, -1)
         return self.out_proj(out)
 
-    def rule(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor):
-        """The gated delta rule over one sequence's conv output qkv [n, conv_dim] from the fp32 state [Hv,
-        Dk, Dv] -> (output [n, Hv, Dv] in qkv's dtype, the new state): fla's chunked kernel on the GPU for
-        more than one token, else ours in fp32 (chunked; token-wise for one token)."""
-        q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        n = qkv.shape[0]
+    def parts(self) -> tuple[int, int]:
+        """Where the conv output's q, k and v channels split (``causal_conv``'s planar ``parts``)."""
+        return self.key_size, 2 * self.key_size
+
+    def split_qkv(self, qkv) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v) [n, width] of a conv output: [n, conv_dim] (views), or its planar parts as they are."""
+        if isinstance(qkv, tuple):
+            return qkv
+        return qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
+
+    def rule(self, qkv, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor):
+        """The gated delta rule over one sequence's conv output qkv [n, conv_dim] (or its planar (q, k, v))
+        from the fp32 state [Hv, Dk, Dv] -> (output [n, Hv, Dv] in qkv's dtype, the new state): fla's
+        chunked kernel on the GPU for more than one token, else ours in fp32 (chunked; token-wise for one
+        token)."""
+        q, k, v = self.split_qkv(qkv)
+        n = q.shape[0]
         q = q.view(n, self.num_k_heads, self.k_dim)
         k = k.view(n, self.num_k_heads, self.k_dim)
         v = v.view(n, self.num_v_heads, self.v_dim)
-        if n > 1 and qkv.is_cuda and _fla_chunk() is not None:
+        if n > 1 and v.is_cuda and _fla_chunk() is not None:
             # grouped values: fla reads key head j // (Hv / Hk) for value head j itself
             o, new = _fla_rule(q, k, v, g, beta, state)
         else:
@@ -185,27 +196,28 @@ class GatedDeltaNet(nn.Module):
             k = l2_normalize(k.float()).repeat_interleave(rep, dim=1)
             rule = delta_rule_recurrent if n == 1 else delta_rule_chunked
             o, new = rule(q, k, v.float(), g, beta.float(), state)
-        return o.to(qkv.dtype), new
+        return o.to(v.dtype), new
 
-    def rule_fresh(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: int, initial=None):
-        """``rule`` for ``batch`` sequences of equal length in consecutive rows of qkv, each from a zero
-        state (``initial`` None) or from its own of ``initial`` [batch, Hv, Dk, Dv] fp32 -> (output [rows, Hv,
-        Dv], new states [batch, Hv, Dk, Dv]): one fla call on the GPU."""
-        n = qkv.shape[0] // batch
-        if not (qkv.is_cuda and _fla_chunk() is not None):
+    def rule_fresh(self, qkv, g: torch.Tensor, beta: torch.Tensor, batch: int, initial=None):
+        """``rule`` for ``batch`` sequences of equal length in consecutive rows of qkv (or of its planar
+        parts), each from a zero state (``initial`` None) or from its own of ``initial`` [batch, Hv, Dk, Dv]
+        fp32 -> (output [rows, Hv, Dv], new states [batch, Hv, Dk, Dv]): one fla call on the GPU."""
+        q, k, v = self.split_qkv(qkv)
+        n = q.shape[0] // batch
+        if not (v.is_cuda and _fla_chunk() is not None):
+            qkv = torch.cat([q, k, v], dim=-1) if isinstance(qkv, tuple) else qkv
             zero = qkv.new_zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
             outs = [self.rule(qkv[i * n : (i + 1) * n], g[i * n : (i + 1) * n], beta[i * n : (i + 1) * n],
                               zero if initial is None else initial[i])
                     for i in range(batch)]  # fmt: skip
             return torch.cat([o for o, _ in outs]), torch.stack([s for _, s in outs])
-        q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
         o, final = _fla_chunk()(
             q.reshape(batch, n, self.num_k_heads, self.k_dim), k.reshape(batch, n, self.num_k_heads, self.k_dim),
             v.reshape(batch, n, self.num_v_heads, self.v_dim), g.view(batch, n, -1), beta.view(batch, n, -1),
             scale=self.k_dim**-0.5, initial_state=None if initial is None else initial.contiguous(),
             output_final_state=True, use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
-        return o.reshape(batch * n, self.num_v_heads, self.v_dim).to(qkv.dtype), final
+        return o.reshape(batch * n, self.num_v_heads, self.v_dim).to(v.dtype), final
 
     def _prefill_varlen(self, mixed, g, beta, ctx) -> torch.Tensor:
         """Every sequence of a GPU step at once: one conv launch, one fla call over the flat rows with
@@ -215,10 +227,9 @@ class GatedDeltaNet(nn.Module):
 
         t = ctx.tensors(mixed.device)
         conv_state, rec_state = ctx.deltanet.gather(self.layer_id, ctx)
-        qkv, new_conv = causal_conv_silu_varlen(
-            mixed, conv_state, self.conv1d_weight, t.token_seq, t.starts, t.ends
+        (q, k, v), new_conv = causal_conv_silu_varlen(
+            mixed, conv_state, self.conv1d_weight, t.token_seq, t.starts, t.ends, self.parts()
         )
-        q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
         n = mixed.shape[0]
         o, new_rec = _fla_chunk()(
             q.reshape(1, n, self.num_k_heads, self.k_dim),
@@ -250,13 +261,14 @@ class GatedDeltaNet(nn.Module):
         return core
 
     def _conv(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal depthwise conv + SiLU over x [n, C] continuing from state [C, K-1] (the last inputs)."""
+        """Causal depthwise conv + SiLU over x [n, C] continuing from state [C, K-1] (the last inputs) ->
+        (output, new state); the output is planar (q, k, v) where the GPU kernel makes it, else [n, C]."""
         if (
             x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 1
         ):  # prefill: one kernel, no cat/transposes
             from fp4moe.kernels.causal_conv import causal_conv_silu
 
-            return causal_conv_silu(x, state, self.conv1d_weight)
+            return causal_conv_silu(x, state, self.conv1d_weight, self.parts())
         full = torch.cat([state.to(x.dtype), x.transpose(0, 1)], dim=-1)  # [C, K-1+n]
         out = F.conv1d(full.unsqueeze(0), self.conv1d_weight, groups=self.conv_dim).squeeze(0)  # [C, n]
         return F.silu(out).transpose(0, 1), full[:, -(self.conv_kernel - 1) :]

@@ -151,7 +151,7 @@ class Qwen3_5MoeFused:
         else:
             conv0, rec0 = mixed.new_zeros(b, m.conv_dim, m.conv_kernel - 1), None
         qkv, conv = causal_conv_silu_varlen(
-            mixed, conv0, m.conv1d_weight, step.token_seq, step.starts, step.ends
+            mixed, conv0, m.conv1d_weight, step.token_seq, step.starts, step.ends, m.parts()
         )
         core, rec = m.rule_fresh(qkv, g, beta, b, rec0)
         self.states.scatter(m.layer_id, step, conv, rec)
