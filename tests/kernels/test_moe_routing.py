@@ -43,8 +43,8 @@ def _same_tables(a: mr.Routing, b: mr.Routing, pairs: int) -> None:
 @pytest.mark.parametrize("tokens,experts,top_k", [(50, 16, 4), (70, 24, 3), (16, 16, 4), (600, 16, 4)])
 def test_chunked_align_matches_torch_sorting(tokens, experts, top_k):
     """The two-launch align of prefill-sized steps (chunks sorted apart, then placed), here in 64-pair chunks:
-    a ragged last chunk, an expert count that is no power of two, one whole chunk, and more chunks than it
-    takes (600 x 4 pairs: align_reference's tables). Exactly the torch sort's stable order and tables."""
+    a ragged last chunk, an expert count that is no power of two, one whole chunk, and 38 chunks. Exactly the
+    torch sort's stable order and tables."""
     gen = torch.Generator().manual_seed(tokens + experts)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     ids[: tokens // 2, 0] = 5  # a crowded expert: runs across chunks

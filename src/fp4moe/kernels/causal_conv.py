@@ -19,6 +19,11 @@ import triton.language as tl
 from fp4moe.kernels import pdl_args
 from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 
+# (token rows, channels, warps) of a program: one tile shape for every token count -- per-count variants were
+# compiled on users' requests (py-spy on the H200 server at 16 streams: 30% of the engine thread in Triton's
+# compiler, all for this kernel); benchmarks/tune_conv.py times others
+TILE = (32, 128, 4)
+
 
 @triton.jit(do_not_specialize=["T"])  # the token count: a server meets every value (issue 20)
 def _causal_conv_kernel(
@@ -129,12 +134,11 @@ def _launch(x, states, weight, token_seq, starts, parts=None):
         raise ValueError(f"parts {parts} do not split {c} channels")
     flat = torch.empty(n * c, dtype=x.dtype, device=x.device)
     varlen = token_seq is not None
-    # one tile shape for every token count: per-count variants were compiled on users' requests (py-spy on
-    # the H200 server at 16 streams: 30% of the engine thread in Triton's compiler, all for this kernel)
-    bt, bc = 32, 128
+    bt, bc, warps = TILE
     _causal_conv_kernel[(triton.cdiv(n, bt), triton.cdiv(c, bc))](
         x, x.stride(0), states, weight.reshape(c, kc), flat, token_seq if varlen else x,
-        starts if varlen else x, n, c, p1, p2, KC=kc, BT=bt, BC=bc, VARLEN=varlen, num_warps=4, **pdl_args(),
+        starts if varlen else x, n, c, p1, p2, KC=kc, BT=bt, BC=bc, VARLEN=varlen, num_warps=warps,
+        **pdl_args(),
     )  # fmt: skip
     if parts is None:
         return flat.view(n, c)

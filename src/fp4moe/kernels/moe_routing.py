@@ -71,21 +71,21 @@ def _chunk_sort_kernel(ids_ptr, TK, sorted_ptr, counts_ptr, E: tl.constexpr, CH:
 @triton.jit(do_not_specialize=["TK", "NCH"])
 def _chunk_place_kernel(
     TK, sorted_ptr, counts_ptr, base_ptr, order_ptr, blk_expert_ptr, blk_start_ptr, blk_count_ptr, nblk_ptr,
-    NCH, E: tl.constexpr, CH: tl.constexpr, NCHP: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr,
+    NCH, E: tl.constexpr, CH: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program c: each of chunk c's sorted pairs to its place in the whole order -- its expert's start, plus
     that expert's pairs in earlier chunks, plus its rank among the expert's pairs in this chunk (stable: the
     single-program sort's order). Program 0 also writes the block table, as ``_align_kernel`` does."""
     wait_for_previous(PDL)
     c = tl.program_id(0)
-    chunks = tl.arange(0, NCHP)
     experts = tl.arange(0, E)
-    all_counts = tl.load(
-        counts_ptr + chunks[:, None] * E + experts[None, :], mask=(chunks < NCH)[:, None], other=0
-    )
-    counts = tl.sum(all_counts, 0)  # [E] pairs per expert
+    counts = tl.zeros((E,), dtype=tl.int32)  # pairs per expert
+    before = tl.zeros((E,), dtype=tl.int32)  # the expert's pairs in chunks before c
+    for other in range(0, NCH):
+        n = tl.load(counts_ptr + other * E + experts)
+        counts += n
+        before += tl.where(other < c, n, 0)
     starts = tl.cumsum(counts, 0) - counts
-    before = tl.sum(tl.where((chunks < c)[:, None], all_counts, 0), 0)  # the expert's pairs in earlier chunks
     mine = tl.load(counts_ptr + c * E + experts)
     local = tl.cumsum(mine, 0) - mine  # where the expert's run starts in this chunk's sorted pairs
     # where sorted position i of this chunk goes: base[expert] + i
@@ -149,17 +149,16 @@ def align(topk_ids: torch.Tensor, num_experts: int, bm: int, num_warps: int | No
 
 
 ALIGN_MAX_PAIRS = 4096
-ALIGN_CHUNKS = 32  # chunks of ALIGN_MAX_PAIRS the two-launch align takes (a constexpr: one variant)
+# pairs a program of the two-launch align sorts: 1,024, so an 8K prompt's 65,536 pairs take 64 programs (4,096
+# in 16 took 72 us a layer on the H200: a bitonic sort's stages grow with log^2 of its length)
+ALIGN_CHUNK = 1024
 
 
-def align_chunked(topk_ids: torch.Tensor, num_experts: int, bm: int, chunk: int = ALIGN_MAX_PAIRS) -> Routing:
+def align_chunked(topk_ids: torch.Tensor, num_experts: int, bm: int, chunk: int = ALIGN_CHUNK) -> Routing:
     """``align`` for prefill-sized steps in two launches: each chunk of ``chunk`` pairs sorted in its own
     program, then every pair placed (where ``align_reference``'s torch sort, scatter, cumsum and search took
-    ~20 launches: an 8K prefill on the H200 spent ~4 ms in them over 40 layers). The same tables; past
-    ``ALIGN_CHUNKS`` chunks, ``align_reference``'s."""
+    ~20 launches: an 8K prefill on the H200 spent ~4 ms in them over 40 layers). The same tables."""
     tk = topk_ids.numel()
-    if tk > ALIGN_CHUNKS * chunk:
-        return align_reference(topk_ids, num_experts, bm)
     maxb = max_blocks(tk, num_experts, bm)
     dev = topk_ids.device
     e = next_pow2(num_experts)
@@ -171,10 +170,10 @@ def align_chunked(topk_ids: torch.Tensor, num_experts: int, bm: int, chunk: int 
     order = torch.empty(tk, dtype=torch.int32, device=dev)
     blk = torch.empty(3, -(-maxb // 4) * 4, dtype=torch.int32, device=dev)[:, :maxb]  # (16-byte rows: align)
     nblk = torch.empty(1, dtype=torch.int32, device=dev)
-    _chunk_sort_kernel[(nch,)](flat, tk, sorted_, counts, E=e, CH=chunk, num_warps=8, **pdl_args())
+    _chunk_sort_kernel[(nch,)](flat, tk, sorted_, counts, E=e, CH=chunk, num_warps=4, **pdl_args())
     _chunk_place_kernel[(nch,)](
         tk, sorted_, counts, base, order, blk[0], blk[1], blk[2], nblk, nch,
-        E=e, CH=chunk, NCHP=ALIGN_CHUNKS, BM=bm, num_warps=8, **pdl_args(),
+        E=e, CH=chunk, BM=bm, num_warps=4, **pdl_args(),
     )  # fmt: skip
     return Routing(order, blk[0], blk[1], blk[2], nblk, bm)
 

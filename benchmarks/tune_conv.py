@@ -1,0 +1,51 @@
+"""Tiles of the Gated DeltaNet prefill conv (``kernels.causal_conv``, planar q/k/v out) on the full-size shape:
+an 8,192-token chunk of in_proj's rows (8,192 conv channels at the fused projection's row stride), fresh
+state; each candidate (token rows, channels, warps) checked equal to the default's output, timed as the median
+of CUDA-event replays, with its share of the copy bandwidth (bytes read and written once).
+
+    python3 benchmarks/tune_conv.py --tokens 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from common import event_seconds
+
+from fp4moe.kernels import causal_conv
+
+CANDIDATES = [(32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8), (16, 256, 4), (128, 64, 4), (64, 64, 2)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192, help="rows of the chunk")
+    ap.add_argument("--out", default="", help="write the timings to this JSON file")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    n, c, key = args.tokens, 8192, 2048  # conv channels: q, k (16 x 128 each), v (32 x 128)
+    rows = torch.randn(n, c + 4096 + 64, device=dev, dtype=torch.bfloat16)  # + z, b, a: in_proj's row
+    x = rows[:, :c]
+    state = torch.zeros(c, 3, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(c, 1, 4, device=dev, dtype=torch.bfloat16) * 0.5
+    default = causal_conv.TILE
+    ref, _ = causal_conv.causal_conv_silu(x, state, w, (key, 2 * key))
+    out = []
+    for tile in CANDIDATES:
+        causal_conv.TILE = tile
+        got, _ = causal_conv.causal_conv_silu(x, state, w, (key, 2 * key))
+        same = all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+        sec = sorted(event_seconds(lambda: causal_conv.causal_conv_silu(x, state, w, (key, 2 * key)), 20))[10]
+        gbs = 2 * n * c * 2 / sec / 1e9
+        out.append(dict(tile=tile, us=sec * 1e6, gb_s=gbs, same=same))
+        print(f"tile {tile}: {sec * 1e6:.1f} us, {gbs:.0f} GB/s, same output: {same}", flush=True)
+    causal_conv.TILE = default
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), tokens=n, rows=out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
