@@ -32,8 +32,7 @@ def _align_kernel(
     PDL: tl.constexpr,
 ):
     """One program: the pairs sorted by (expert, pair index) -- one bitonic sort of expert * TKP + pair --
-    then the block table, one entry per BM pairs of an expert, written expert by expert. Entries past
-    ``nblk`` are left as they were (the expert kernel stops at ``nblk``)."""
+    then the block table (``_block_table``)."""
     wait_for_previous(PDL)
     offs = tl.arange(0, TKP)
     live = offs < TK
@@ -41,6 +40,15 @@ def _align_kernel(
     keys = tl.sort(ids * TKP + offs)
     tl.store(order_ptr + offs, keys % TKP, mask=live)
     counts = tl.histogram(ids, E, mask=live)
+    _block_table(counts, blk_expert_ptr, blk_start_ptr, blk_count_ptr, nblk_ptr, E, BM)
+
+
+@triton.jit
+def _block_table(counts, blk_expert_ptr, blk_start_ptr, blk_count_ptr, nblk_ptr, E: tl.constexpr,
+                 BM: tl.constexpr):  # fmt: skip
+    """The block table of pairs sorted by expert, ``counts`` [E] per expert: one entry per BM pairs of an
+    expert (expert, first pair, pairs), written expert by expert, and their number. Entries past it are left
+    as they were (the expert kernels stop there)."""
     experts = tl.arange(0, E)
     starts = tl.cumsum(counts, 0) - counts
     nb = (counts + BM - 1) // BM
@@ -97,14 +105,7 @@ def _chunk_place_kernel(
     dest = tl.load(base_ptr + c * E + key // CH, mask=live, other=0) + offs
     tl.store(order_ptr + dest, c * CH + key % CH, mask=live)
     if c == 0:
-        nb = (counts + BM - 1) // BM
-        bstart = tl.cumsum(nb, 0) - nb
-        tl.store(nblk_ptr, tl.sum(nb, 0))
-        for j in range(0, tl.max(nb, 0)):
-            has = nb > j
-            tl.store(blk_expert_ptr + bstart + j, experts, mask=has)
-            tl.store(blk_start_ptr + bstart + j, starts + j * BM, mask=has)
-            tl.store(blk_count_ptr + bstart + j, tl.minimum(counts - j * BM, BM), mask=has)
+        _block_table(counts, blk_expert_ptr, blk_start_ptr, blk_count_ptr, nblk_ptr, E, BM)
 
 
 def max_blocks(num_pairs: int, num_experts: int, bm: int) -> int:
