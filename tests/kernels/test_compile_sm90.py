@@ -289,7 +289,8 @@ pointers = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "d_ptr": "*fp32", 
 results = []
 for epilogue, bm in json.loads(sys.argv[1]):  # the default plan's tiles at this block size
     t = gemm.plan(bm, 8192 if bm == 128 else 2048)[epilogue - 1]
-    consts = dict(MODE=7, EPILOGUE=epilogue, BM=bm, BN=t.bn, BK=t.bk, EVEN_N=True, DOT_F32=False, PDL=True, TILE=64)
+    consts = dict(MODE=7, EPILOGUE=epilogue, BM=bm, BN=t.bn, BK=t.bk, EVEN_N=True, DOT_F32=False, PDL=True, TILE=64,
+                  WIDE=t.wide)
     signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in consts and n not in ("TOPK", "stride_de")}

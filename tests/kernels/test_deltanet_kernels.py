@@ -186,13 +186,15 @@ def test_causal_conv_varlen_is_each_sequence_alone():
         assert torch.equal(new[i].cpu(), ref_state), i
 
 
-def test_causal_conv_planar_parts_are_the_row_major_outputs_columns():
+@pytest.mark.parametrize("k_dim", [16, 24])
+def test_causal_conv_planar_parts_are_the_row_major_outputs_columns(k_dim):
     """``parts``: q, k and v each one contiguous block of the same values (exactly: same sums, another
-    layout), for a single sequence and the varlen launch; a split past the channels is refused."""
+    layout), for a single sequence and the varlen launch -- 128 channels, and 160 (not a whole number of the
+    kernel's 128-channel blocks); a split past the channels is refused."""
     from fp4moe.kernels.causal_conv import causal_conv_silu, causal_conv_silu_varlen
 
     gen = torch.Generator().manual_seed(13)
-    layer = GatedDeltaNet(64, 2, 4, 16, 16, 4, 1e-6, 0)
+    layer = GatedDeltaNet(64, 2, 4, k_dim, 16, 4, 1e-6, 0)
     layer.conv1d_weight.data = (torch.randn(layer.conv_dim, 1, 4, generator=gen) * 0.5).to(BF16)
     w = layer.conv1d_weight.to(DEV)
     lengths = [3, 40, 70]

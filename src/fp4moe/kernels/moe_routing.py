@@ -1,7 +1,7 @@
 """Routing for the grouped expert kernels: the (token, expert) pairs of a step sorted by expert, and a block
 table (one entry per run of up to BM pairs of one expert: which expert, where its pairs start, how many).
-``align`` builds it in one Triton program for decode-sized steps and with torch sorting for prefill-sized
-ones; ``pair_routing`` makes every pair its own block for a few tokens (nothing sorted). Every table has a
+``align`` builds it in one Triton program for decode-sized steps and in two launches for prefill-sized ones
+(``align_chunked``: chunks sorted apart, then placed); ``pair_routing`` makes every pair its own block for a few tokens (nothing sorted). Every table has a
 static shape (``max_blocks``), so the steps that use them can be captured in CUDA graphs. Reference:
 ``align_reference`` (the tests compare ``align`` with it)."""
 
@@ -127,8 +127,8 @@ class Routing:
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, bm: int, num_warps: int | None = None) -> Routing:
-    """topk_ids [T, k] -> Routing. One program for up to ``ALIGN_MAX_PAIRS`` pairs (decode, speculative
-    verification, small prefill chunks); torch sorting otherwise."""
+    """topk_ids [T, k] -> Routing. One program (of ``num_warps``) for up to ``ALIGN_MAX_PAIRS`` pairs (decode,
+    speculative verification, small prefill chunks); ``align_chunked`` otherwise."""
     tk = topk_ids.numel()
     if tk > ALIGN_MAX_PAIRS:
         return align_chunked(topk_ids, num_experts, bm)
@@ -165,7 +165,7 @@ def align_chunked(topk_ids: torch.Tensor, num_experts: int, bm: int, chunk: int 
     e = next_pow2(num_experts)
     nch = triton.cdiv(tk, chunk)
     flat = topk_ids.reshape(-1).to(torch.int32)
-    tk4 = -(-tk // 4) * 4  # (every part of the scratch on 16 bytes: one variant of each kernel)
+    tk4 = -(-tk // 4) * 4  # (the scratch's parts on 16 bytes where next_pow2(experts) is too: one variant)
     scratch = torch.empty(tk4 + 2 * nch * e, dtype=torch.int32, device=dev)  # sorted chunks, counts, bases
     sorted_, counts, base = scratch.split([tk4, nch * e, nch * e])
     order = torch.empty(tk, dtype=torch.int32, device=dev)
@@ -200,7 +200,7 @@ def pair_routing(topk_ids: torch.Tensor, bm: int) -> Routing:
 
 
 def align_reference(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Routing:
-    """The same tables with torch ops (used for prefill-sized batches, and as the reference)."""
+    """The same tables with torch ops (the tests' reference)."""
     flat = topk_ids.reshape(-1).long()
     tk = flat.numel()
     dev = flat.device

@@ -42,10 +42,17 @@ class GatedAttention(nn.Module):
         t = q_gate.shape[0]
         q, gate = q_gate.reshape(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        if q.is_cuda and q.dtype == cos.dtype == torch.bfloat16 and k.stride(-1) == 1 and cos.stride(-1) == 1:
+        if (
+            q.is_cuda
+            and q.dtype == cos.dtype == torch.bfloat16
+            and k.stride(-1) == 1
+            and cos.stride(-1) == 1
+            and sin.stride() == cos.stride()
+        ):
             # one pass per token instead of the norm's fp32 chain and the rotary's products and
-            # concatenations on [T, H, D] (an 8K prefill on the H200: ~7 ms of its 10 attention layers); every
-            # GPU path (module, graphed prompt) takes it, so they keep rounding alike
+            # concatenations on [T, H, D] (an 8K prefill on the H200: ~7 ms of its 10 attention layers); both
+            # GPU prefill paths (module, graphed prompt) take it, so they keep rounding alike (the decode
+            # kernel, ``qk_norm_rope_store``, rounds the rotary once)
             from fp4moe.kernels.norm import head_norm_rope
 
             q = head_norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
