@@ -152,6 +152,19 @@ def _head_norm_rope_kernel(
     tl.store(out_ptr + (t * H + h[:, None]) * D + d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def head_norm_rope_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``head_norm_rope`` takes these: unit stride along the last dim of x, cos and sin (sin laid out
+    as cos), and an even number of rotary dims R = cos.shape[-1] no more than x's head dim."""
+    r = cos.shape[-1]
+    return (
+        x.stride(-1) == 1
+        and cos.stride(-1) == 1
+        and sin.stride() == cos.stride()
+        and r % 2 == 0
+        and r <= x.shape[-1]
+    )
+
+
 def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
     """x [T, H, D] (unit stride along D; tokens and heads at any stride: q read straight out of q_proj's
     query/gate rows, k out of a fused projection) -> the zero-centred RMSNorm of each head with ``Rotary.apply``
@@ -159,11 +172,12 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
     the torch path makes ~10 (the q norm's fp32 chain on a strided view, the rotary's products, sums and two
     concatenations)."""
     t, h, d = x.shape
-    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        raise ValueError("head_norm_rope: x, cos and sin need unit stride along their last dim")
     r = cos.shape[-1]
-    if r % 2 or r > d:
-        raise ValueError(f"head_norm_rope: {r} rotary dims for heads of {d}")
+    if not head_norm_rope_fits(x, cos, sin):
+        raise ValueError(
+            f"head_norm_rope: x {tuple(x.shape)} and cos/sin {tuple(cos.shape)} need unit stride along their last "
+            f"dim and an even number of rotary dims, at most the head's ({r} rotary dims for heads of {d})"
+        )
     out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
     if t:
         _head_norm_rope_kernel[(t,)](

@@ -42,25 +42,21 @@ class GatedAttention(nn.Module):
         t = q_gate.shape[0]
         q, gate = q_gate.reshape(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        if (
-            q.is_cuda
-            and q.dtype == cos.dtype == torch.bfloat16
-            and k.stride(-1) == 1
-            and cos.stride(-1) == 1
-            and sin.stride() == cos.stride()
-        ):
-            # one pass per token instead of the norm's fp32 chain and the rotary's products and
-            # concatenations on [T, H, D] (an 8K prefill on the H200: ~7 ms of its 10 attention layers); both
-            # GPU prefill paths (module, graphed prompt) take it, so they keep rounding alike (the decode
-            # kernel, ``qk_norm_rope_store``, rounds the rotary once)
-            from fp4moe.kernels.norm import head_norm_rope
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if q.is_cuda and q.dtype == cos.dtype == torch.bfloat16:
+            from fp4moe.kernels.norm import head_norm_rope, head_norm_rope_fits
 
-            q = head_norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
-            k = head_norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
-        else:
-            q = Rotary.apply(self.q_norm(q), cos, sin)
-            k = Rotary.apply(self.k_norm(k), cos, sin)
-        return q, gate, k, v.reshape(t, self.num_kv_heads, self.head_dim)
+            if head_norm_rope_fits(q, cos, sin) and head_norm_rope_fits(k, cos, sin):
+                # one pass per token instead of the norm's fp32 chain and the rotary's products and
+                # concatenations on [T, H, D] (an 8K prefill on the H200: ~7 ms of its 10 attention layers);
+                # both GPU prefill paths (module, graphed prompt) take it, so they keep rounding alike (the
+                # decode kernel, ``qk_norm_rope_store``, rounds the rotary once)
+                q = head_norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
+                k = head_norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
+                return q, gate, k, v
+        q = Rotary.apply(self.q_norm(q), cos, sin)
+        k = Rotary.apply(self.k_norm(k), cos, sin)
+        return q, gate, k, v
 
     def output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Attention output [T, H, D] * sigmoid(gate), then o_proj."""

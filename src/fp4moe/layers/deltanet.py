@@ -205,10 +205,9 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self.split_qkv(qkv)
         n = q.shape[0] // batch
         if not (v.is_cuda and _fla_chunk() is not None):
-            qkv = torch.cat([q, k, v], dim=-1) if isinstance(qkv, tuple) else qkv
-            zero = qkv.new_zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
-            outs = [self.rule(qkv[i * n : (i + 1) * n], g[i * n : (i + 1) * n], beta[i * n : (i + 1) * n],
-                              zero if initial is None else initial[i])
+            zero = v.new_zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
+            outs = [self.rule(tuple(p[i * n : (i + 1) * n] for p in (q, k, v)), g[i * n : (i + 1) * n],
+                              beta[i * n : (i + 1) * n], zero if initial is None else initial[i])
                     for i in range(batch)]  # fmt: skip
             return torch.cat([o for o, _ in outs]), torch.stack([s for _, s in outs])
         o, final = _fla_chunk()(
