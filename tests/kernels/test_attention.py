@@ -216,3 +216,26 @@ def test_decode_attention_compiles_nothing_new_after_its_warm_up():
     for rows in range(2, rows_max + 1):
         assert torch.isfinite(step(rows)).all()
     assert compiles.after_mark() == {}
+
+
+def test_output_gate_rounds_where_torch_does():
+    """The prefill's output gate: the attention output times sigmoid of the gate read out of q_proj's
+    query/gate rows, -> [T, H * D]. Against float64 with the same two roundings to bf16 (the sigmoid, then the
+    product): bf16 x bf16 is exact in fp32, so only the sigmoid's last fp32 bit can tip a rounding -- at most a
+    few elements, by one bf16 step; torch's own path (sigmoid and product in bf16) within RTOL."""
+    gen = torch.Generator().manual_seed(11)
+    t, h, d = 37, 4, 64
+    q_gate = (torch.randn(t, h, 2 * d, generator=gen) * 3).to(BF16)
+    gate = q_gate.to(DEV).chunk(2, dim=-1)[1]  # [t, h, d] at stride 2d per head
+    out = torch.randn(t, h, d, generator=gen).to(BF16).to(DEV)
+    got = attn_k.output_gate(out, gate)
+    assert got.shape == (t, h * d) and got.is_contiguous()
+    sig = torch.sigmoid(gate.cpu().double()).to(BF16).double()
+    want = (out.cpu().double() * sig).to(BF16).reshape(t, -1)
+    off = got.cpu() != want
+    assert off.sum() <= 4, int(off.sum())
+    assert ((got.cpu().float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-30).all()
+    torch_path = out.cpu().reshape(t, -1) * torch.sigmoid(gate.cpu().reshape(t, -1))
+    assert rel(got.cpu(), torch_path) < RTOL
+    with pytest.raises(ValueError, match="must match"):
+        attn_k.output_gate(out, gate[:, :2])

@@ -215,6 +215,40 @@ def test_causal_conv_planar_parts_are_the_row_major_outputs_columns(k_dim):
         causal_conv_silu(x[:3].to(DEV), states[0].to(DEV), w, (32, layer.conv_dim + 1))
 
 
+@pytest.mark.parametrize("k_dim,hk", [(16, 2), (128, 1)])
+def test_causal_conv_normalises_q_and_k_as_fla_does(k_dim, hk):
+    """``norm``: q's and k's heads L2-normalised in the conv kernel as fla's ``l2norm_fwd`` would normalise the
+    planar output (x / sqrt(sum x^2 + 1e-6) in fp32 from the bf16 values, rounded to bf16), v as it was; heads
+    of 16 channels (several a program) and of 128 (one a program, the model's). Another summation order: an
+    element may differ by one bf16 step, rarely. A head width the kernel cannot group is refused."""
+    from fp4moe.kernels.causal_conv import causal_conv_silu, causal_conv_silu_varlen
+
+    gen = torch.Generator().manual_seed(k_dim)
+    layer = GatedDeltaNet(64, hk, 2 * hk, k_dim, 16, 4, 1e-6, 0)
+    layer.conv1d_weight.data = (torch.randn(layer.conv_dim, 1, 4, generator=gen) * 0.5).to(BF16)
+    w = layer.conv1d_weight.to(DEV)
+    lengths = [3, 40]
+    x, ctx = _varlen_rows(gen, lengths, layer.conv_dim)
+    states = torch.randn(len(lengths), layer.conv_dim, 3, generator=gen).to(BF16).to(DEV)
+    t = ctx.tensors(DEV)
+    plain, _ = causal_conv_silu_varlen(x.to(DEV), states, w, t.token_seq, t.starts, t.ends, layer.parts())
+    normed, _ = causal_conv_silu_varlen(
+        x.to(DEV), states, w, t.token_seq, t.starts, t.ends, layer.parts(), k_dim
+    )
+    one, _ = causal_conv_silu(x[:3].to(DEV), states[0], w, layer.parts(), k_dim)
+    assert all(torch.equal(a.cpu(), b.cpu()[:3]) for a, b in zip(one, normed, strict=True))
+    for got, y in zip(normed[:2], plain[:2], strict=True):
+        heads = y.cpu().float().view(y.shape[0], -1, k_dim)
+        want = (heads * (1 / torch.sqrt((heads * heads).sum(-1, keepdim=True) + 1e-6))).to(BF16)
+        want = want.view(y.shape)
+        diff = (got.cpu().float() - want.float()).abs()
+        assert float(diff.max()) <= 2**-8  # unit vectors: one bf16 step below 1 is 2^-8
+        assert float((diff > 0).float().mean()) < 0.01
+    assert torch.equal(normed[2].cpu(), plain[2].cpu())
+    with pytest.raises(ValueError, match="cannot normalise"):
+        causal_conv_silu(x[:3].to(DEV), states[0], w, layer.parts(), 24)
+
+
 def test_slot_states_gather_and_scatter_are_get_and_set():
     """The GPU states' batched read/write of a step against the per-slot get/set: exact (copies), stale
     ring entries and states of a fresh sequence read as zeros, positions wrap around the ring."""

@@ -30,10 +30,17 @@ def test_cudnn_lengths_are_whole_steps_between_the_bounds(cudnn_on):
     assert len(padded) == (8192 - low) // step  # the plans warm_cudnn builds for an 8,192-token budget
 
 
-def test_padded_causal_attention_is_attend_on_the_real_rows(cudnn_on):
-    gen = torch.Generator().manual_seed(0)
-    n, h, hkv, d = attention.CUDNN_MIN + 77, 4, 2, 16
+@pytest.mark.parametrize(
+    "extra,strided", [(77, False), (attention.CUDNN_STEP, False), (attention.CUDNN_STEP, True)]
+)
+def test_padded_causal_attention_is_attend_on_the_real_rows(cudnn_on, extra, strided):
+    """Padded rows (77 past the bound) and whole steps as they are; q strided as q_proj leaves it (the query
+    half of each query/gate row) is copied in. The output keeps [tokens, heads, D] order."""
+    gen = torch.Generator().manual_seed(extra)
+    n, h, hkv, d = attention.CUDNN_MIN + extra, 4, 2, 16
     q, k, v = (torch.randn(n, heads, d, generator=gen) for heads in (h, hkv, hkv))
+    if strided:
+        q = torch.cat([q, torch.randn(n, h, d, generator=gen)], dim=-1)[..., :d]
     got = attention.causal_cudnn(q, k, v, backend=SDPBackend.MATH)
     want = attention.attend(q, k, v, 0)  # the CPU: plain causal SDPA of the n rows
     assert got.shape == want.shape == (n, h, d)
@@ -55,6 +62,15 @@ def test_cudnn_attention_matches_flash_attention_on_the_gpu():
         )[0].transpose(0, 1)
     rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
     assert rel < 2e-2
+    q8, k8, v8 = (torch.randn(8192, heads, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+                  for heads in (h, hkv, hkv))  # fmt: skip
+    got = attention.attend(q8, k8, v8, 0)  # a whole number of steps: no padding, no copies
+    assert got.is_contiguous()  # cuDNN wrote it in q's [tokens, heads, D] order
+    with torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            *(x.transpose(0, 1)[None] for x in (q8, k8, v8)), is_causal=True, enable_gqa=True
+        )[0].transpose(0, 1)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
 
 
 @pytest.mark.gpu

@@ -8,7 +8,12 @@ With ``parts`` the output is planar: the channels before ``parts[0]`` (q), from 
 the rest (v) each fill a contiguous [n, width] block of one buffer, so fla's chunked rule takes q, k and v
 as they are -- it copied every strided view of a [n, C] output first (an 8K prompt on the H200: 4.9 ms of
 copies over 30 layers, ``benchmarks/prefill_profile.py``). Same values, another layout.
-Reference: ``layers.deltanet.GatedDeltaNet._conv``."""
+
+With ``norm`` (the key head dim) q's and k's heads come out L2-normalised as fla's ``l2norm_fwd`` normalises
+them (x / sqrt(sum x^2 + 1e-6) in fp32 from the bf16 SiLU output, rounded to bf16), so fla is called without
+its own pass over q and k (``use_qk_l2norm_in_kernel=False``: two more launches reading and writing both, ~1 ms
+of an 8K prefill on the H200).
+Reference: ``layers.deltanet.GatedDeltaNet._conv``; fla's ``l2norm_fwd`` for the normalisation."""
 
 from __future__ import annotations
 
@@ -23,12 +28,14 @@ from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 # compiled on users' requests (py-spy on the H200 server at 16 streams: 30% of the engine thread in Triton's
 # compiler, all for this kernel); benchmarks/tune_conv.py times others
 TILE = (32, 128, 4)
+L2_EPS = 1e-6  # fla's l2norm_fwd default, which chunk_gated_delta_rule uses
 
 
 @triton.jit(do_not_specialize=["T"])  # the token count: a server meets every value (issue 20)
 def _causal_conv_kernel(
-    x_ptr, stride_x, state_ptr, w_ptr, out_ptr, seq_ptr, start_ptr, T, C, P1, P2,
+    x_ptr, stride_x, state_ptr, w_ptr, out_ptr, seq_ptr, start_ptr, T, C, P1, P2, eps,
     KC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
+    KD: tl.constexpr = 0,
 ):  # fmt: skip
     wait_for_previous(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -75,6 +82,14 @@ def _causal_conv_kernel(
             acc += (x.to(tl.float32) + st.to(tl.float32)) * w[None, :]
     y = round_bf16(acc)
     y = round_bf16(y * tl.sigmoid(y))
+    if KD > 0:  # q's and k's heads (channels before P2) L2-normalised, KD channels each
+        if KD == BC:
+            normed = y * (1 / tl.sqrt(tl.sum(y * y, 1) + eps))[:, None]
+        else:
+            heads = tl.reshape(y, (BT, BC // KD, KD))
+            rstd = 1 / tl.sqrt(tl.sum(heads * heads, 2) + eps)
+            normed = tl.reshape(heads * rstd[:, :, None], (BT, BC))
+        y = tl.where((c < P2)[None, :], round_bf16(normed), y)
     # planar output: channel c of part p (columns [lo_p, hi_p)) at T * lo_p + t * (hi_p - lo_p) + c - lo_p;
     # P1 = P2 = C is one part, the row-major [T, C]
     lo = tl.where(c >= P2, P2, tl.where(c >= P1, P1, 0))
@@ -87,13 +102,15 @@ def _causal_conv_kernel(
 
 
 def causal_conv_silu(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, parts: tuple[int, int] | None = None
-) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, parts: tuple[int, int] | None = None,
+    norm: int = 0,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:  # fmt: skip
     """x [n, C] (rows may be strided), state [C, K-1] (the inputs before x), weight [C, K] -> (silu(conv)
     [n, C] in x's dtype -- with ``parts`` (a, b) its contiguous column blocks [n, a], [n, b - a], [n, C - b]
-    instead -- and the new state [C, K-1]: the last K-1 inputs)."""
+    instead, and with ``norm`` the first two blocks' heads of ``norm`` channels L2-normalised -- and the new
+    state [C, K-1]: the last K-1 inputs)."""
     n = x.shape[0]
-    out = _launch(x, state.to(x.dtype).contiguous(), weight, None, None, parts)
+    out = _launch(x, state.to(x.dtype).contiguous(), weight, None, None, parts, norm)
     kc = weight.shape[-1]
     if n >= kc - 1:
         new_state = x[n - (kc - 1) :].transpose(0, 1).contiguous()
@@ -104,13 +121,14 @@ def causal_conv_silu(
 
 def causal_conv_silu_varlen(
     x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, token_seq: torch.Tensor, starts: torch.Tensor,
-    ends: torch.Tensor, parts: tuple[int, int] | None = None,
+    ends: torch.Tensor, parts: tuple[int, int] | None = None, norm: int = 0,
 ) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:  # fmt: skip
     """Several sequences' rows in one launch: x [T, C] (sequence ``token_seq[t]`` owns row t; sequence i
     rows ``starts[i]`` .. ``ends[i]`` - 1), states [N, C, K-1] -> (silu(conv) [T, C] or its ``parts``, new
     states [N, C, K-1]). Each sequence as ``causal_conv_silu`` computes it alone."""
     states = states.to(x.dtype).contiguous()
-    return _launch(x, states, weight, token_seq, starts, parts), last_inputs(x, states, starts, ends)
+    out = _launch(x, states, weight, token_seq, starts, parts, norm)
+    return out, last_inputs(x, states, starts, ends)
 
 
 def last_inputs(
@@ -126,19 +144,36 @@ def last_inputs(
     return torch.where((pos >= starts[:, None])[:, None, :], from_x, from_state).contiguous()
 
 
-def _launch(x, states, weight, token_seq, starts, parts=None):
+def norm_fits(parts: tuple[int, int] | None, norm: int) -> bool:
+    """Whether the conv kernel can L2-normalise heads of ``norm`` channels before ``parts[1]``: a power of two
+    that divides the kernel's channel block (so no head straddles two programs) and both split points."""
+    bc = TILE[1]
+    return (
+        bool(parts)
+        and norm > 0
+        and norm & (norm - 1) == 0
+        and bc % norm == 0
+        and parts[0] % norm == 0 == parts[1] % norm
+    )
+
+
+def _launch(x, states, weight, token_seq, starts, parts=None, norm: int = 0):
     n, c = x.shape
     kc = weight.shape[-1]
     p1, p2 = parts or (c, c)
     if not 0 <= p1 <= p2 <= c:
         raise ValueError(f"parts {parts} do not split {c} channels")
+    if norm and not norm_fits(parts, norm):
+        raise ValueError(
+            f"cannot normalise heads of {norm} channels with parts {parts} ({TILE[1]}-channel blocks)"
+        )
     flat = torch.empty(n * c, dtype=x.dtype, device=x.device)
     varlen = token_seq is not None
     bt, bc, warps = TILE
     _causal_conv_kernel[(triton.cdiv(n, bt), triton.cdiv(c, bc))](
         x, x.stride(0), states, weight.reshape(c, kc), flat, token_seq if varlen else x,
-        starts if varlen else x, n, c, p1, p2, KC=kc, BT=bt, BC=bc, VARLEN=varlen, num_warps=warps,
-        **pdl_args(),
+        starts if varlen else x, n, c, p1, p2, L2_EPS, KC=kc, BT=bt, BC=bc, VARLEN=varlen, KD=norm,
+        num_warps=warps, **pdl_args(),
     )  # fmt: skip
     if parts is None:
         return flat.view(n, c)

@@ -33,7 +33,15 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         """x [T, hidden] (flat batch), cos/sin [T, rotary_dim] -> [T, hidden]."""
-        q, gate, k, v = self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+        return self.mix(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, ctx)
+
+    def proj_sizes(self) -> list[int]:
+        """The widths of q_proj's, k_proj's and v_proj's outputs, as one fused projection concatenates them."""
+        return [2 * self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+
+    def mix(self, q_gate, k, v, cos, sin, ctx) -> torch.Tensor:
+        """``forward`` from the projections' outputs (views of one fused projection on the GPU)."""
+        q, gate, k, v = self.heads(q_gate, k, v, cos, sin)
         return self.output(ctx.kv.attend_step(self.layer_id, ctx, q, k, v), gate)
 
     def heads(self, q_gate, k, v, cos, sin):
@@ -61,6 +69,10 @@ class GatedAttention(nn.Module):
     def output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Attention output [T, H, D] * sigmoid(gate), then o_proj."""
         t = out.shape[0]
+        if out.is_cuda and out.dtype == gate.dtype == torch.bfloat16:
+            from fp4moe.kernels.attention import output_gate
+
+            return self.o_proj(output_gate(out, gate))  # every GPU prefill path: one pass, rounded alike
         return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
 
 
@@ -68,6 +80,9 @@ def attend_each(q: torch.Tensor, whole: list, ctx) -> torch.Tensor:
     """The step's rows q [T, H, D], each sequence's over its whole k/v (``whole``: [L, Hkv, D] pairs, as
     the caches' ``append_step`` returns them) -> [T, H, D]: the caches' ``attend_step`` where no paged
     kernel runs (the CPU; fresh prompts on the GPU)."""
+    if len(whole) == 1:  # one sequence: its rows are the step's (no copy into a step buffer)
+        (k, v), cached = whole[0], ctx.cached_lens[0]
+        return attend(q, k, v, cached)
     out = torch.empty_like(q)
     for cached, (a, b), (k, v) in zip(ctx.cached_lens, ctx.spans(), whole, strict=True):
         out[a:b] = attend(q[a:b], k, v, cached)
@@ -147,20 +162,26 @@ def causal_cudnn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: SDPBackend = SDPBackend.CUDNN_ATTENTION
 ) -> torch.Tensor:
     """``attend`` of a fresh prompt q [n, H, D], k/v [n, Hkv, D] through cuDNN at ``cudnn_length(n)`` rows
-    (``backend``: another SDPA backend over the same padded rows, for the CPU tests)."""
+    (``backend``: another SDPA backend over the same padded rows, for the CPU tests). Rows stay in
+    [tokens, heads, D] order (cuDNN takes that layout and writes its output in q's): contiguous inputs of a
+    whole number of CUDNN_STEP rows go in as they are, others copied once into padded rows, and the output
+    needs no copy back (the [heads, tokens, D] layout cost ~1.7 ms of copies and fills an 8K prefill)."""
     n, heads, dim = q.shape
     m = cudnn_length(n)
 
     def padded(t: torch.Tensor) -> torch.Tensor:
-        out = t.new_zeros(1, t.shape[1], m, dim)
-        out[0, :, :n] = t.transpose(0, 1)
-        return out
+        if m != n or not t.is_contiguous():
+            rows = t.new_empty(m, t.shape[1], dim)
+            rows[:n] = t
+            rows[n:].zero_()
+            t = rows
+        return t.unsqueeze(0).transpose(1, 2)  # [1, heads, m, D] at [tokens, heads, D] strides
 
     with sdpa_kernel(backend):
         out = F.scaled_dot_product_attention(
             padded(q), padded(k), padded(v), is_causal=True, scale=dim**-0.5, enable_gqa=True
         )
-    return out[0, :, :n].transpose(0, 1)
+    return out[0].transpose(0, 1)[:n]
 
 
 def warm_cudnn(max_len: int, heads: int, kv_heads: int, dim: int, device, dtype=torch.bfloat16) -> None:

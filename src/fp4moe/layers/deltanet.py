@@ -82,16 +82,17 @@ def _fla_chunk():
     return chunk_gated_delta_rule
 
 
-def _fla_rule(q, k, v, g, beta, state):
-    """The chunked rule through fla on the model's own q, k, v (bf16 views of the conv output, not yet
-    normalised) and beta: fla L2-normalises q and k itself and applies the 1/sqrt(Dk) query scale, as
-    transformers' fla path asks it to (so the normalised q and k are rounded to bf16, where the CPU path and
-    the decode kernel keep them in fp32). The decay and the state stay fp32. (Feeding fla fp32 q/k/v ran the
-    rule at 1.96 ms per 8K-token layer against 0.76 in bf16 on the H200, benchmarks/tune_prefill.py; the fp32
-    normalisation in torch before it was another chain of elementwise passes over q and k.)"""
+def _fla_rule(q, k, v, g, beta, state, normed: bool = False):
+    """The chunked rule through fla on the model's own q, k, v (bf16 views of the conv output) and beta: fla
+    L2-normalises q and k itself (unless ``normed``: the conv kernel did, with fla's formula) and applies the
+    1/sqrt(Dk) query scale, as transformers' fla path asks it to (so the normalised q and k are rounded to bf16,
+    where the CPU path and the decode kernel keep them in fp32). The decay and the state stay fp32. (Feeding
+    fla fp32 q/k/v ran the rule at 1.96 ms per 8K-token layer against 0.76 in bf16 on the H200,
+    benchmarks/tune_prefill.py; the fp32 normalisation in torch before it was another chain of elementwise
+    passes over q and k.)"""
     o, final = _fla_chunk()(
         q[None], k[None], v[None], g[None], beta[None], scale=q.shape[-1] ** -0.5,
-        initial_state=state[None].contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+        initial_state=state[None].contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=not normed,
     )  # fmt: skip
     return o[0], final[0]
 
@@ -141,13 +142,21 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """x [T, hidden] (flat batch) -> [T, hidden]; reads and updates each sequence's state slot."""
-        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
-        beta, g = self.gates(self.in_proj_b(x), self.in_proj_a(x))
-        if _varlen_prefill(x, ctx):
+        return self.mix(self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x), ctx)
+
+    def proj_sizes(self) -> list[int]:
+        """The widths of in_proj_qkv's, _z's, _b's and _a's outputs, as one fused projection concatenates them."""
+        return [self.conv_dim, self.value_size, self.num_v_heads, self.num_v_heads]
+
+    def mix(self, mixed, z, b, a, ctx) -> torch.Tensor:
+        """``forward`` from the projections' outputs mixed [T, conv_dim], z, b, a (views of one fused
+        projection on the GPU: the conv reads rows at their stride)."""
+        beta, g = self.gates(b, a)
+        if _varlen_prefill(mixed, ctx):
             core = self._prefill_varlen(mixed, g, beta, ctx)
         else:
             core = self._per_sequence(mixed, g, beta, ctx)
-        return self.output(core, self.in_proj_z(x))
+        return self.output(core, z)
 
     def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The write strength beta (sigmoid of in_proj_b's output) and the fp32 log-decay g [T, Hv]."""
@@ -177,11 +186,11 @@ class GatedDeltaNet(nn.Module):
             return qkv
         return qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
 
-    def rule(self, qkv, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor):
+    def rule(self, qkv, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, normed: bool = False):
         """The gated delta rule over one sequence's conv output qkv [n, conv_dim] (or its planar (q, k, v))
         from the fp32 state [Hv, Dk, Dv] -> (output [n, Hv, Dv] in qkv's dtype, the new state): fla's
         chunked kernel on the GPU for more than one token, else ours in fp32 (chunked; token-wise for one
-        token)."""
+        token). ``normed``: q's and k's heads are L2-normalised already (``conv_norm``)."""
         q, k, v = self.split_qkv(qkv)
         n = q.shape[0]
         q = q.view(n, self.num_k_heads, self.k_dim)
@@ -189,16 +198,17 @@ class GatedDeltaNet(nn.Module):
         v = v.view(n, self.num_v_heads, self.v_dim)
         if n > 1 and v.is_cuda and _fla_chunk() is not None:
             # grouped values: fla reads key head j // (Hv / Hk) for value head j itself
-            o, new = _fla_rule(q, k, v, g, beta, state)
+            o, new = _fla_rule(q, k, v, g, beta, state, normed)
         else:
             rep = self.num_v_heads // self.num_k_heads
-            q = l2_normalize(q.float()).repeat_interleave(rep, dim=1) * self.k_dim**-0.5
-            k = l2_normalize(k.float()).repeat_interleave(rep, dim=1)
+            unit = (lambda x: x.float()) if normed else (lambda x: l2_normalize(x.float()))
+            q = unit(q).repeat_interleave(rep, dim=1) * self.k_dim**-0.5
+            k = unit(k).repeat_interleave(rep, dim=1)
             rule = delta_rule_recurrent if n == 1 else delta_rule_chunked
             o, new = rule(q, k, v.float(), g, beta.float(), state)
         return o.to(v.dtype), new
 
-    def rule_fresh(self, qkv, g: torch.Tensor, beta: torch.Tensor, batch: int, initial=None):
+    def rule_fresh(self, qkv, g: torch.Tensor, beta: torch.Tensor, batch: int, initial=None, normed=False):
         """``rule`` for ``batch`` sequences of equal length in consecutive rows of qkv (or of its planar
         parts), each from a zero state (``initial`` None) or from its own of ``initial`` [batch, Hv, Dk, Dv]
         fp32 -> (output [rows, Hv, Dv], new states [batch, Hv, Dk, Dv]): one fla call on the GPU."""
@@ -207,14 +217,14 @@ class GatedDeltaNet(nn.Module):
         if not (v.is_cuda and _fla_chunk() is not None):
             zero = v.new_zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
             outs = [self.rule(tuple(p[i * n : (i + 1) * n] for p in (q, k, v)), g[i * n : (i + 1) * n],
-                              beta[i * n : (i + 1) * n], zero if initial is None else initial[i])
+                              beta[i * n : (i + 1) * n], zero if initial is None else initial[i], normed)
                     for i in range(batch)]  # fmt: skip
             return torch.cat([o for o, _ in outs]), torch.stack([s for _, s in outs])
         o, final = _fla_chunk()(
             q.reshape(batch, n, self.num_k_heads, self.k_dim), k.reshape(batch, n, self.num_k_heads, self.k_dim),
             v.reshape(batch, n, self.num_v_heads, self.v_dim), g.view(batch, n, -1), beta.view(batch, n, -1),
             scale=self.k_dim**-0.5, initial_state=None if initial is None else initial.contiguous(),
-            output_final_state=True, use_qk_l2norm_in_kernel=True,
+            output_final_state=True, use_qk_l2norm_in_kernel=not normed,
         )  # fmt: skip
         return o.reshape(batch * n, self.num_v_heads, self.v_dim).to(v.dtype), final
 
@@ -226,8 +236,9 @@ class GatedDeltaNet(nn.Module):
 
         t = ctx.tensors(mixed.device)
         conv_state, rec_state = ctx.deltanet.gather(self.layer_id, ctx)
+        norm = self.conv_norm(mixed)
         (q, k, v), new_conv = causal_conv_silu_varlen(
-            mixed, conv_state, self.conv1d_weight, t.token_seq, t.starts, t.ends, self.parts()
+            mixed, conv_state, self.conv1d_weight, t.token_seq, t.starts, t.ends, self.parts(), norm
         )
         n = mixed.shape[0]
         o, new_rec = _fla_chunk()(
@@ -239,7 +250,7 @@ class GatedDeltaNet(nn.Module):
             scale=self.k_dim**-0.5,
             initial_state=rec_state.contiguous(),
             output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
+            use_qk_l2norm_in_kernel=not norm,
             cu_seqlens=t.cu_seqlens,
             cu_seqlens_cpu=t.cu_seqlens_cpu,
             chunk_indices=ctx.chunk_indices(mixed.device, 64),
@@ -249,25 +260,41 @@ class GatedDeltaNet(nn.Module):
 
     def _per_sequence(self, mixed, g, beta, ctx) -> torch.Tensor:
         """One sequence at a time (the CPU path, the GPU's decode rows and fp32 runs)."""
-        t = mixed.shape[0]
-        core = torch.empty(t, self.num_v_heads, self.v_dim, dtype=mixed.dtype, device=mixed.device)
-        for seq, (start, end) in enumerate(ctx.spans()):
+        t, spans = mixed.shape[0], ctx.spans()
+        core = None
+        if len(spans) > 1:
+            core = torch.empty(t, self.num_v_heads, self.v_dim, dtype=mixed.dtype, device=mixed.device)
+        for seq, (start, end) in enumerate(spans):
             slot = ctx.slots[seq]
             conv_state, rec_state = ctx.deltanet.get(self.layer_id, slot, ctx.cached_lens[seq])
-            qkv, new_conv = self._conv(mixed[start:end], conv_state)
-            core[start:end], new_rec = self.rule(qkv, g[start:end], beta[start:end], rec_state)
+            norm = self.conv_norm(mixed[start:end])
+            qkv, new_conv = self._conv(mixed[start:end], conv_state, norm)
+            out, new_rec = self.rule(qkv, g[start:end], beta[start:end], rec_state, normed=bool(norm))
+            if core is None:  # one sequence: its output is the step's (no copy into a step buffer)
+                core = out
+            else:
+                core[start:end] = out
             ctx.deltanet.set(self.layer_id, slot, new_conv, new_rec, ctx.cached_lens[seq] + (end - start))
         return core
 
-    def _conv(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def conv_norm(self, x: torch.Tensor) -> int:
+        """The key head dim where the conv kernel runs over x [n, C] (bf16 GPU prefill) and fla the rule after
+        it, which then takes q and k L2-normalised by the kernel (``causal_conv``'s ``norm``); else 0."""
+        from fp4moe.kernels.causal_conv import norm_fits
+
+        kernel = x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 1 and _fla_chunk() is not None
+        return self.k_dim if kernel and norm_fits(self.parts(), self.k_dim) else 0
+
+    def _conv(self, x: torch.Tensor, state: torch.Tensor, norm: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal depthwise conv + SiLU over x [n, C] continuing from state [C, K-1] (the last inputs) ->
-        (output, new state); the output is planar (q, k, v) where the GPU kernel makes it, else [n, C]."""
+        (output, new state); the output is planar (q, k, v) where the GPU kernel makes it, else [n, C];
+        ``norm`` (``conv_norm``): the kernel L2-normalises q's and k's heads."""
         if (
             x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 1
         ):  # prefill: one kernel, no cat/transposes
             from fp4moe.kernels.causal_conv import causal_conv_silu
 
-            return causal_conv_silu(x, state, self.conv1d_weight, self.parts())
+            return causal_conv_silu(x, state, self.conv1d_weight, self.parts(), norm)
         full = torch.cat([state.to(x.dtype), x.transpose(0, 1)], dim=-1)  # [C, K-1+n]
         out = F.conv1d(full.unsqueeze(0), self.conv1d_weight, groups=self.conv_dim).squeeze(0)  # [C, n]
         return F.silu(out).transpose(0, 1), full[:, -(self.conv_kernel - 1) :]

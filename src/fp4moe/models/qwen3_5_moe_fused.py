@@ -95,8 +95,12 @@ class Qwen3_5MoeFused:
         h = self.model.embed(ids) if embeds is None else embeds
         cos, sin = self.model.rotary.cos_sin(positions, h.dtype)
 
-        def mixer(i, layer, x):
-            return layer.self_attn(x, cos, sin, ctx) if layer.is_attention else layer.linear_attn(x, ctx)
+        def mixer(
+            i, layer, x
+        ):  # the mixer's projections as one GEMM (``fused``), as the prefill graphs run them
+            m = layer.self_attn if layer.is_attention else layer.linear_attn
+            proj = self.fused[i][0](x).split(m.proj_sizes(), dim=-1)
+            return m.mix(*proj, cos, sin, ctx) if layer.is_attention else m.mix(*proj, ctx)
 
         return self.layers(h, mixer)[1]
 
@@ -142,7 +146,7 @@ class Qwen3_5MoeFused:
     def _prompt_deltanet(self, m, proj, step, valid, b: int, continuing: bool) -> torch.Tensor:
         from fp4moe.kernels.causal_conv import causal_conv_silu_varlen
 
-        mixed, z, w, d = proj.split([m.conv_dim, m.value_size, m.num_v_heads, m.num_v_heads], dim=-1)
+        mixed, z, w, d = proj.split(m.proj_sizes(), dim=-1)
         beta, g = m.gates(w, d)
         beta = torch.where(valid[:, None], beta, 0)  # padding writes nothing ...
         g = torch.where(valid[:, None], g, 0)  # ... and decays nothing
@@ -150,10 +154,11 @@ class Qwen3_5MoeFused:
             conv0, rec0 = self.states.gather(m.layer_id, step)
         else:
             conv0, rec0 = mixed.new_zeros(b, m.conv_dim, m.conv_kernel - 1), None
+        norm = m.conv_norm(mixed)  # q and k L2-normalised in the conv kernel, not by fla
         qkv, conv = causal_conv_silu_varlen(
-            mixed, conv0, m.conv1d_weight, step.token_seq, step.starts, step.ends, m.parts()
+            mixed, conv0, m.conv1d_weight, step.token_seq, step.starts, step.ends, m.parts(), norm
         )
-        core, rec = m.rule_fresh(qkv, g, beta, b, rec0)
+        core, rec = m.rule_fresh(qkv, g, beta, b, rec0, normed=bool(norm))
         self.states.scatter(m.layer_id, step, conv, rec)
         return m.output(core, z)
 
@@ -161,8 +166,7 @@ class Qwen3_5MoeFused:
         from fp4moe.layers.attention import attend_fresh
 
         kv, page = self.kv, self.kv.page_size
-        hd, kvd = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-        q, gate, k, v = m.heads(*proj.split([2 * hd, kvd, kvd], dim=-1), cos, sin)
+        q, gate, k, v = m.heads(*proj.split(m.proj_sizes(), dim=-1), cos, sin)
         slots = step.slots[step.token_seq.long()]
         # (padding rows may lie past the table's last page -- t > max_model_len -- and are replaced below)
         dest = kv.block_table[slots, (pos // page).clamp(max=kv.max_pages - 1)].long() * page + pos % page
