@@ -116,10 +116,14 @@ def main() -> int:
         device = torch.device("cuda")
         gpu, target = torch.cuda.get_device_name(), compile_seeds.cuda_target(device)
         before = len(compile_seeds.load(gpu, target, args.record_compiles))
-        data = compile_seeds.record(gpu, compiles.specializations(), target, keep=args.record_compiles)
+        config = compile_seeds.config_of(args.num_speculative_tokens)
+        data = compile_seeds.record(
+            gpu, compiles.specializations(), target, keep=args.record_compiles, config=config
+        )
         path = compile_seeds.write(data, args.record_compiles)
         print(
-            f"recorded {len(data['kernels'])} Triton variants ({len(data['kernels']) - before} new) to {path}"
+            f"recorded {len(data['kernels'])} Triton variants ({len(data['kernels']) - before} new; this "
+            f"configuration, {config}: {sum(config in k['configs'] for k in data['kernels'])}) to {path}"
         )
     if args.record_autotune:
         import torch

@@ -193,7 +193,9 @@ def test_a_recorded_gluon_variant_compiles_in_a_worker():
 
 def test_a_second_recording_adds_to_the_first(tmp_path, monkeypatch):
     """One seed file for several recorded configurations: a recording with ``keep`` holds the variants
-    already there for the GPU (once each) and the new ones; a file for another target is not merged."""
+    already there for the GPU (once each) and the new ones, each tagged with the configurations that compiled
+    it, and a start loads its own configuration's (an untagged entry, recorded before the tags, is
+    everyone's); a file for another target is not merged."""
     from fp4moe.kernels import compile_seeds
 
     # the session runs Triton's interpreter, whose kernels are not JIT functions: every kernel is "found"
@@ -203,8 +205,17 @@ def test_a_second_recording_adds_to_the_first(tmp_path, monkeypatch):
     first = compile_seeds.record("Test GPU 2", [(module, name, "a"), (module, name, "b")], target)
     compile_seeds.write(first, tmp_path)
     second = compile_seeds.record(
-        "Test GPU 2", [(module, name, "b"), (module, name, "c")], target, keep=tmp_path
+        "Test GPU 2", [(module, name, "b"), (module, name, "c")], target, keep=tmp_path, config="speculative"
     )
     assert [k["spec"] for k in second["kernels"]] == ["a", "b", "c"]
+    assert [k["configs"] for k in second["kernels"]] == [["plain"], ["plain", "speculative"], ["speculative"]]
+    second["kernels"].append({"module": module, "name": name, "spec": "old"})  # recorded before the tags
+    compile_seeds.write(second, tmp_path)
+    for config, specs in (("plain", "a b old"), ("speculative", "b c old"), (None, "a b c old")):
+        loaded = compile_seeds.load("Test GPU 2", target, tmp_path, config)
+        assert [k["spec"] for k in loaded] == specs.split(), config
+    assert [compile_seeds.config_of(n) for n in (0, 2, "auto")] == ["plain", "speculative", "speculative"]
+    with pytest.raises(ValueError, match="unknown configuration"):
+        compile_seeds.record("Test GPU 2", [], target, config="prefix")
     other = compile_seeds.record("Test GPU 2", [(module, name, "c")], ("cuda", 100, 32), keep=tmp_path)
     assert [k["spec"] for k in other["kernels"]] == ["c"]

@@ -61,7 +61,7 @@ class LLM:
         self.load_format = config.load_format
         # this GPU's recorded Triton variants compile in worker processes while the model loads
         # (``kernels.compile_seeds``); they are done before the KV cache is sized by the GPU's free memory
-        self.precompile = _start_precompile(self.device)
+        self.precompile = _start_precompile(self.device, config.num_speculative_tokens)
         try:
             self.model, self.config = load_model(
                 model,
@@ -433,15 +433,20 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
 
-def _start_precompile(device: torch.device):
-    """``compile_seeds.start`` for a CUDA device where Triton is installed, else None."""
+def _start_precompile(device: torch.device, num_speculative_tokens):
+    """``compile_seeds.start`` for a CUDA device where Triton is installed (the variants recorded for plain
+    decoding, or for speculation: "auto" counts as speculation), else None."""
     from fp4moe.kernels import HAVE_TRITON
 
     if device.type != "cuda" or not HAVE_TRITON:
         return None
     from fp4moe.kernels import compile_seeds
 
-    return compile_seeds.start(torch.cuda.get_device_name(device), compile_seeds.cuda_target(device))
+    return compile_seeds.start(
+        torch.cuda.get_device_name(device),
+        compile_seeds.cuda_target(device),
+        config=compile_seeds.config_of(num_speculative_tokens),
+    )
 
 
 def _image_of(part: dict):
