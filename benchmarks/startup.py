@@ -116,7 +116,7 @@ def main() -> int:
         device = torch.device("cuda")
         gpu, target = torch.cuda.get_device_name(), compile_seeds.cuda_target(device)
         before = len(compile_seeds.load(gpu, target, args.record_compiles))
-        config = compile_seeds.config_of(args.num_speculative_tokens)
+        config = compile_seeds.config_of(args.num_speculative_tokens)  # (an int here: never None)
         data = compile_seeds.record(
             gpu, compiles.specializations(), target, keep=args.record_compiles, config=config
         )

@@ -214,7 +214,7 @@ def test_a_second_recording_adds_to_the_first(tmp_path, monkeypatch):
     for config, specs in (("plain", "a b old"), ("speculative", "b c old"), (None, "a b c old")):
         loaded = compile_seeds.load("Test GPU 2", target, tmp_path, config)
         assert [k["spec"] for k in loaded] == specs.split(), config
-    assert [compile_seeds.config_of(n) for n in (0, 2, "auto")] == ["plain", "speculative", "speculative"]
+    assert [compile_seeds.config_of(n) for n in (0, 2, "auto")] == ["plain", "speculative", None]
     with pytest.raises(ValueError, match="unknown configuration"):
         compile_seeds.record("Test GPU 2", [], target, config="prefix")
     other = compile_seeds.record("Test GPU 2", [(module, name, "c")], ("cuda", 100, 32), keep=tmp_path)

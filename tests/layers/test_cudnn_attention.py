@@ -33,7 +33,7 @@ def test_cudnn_lengths_are_whole_steps_between_the_bounds(cudnn_on):
 @pytest.mark.parametrize(
     "extra,strided", [(77, False), (attention.CUDNN_STEP, False), (attention.CUDNN_STEP, True)]
 )
-def test_padded_causal_attention_is_attend_on_the_real_rows(cudnn_on, extra, strided):
+def test_padded_causal_attention_is_attend_on_the_real_rows(cudnn_on, monkeypatch, extra, strided):
     """Padded rows (77 past the bound) and whole steps as they are; q strided as q_proj leaves it (the query
     half of each query/gate row) is copied in. The output keeps [tokens, heads, D] order."""
     gen = torch.Generator().manual_seed(extra)
@@ -41,7 +41,17 @@ def test_padded_causal_attention_is_attend_on_the_real_rows(cudnn_on, extra, str
     q, k, v = (torch.randn(n, heads, d, generator=gen) for heads in (h, hkv, hkv))
     if strided:
         q = torch.cat([q, torch.randn(n, h, d, generator=gen)], dim=-1)[..., :d]
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        attention.F, "scaled_dot_product_attention", lambda *a, **kw: seen.append(a[:3]) or sdpa(*a, **kw)
+    )
     got = attention.causal_cudnn(q, k, v, backend=SDPBackend.MATH)
+    (sq, sk, sv), whole = seen[0], n % attention.CUDNN_STEP == 0
+    assert sq.shape == (1, h, attention.cudnn_length(n), d)
+    # whole steps of contiguous rows go in as they are (views); padded or strided ones through one copy
+    assert (sq.data_ptr() == q.data_ptr()) == (whole and not strided)
+    assert (sk.data_ptr() == k.data_ptr()) == (sv.data_ptr() == v.data_ptr()) == whole
     want = attention.attend(q, k, v, 0)  # the CPU: plain causal SDPA of the n rows
     assert got.shape == want.shape == (n, h, d)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

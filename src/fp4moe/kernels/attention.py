@@ -211,7 +211,7 @@ def _output_gate_kernel(
 ):  # fmt: skip
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, HB)[:, None]
+    h = tl.arange(0, HB)[:, None].to(tl.int64)
     d = tl.arange(0, BD)[None, :]
     mask = (h < H) & (d < D)
     o = tl.load(o_ptr + t * so_t + h * so_h + d, mask=mask, other=0.0).to(tl.float32)

@@ -15,10 +15,12 @@ variant the code no longer asks for is a compile wasted, one it asks for anew co
 that no longer compiles (a kernel renamed) is skipped. Used only for the recorded GPU's target and Triton
 version. A cache-warming idea Triton supports (``jit_cache_hook`` / ``preload``), spread over processes.
 
-Each variant is tagged with the configurations whose warm-up compiled it (``CONFIGS``: plain decoding,
-speculative), and a start compiles only its own configuration's: a plain server precompiling the speculative
-one's variants too (120 in all against 75) waited ~17 s longer for them before it could size its cache (H200,
-2026-12-04: started in 103 s against 71). Entries recorded before the tags count for every configuration.
+Each variant is tagged with the configurations whose warm-up compiled it (``CONFIGS``: plain decoding, and
+speculative as recorded with ``--num-speculative-tokens 2``: the decode kernel's conv ring is 4 + k long, so
+another k compiles its own), and a start compiles only its own configuration's: a plain server precompiling
+the speculative one's too (115 variants against 78) started in 103 s against 83 (H200, 2026-12-04). "auto"
+(speculation only if the model has an MTP head, known after loading) takes every variant. Entries recorded
+before the tags count for every configuration.
 """
 
 from __future__ import annotations
@@ -141,8 +143,11 @@ def cuda_target(device) -> tuple[str, int, int]:
 CONFIGS = ("plain", "speculative")
 
 
-def config_of(num_speculative_tokens) -> str:
-    """The recorded configuration an engine with ``num_speculative_tokens`` (an int or "auto") starts as."""
+def config_of(num_speculative_tokens) -> str | None:
+    """The recorded configuration an engine with ``num_speculative_tokens`` (an int or "auto") starts as;
+    None (every configuration's variants) for "auto", which speculates only where the model has an MTP head."""
+    if num_speculative_tokens == "auto":
+        return None
     return "plain" if num_speculative_tokens == 0 else "speculative"
 
 

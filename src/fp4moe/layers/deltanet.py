@@ -211,7 +211,8 @@ class GatedDeltaNet(nn.Module):
     def rule_fresh(self, qkv, g: torch.Tensor, beta: torch.Tensor, batch: int, initial=None, normed=False):
         """``rule`` for ``batch`` sequences of equal length in consecutive rows of qkv (or of its planar
         parts), each from a zero state (``initial`` None) or from its own of ``initial`` [batch, Hv, Dk, Dv]
-        fp32 -> (output [rows, Hv, Dv], new states [batch, Hv, Dk, Dv]): one fla call on the GPU."""
+        fp32 -> (output [rows, Hv, Dv], new states [batch, Hv, Dk, Dv]): one fla call on the GPU. ``normed``: q's
+        and k's heads are L2-normalised already (``conv_norm``)."""
         q, k, v = self.split_qkv(qkv)
         n = q.shape[0] // batch
         if not (v.is_cuda and _fla_chunk() is not None):
@@ -275,15 +276,18 @@ class GatedDeltaNet(nn.Module):
             else:
                 core[start:end] = out
             ctx.deltanet.set(self.layer_id, slot, new_conv, new_rec, ctx.cached_lens[seq] + (end - start))
+        if core is None:  # a step of no sequences
+            core = mixed.new_empty(0, self.num_v_heads, self.v_dim)
         return core
 
     def conv_norm(self, x: torch.Tensor) -> int:
         """The key head dim where the conv kernel runs over x [n, C] (bf16 GPU prefill) and fla the rule after
         it, which then takes q and k L2-normalised by the kernel (``causal_conv``'s ``norm``); else 0."""
+        if not (x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 1 and _fla_chunk() is not None):
+            return 0  # (before the import: the CPU engine runs without Triton)
         from fp4moe.kernels.causal_conv import norm_fits
 
-        kernel = x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 1 and _fla_chunk() is not None
-        return self.k_dim if kernel and norm_fits(self.parts(), self.k_dim) else 0
+        return self.k_dim if norm_fits(self.parts(), self.k_dim) else 0
 
     def _conv(self, x: torch.Tensor, state: torch.Tensor, norm: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal depthwise conv + SiLU over x [n, C] continuing from state [C, K-1] (the last inputs) ->

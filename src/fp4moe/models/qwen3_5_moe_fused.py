@@ -90,14 +90,14 @@ class Qwen3_5MoeFused:
         """Any step's rows through the modules' mixers (chunked rule, flash attention over the step's
         context ``ctx``) with the fused pieces between them -> final-normed hidden [rows, H]. The module
         MoE's torch routing, pair sum and shared-expert elementwise ops took ~25 ms of an 8K prefill on the
-        H200. Same roundings as the modules, but for the sum over each token's experts: fp32, rounded once
-        (the CPU modules add per expert in bf16, as transformers does)."""
+        H200. The modules' roundings, but for the sum over each token's experts (fp32, rounded once; the CPU
+        modules add per expert in bf16, as transformers does) and the mixers' projections, one GEMM each as in
+        the prefill graphs (another cuBLAS algorithm than the modules' separate GEMMs may pick)."""
         h = self.model.embed(ids) if embeds is None else embeds
         cos, sin = self.model.rotary.cos_sin(positions, h.dtype)
 
-        def mixer(
-            i, layer, x
-        ):  # the mixer's projections as one GEMM (``fused``), as the prefill graphs run them
+        # the mixer's projections as one GEMM (``fused``), as the prefill graphs run them
+        def mixer(i, layer, x):
             m = layer.self_attn if layer.is_attention else layer.linear_attn
             proj = self.fused[i][0](x).split(m.proj_sizes(), dim=-1)
             return m.mix(*proj, cos, sin, ctx) if layer.is_attention else m.mix(*proj, ctx)
