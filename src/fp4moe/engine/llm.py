@@ -435,7 +435,7 @@ class LLM:
 
 def _start_precompile(device: torch.device, num_speculative_tokens):
     """``compile_seeds.start`` for a CUDA device where Triton is installed (the variants recorded for plain
-    decoding, or for speculation: "auto" counts as speculation), else None."""
+    decoding or for speculation; "auto": both), else None."""
     from fp4moe.kernels import HAVE_TRITON
 
     if device.type != "cuda" or not HAVE_TRITON:

@@ -93,7 +93,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -
     """Causal GQA for one sequence: q [n, H, D] at positions num_cached.., k/v [num_cached + n, Hkv, D]."""
     n, heads, dim = q.shape
     if num_cached == 0 and k.shape[0] == n:  # a fresh prompt: plain causal (flash kernels on the GPU)
-        if q.is_cuda and q.dtype != torch.float32 and cudnn_length(n):  # (cuDNN runs no fp32 attention)
+        if q.is_cuda and cudnn_length(n, q.dtype):
             return causal_cudnn(q, k, v)
         # the fused kernels take 4-D [batch, heads, n, dim] only: 3-D inputs fall back to the fp32 math
         # path, which cost half of an 8K prefill on the H200 (benchmarks/decode.py); the CPU keeps 3-D
@@ -123,9 +123,9 @@ def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int) 
         return torch.cat([attend(q[i * n : (i + 1) * n], k[i * n : (i + 1) * n], v[i * n : (i + 1) * n], 0)
                           for i in range(batch)])  # fmt: skip
     # prompts of a length cuDNN runs at unpadded (the prefill graphs' buckets past 2,048 rows): its kernel
-    cudnn = contextlib.nullcontext()
-    if q.dtype != torch.float32 and cudnn_length(n) == n:
-        cudnn = sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
+    cudnn = (
+        sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if cudnn_length(n, q.dtype) == n else contextlib.nullcontext()
+    )
     with cudnn:
         out = F.scaled_dot_product_attention(
             *(x.view(batch, n, -1, dim).transpose(1, 2) for x in (q, k, v)), is_causal=True, scale=dim**-0.5,
@@ -153,9 +153,10 @@ def _cudnn_attention() -> bool:
     return torch.backends.cudnn.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
-def cudnn_length(n: int) -> int:
-    """The padded length cuDNN runs a fresh prompt of ``n`` rows at, or 0 where flash attention does."""
-    if not CUDNN_MIN < n <= CUDNN_MAX or not _cudnn_attention():
+def cudnn_length(n: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """The padded length cuDNN runs a fresh prompt of ``n`` rows at, or 0 where flash attention does (and for
+    fp32, which cuDNN's attention does not run)."""
+    if dtype == torch.float32 or not CUDNN_MIN < n <= CUDNN_MAX or not _cudnn_attention():
         return 0
     return -(-n // CUDNN_STEP) * CUDNN_STEP
 

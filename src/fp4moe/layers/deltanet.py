@@ -97,6 +97,11 @@ def _fla_rule(q, k, v, g, beta, state, normed: bool = False):
     return o[0], final[0]
 
 
+def _conv_kernel_runs(x: torch.Tensor) -> bool:
+    """Whether the conv of x [n, C] runs as the GPU kernel (a bf16 prefill chunk of more than one row)."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 1
+
+
 def _varlen_prefill(x: torch.Tensor, ctx) -> bool:
     """Whether a step's sequences go through the rule together (a bf16 GPU step of several prompt chunks,
     fla installed) rather than one at a time. A single sequence keeps the plain call: an 8K prompt measured
@@ -201,9 +206,11 @@ class GatedDeltaNet(nn.Module):
             o, new = _fla_rule(q, k, v, g, beta, state, normed)
         else:
             rep = self.num_v_heads // self.num_k_heads
-            unit = (lambda x: x.float()) if normed else (lambda x: l2_normalize(x.float()))
-            q = unit(q).repeat_interleave(rep, dim=1) * self.k_dim**-0.5
-            k = unit(k).repeat_interleave(rep, dim=1)
+            q, k = q.float(), k.float()
+            if not normed:
+                q, k = l2_normalize(q), l2_normalize(k)
+            q = q.repeat_interleave(rep, dim=1) * self.k_dim**-0.5
+            k = k.repeat_interleave(rep, dim=1)
             rule = delta_rule_recurrent if n == 1 else delta_rule_chunked
             o, new = rule(q, k, v.float(), g, beta.float(), state)
         return o.to(v.dtype), new
@@ -261,29 +268,23 @@ class GatedDeltaNet(nn.Module):
 
     def _per_sequence(self, mixed, g, beta, ctx) -> torch.Tensor:
         """One sequence at a time (the CPU path, the GPU's decode rows and fp32 runs)."""
-        t, spans = mixed.shape[0], ctx.spans()
-        core = None
-        if len(spans) > 1:
-            core = torch.empty(t, self.num_v_heads, self.v_dim, dtype=mixed.dtype, device=mixed.device)
-        for seq, (start, end) in enumerate(spans):
+        outs = []
+        for seq, (start, end) in enumerate(ctx.spans()):
             slot = ctx.slots[seq]
             conv_state, rec_state = ctx.deltanet.get(self.layer_id, slot, ctx.cached_lens[seq])
             norm = self.conv_norm(mixed[start:end])
             qkv, new_conv = self._conv(mixed[start:end], conv_state, norm)
             out, new_rec = self.rule(qkv, g[start:end], beta[start:end], rec_state, normed=bool(norm))
-            if core is None:  # one sequence: its output is the step's (no copy into a step buffer)
-                core = out
-            else:
-                core[start:end] = out
+            outs.append(out)
             ctx.deltanet.set(self.layer_id, slot, new_conv, new_rec, ctx.cached_lens[seq] + (end - start))
-        if core is None:  # a step of no sequences
-            core = mixed.new_empty(0, self.num_v_heads, self.v_dim)
-        return core
+        if len(outs) == 1:  # one sequence: its output is the step's (no copy)
+            return outs[0]
+        return torch.cat(outs) if outs else mixed.new_empty(0, self.num_v_heads, self.v_dim)
 
     def conv_norm(self, x: torch.Tensor) -> int:
         """The key head dim where the conv kernel runs over x [n, C] (bf16 GPU prefill) and fla the rule after
         it, which then takes q and k L2-normalised by the kernel (``causal_conv``'s ``norm``); else 0."""
-        if not (x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 1 and _fla_chunk() is not None):
+        if not (_conv_kernel_runs(x) and _fla_chunk() is not None):
             return 0  # (before the import: the CPU engine runs without Triton)
         from fp4moe.kernels.causal_conv import norm_fits
 
@@ -293,9 +294,7 @@ class GatedDeltaNet(nn.Module):
         """Causal depthwise conv + SiLU over x [n, C] continuing from state [C, K-1] (the last inputs) ->
         (output, new state); the output is planar (q, k, v) where the GPU kernel makes it, else [n, C];
         ``norm`` (``conv_norm``): the kernel L2-normalises q's and k's heads."""
-        if (
-            x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 1
-        ):  # prefill: one kernel, no cat/transposes
+        if _conv_kernel_runs(x):  # prefill: one kernel, no cat/transposes
             from fp4moe.kernels.causal_conv import causal_conv_silu
 
             return causal_conv_silu(x, state, self.conv1d_weight, self.parts(), norm)
