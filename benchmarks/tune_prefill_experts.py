@@ -6,6 +6,11 @@ one CUDA graph, median of replays. Each candidate is checked against the row ker
 layer (max |difference| over max |value|: a bf16 ulp is 3.9e-3).
 
     python3 benchmarks/tune_prefill_experts.py --tokens 8192,2048,16384 --out tune-prefill-experts.json
+
+``--wgmma`` adds the Hopper kernels (``nvfp4_wgmma``: the weights as wgmma's register operand, K reordered) at
+blocks of 128 and 64 pairs and each ring depth that fits, and times ``permute_k`` (their gate/up input's reorder,
+once per layer) on its own; their errors compare gate/up's output put back in K order, and down fed the
+reference activations in the kernel's order.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from common import E, H, I, K, graph_time, weights
 
 from fp4moe.kernels import moe_routing as mr
 from fp4moe.kernels import nvfp4_gemm as gemm
+
+WGMMA = [(128, 2), (128, 3), (64, 2), (64, 3), (64, 4)]  # (block rows, ring stages) of the Hopper kernels
 
 LAYERS = 6  # layers' experts and routings per graph (tune_experts' random NVFP4 experts)
 # (block rows, Tiles): the row kernel's default (the reference), then weights-first candidates: the default
@@ -44,6 +51,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="8192,2048,16384", help="tokens per launch")
     ap.add_argument("--budget", type=float, default=400, help="seconds of sweeping before it stops early")
     ap.add_argument("--out", default="", help="write every timing to this JSON file")
+    ap.add_argument("--wgmma", action="store_true", help="also time nvfp4_wgmma's kernels (sm90)")
     ap.add_argument("--tile", type=int, default=64,
                     help="the experts' byte order (expert_layout: 64, the engine's for these shapes; 0 row-major)")  # fmt: skip
     args = ap.parse_args()
@@ -95,10 +103,44 @@ def main() -> None:
                 )
                 print(f"T={t} {kind} bm={bm} {tiles}: {sec * 1e3:.3f} ms, {flops / sec / 1e12:.0f} TFLOP/s, "
                       f"err {err:.1e}", flush=True)  # fmt: skip
+        if args.wgmma:
+            _time_wgmma(row, ws, routing, x, ref_act, ref_y, topw, t, tile)
         out["rows"].append(row)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
+
+
+def _time_wgmma(row, ws, routing, x, ref_act, ref_y, topw, t, tile) -> None:
+    """``nvfp4_wgmma``'s launches over the same layers' experts (rows ``wgmma_gate_up`` / ``wgmma_down``)."""
+    from fp4moe.kernels import nvfp4_wgmma as wg
+
+    x_perm = wg.permute_k(x)
+    act_perm = wg.permute_k(ref_act)
+    sec = graph_time(lambda: [wg.permute_k(x) for _ in ws], 15, LAYERS)
+    row["permute_k_ms"] = sec * 1e3
+    print(f"T={t} permute_k of the gate/up input: {sec * 1e3:.3f} ms a layer", flush=True)
+    act = torch.empty(t * K, I, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(t * K, H, dtype=torch.bfloat16, device=x.device)
+    for kind, flops in (("wgmma_gate_up", 4 * t * K * I * H), ("wgmma_down", 2 * t * K * H * I)):
+        row[kind] = []
+        for bm, stages in WGMMA:
+            rs = routing(bm)
+            if kind == "wgmma_gate_up":
+                sec = graph_time(lambda: [wg.wgmma_gate_up(x_perm, *w["gu"], r, K, out=act, tile=tile, stages=stages)
+                                           for w, r in zip(ws, rs, strict=True)], 15, LAYERS)  # fmt: skip
+                got = wg.unpermute_k(
+                    wg.wgmma_gate_up(x_perm, *ws[0]["gu"], rs[0], K, tile=tile, stages=stages)
+                )
+                ref = ref_act
+            else:
+                sec = graph_time(lambda: [wg.wgmma_down(act_perm, *w["dn"], r, topw, out=y, tile=tile, stages=stages)
+                                           for w, r in zip(ws, rs, strict=True)], 15, LAYERS)  # fmt: skip
+                got, ref = wg.wgmma_down(act_perm, *ws[0]["dn"], rs[0], topw, tile=tile, stages=stages), ref_y
+            err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+            row[kind].append(dict(block=bm, stages=stages, ms=sec * 1e3, tflops=flops / sec / 1e12, err=err))
+            print(f"T={t} {kind} bm={bm} stages={stages}: {sec * 1e3:.3f} ms, {flops / sec / 1e12:.0f} TFLOP/s, "
+                  f"err {err:.1e}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

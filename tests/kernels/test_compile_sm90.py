@@ -317,3 +317,56 @@ def test_weights_first_prefill_experts_compile_for_sm90():
     for variant, r in zip(variants, _compile(PREFILL_SCRIPT, variants), strict=True):
         assert r["ok"], (variant, r["error"])
         assert r["weights_first"] and r["a_in_registers"] and r["prmt"], (variant, r)
+
+
+WGMMA_SCRIPT = r"""
+import json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from fp4moe.kernels import nvfp4_wgmma as wg
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+fn = wg._wgmma_kernel
+POINTERS = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "d_ptr": "*fp32", "out_ptr": "*bf16", "order_ptr": "*i32",
+            "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_count_ptr": "*i32", "nblk_ptr": "*i32",
+            "topw_ptr": "*fp32"}
+results = []
+for gated, bm, tile in json.loads(sys.argv[1]):
+    # the full-size experts: gate/up K = 2048, down K = 512; the engine's 64-byte tile order, or row-major
+    consts = dict(K=2048 if gated else 512, GATED=bool(gated), BM=bm, STAGES=wg.stages_for(bm, bool(gated)),
+                  PERMUTE_OUT=bool(gated), PDL=1, TILE=tile)
+    signature = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and n not in ("TOPK", "stride_de")}
+    try:
+        k = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"]); f.flush()
+            sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                                  check=True).stdout
+        # HGMMA.64x128x16.F32.BF16 R24, R152, gdesc[UR12], R24: the accumulator, then A (a register, or gdesc[..]
+        # for shared memory), then B
+        hgmma = [line.split("HGMMA.")[1].split(";")[0] for line in sass.splitlines() if "HGMMA." in line]
+        results.append(dict(ok=True, shared=k.metadata.shared, hgmma=len(hgmma),
+                            register_a=sum(h.split(",")[1].strip().startswith("R") for h in hgmma),
+                            spills=sum(op in sass for op in (" STL", " LDL")), error=""))
+    except Exception as exc:
+        results.append(dict(ok=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
+print(json.dumps(results))
+"""
+WGMMA_VARIANTS = [(1, 128, 64), (0, 128, 64), (1, 64, 64), (0, 64, 0)]
+
+
+@pytest.mark.slow
+def test_wgmma_prefill_kernels_compile_for_sm90_without_spills():
+    """``nvfp4_wgmma``'s kernel (Gluon: no interpreter, so this is all CI can run of it) compiles for the H200 at
+    its default ring depths: wgmma with the weights as the register operand, two programs' shared memory on an
+    SM, and no register spills (its first version held the next step's code bytes in registers, one per byte,
+    and spilled ~560 bytes a thread)."""
+    results = _compile(WGMMA_SCRIPT, WGMMA_VARIANTS)
+    for variant, r in zip(WGMMA_VARIANTS, results, strict=True):
+        assert r["ok"], (variant, r["error"])
+        assert r["hgmma"] > 0 and r["register_a"] == r["hgmma"], (variant, r)
+        assert r["spills"] == 0, (variant, r)
+        assert r["shared"] <= 228 * 1024 // 2, (variant, r)

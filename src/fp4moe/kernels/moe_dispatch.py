@@ -3,7 +3,8 @@
 Up to ``GEMV_MAX_TOKENS`` tokens every (token, expert) pair runs as GEMVs (``nvfp4_gemv``; the down one on the
 tensor cores over pairs, ``nvfp4_mma_gemv``); up to ``MMA_GEMV_MAX_TOKENS`` the tensor-core GEMVs over blocks
 of up to 8 tokens of an expert; past that the grouped GEMMs over row blocks of 16-128 pairs of an expert
-(``nvfp4_gemm``, whose prefill-sized blocks run ``nvfp4_moe_prefill``'s kernel). The dispatch takes the
+(``nvfp4_gemm``, whose prefill-sized blocks run ``nvfp4_moe_prefill``'s kernel, or with ``WGMMA_PREFILL`` on sm90
+``nvfp4_wgmma``'s). The dispatch takes the
 weights as tensors (``ExpertWeights``), never the torch module. Reference: ``nvfp4_gemm.moe_reference``."""
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ GEMV_MAX_TOKENS = int(os.environ.get("FP4MOE_GEMV_MAX_TOKENS", "4"))
 MMA_GEMV_MAX_TOKENS = int(os.environ.get("FP4MOE_MMA_GEMV_MAX_TOKENS", "128"))
 
 
+# FP4MOE_WGMMA_PREFILL=1: prefill-sized blocks (64 or 128 pairs) on an sm90 GPU run ``nvfp4_wgmma``'s Hopper kernels
+# (the dequantized weights as wgmma's register operand, K reordered). Off by default: built and compiled for sm90
+# without a GPU (2026-12-04), not yet measured or run on one (benchmarks/tune_prefill_experts.py --wgmma)
+WGMMA_PREFILL = os.environ.get("FP4MOE_WGMMA_PREFILL", "0") == "1"
+
+
 # up to GEMV_MAX_TOKENS tokens: the CUDA-core gate/up GEMV, then the tensor-core down (pairs, wk 2, kc 64): H200,
 # batch-1 step 1.4% faster (benchmarks/tune_decode.py; the down launch alone 4.4 against 5.1 us per layer). Needs
 # int32 contiguous ids (the router kernel's): its programs read them before they wait, so no copy may be in flight
@@ -106,6 +113,18 @@ def _mma_gemv_fits(experts: ExpertWeights, x: torch.Tensor, one_token: bool = Fa
     from fp4moe.kernels import nvfp4_mma_gemv as mma
 
     return mma.fits(x.shape[1], experts.inter)
+
+
+def _wgmma_fits(experts: ExpertWeights, x: torch.Tensor, bm: int) -> bool:
+    """Whether ``nvfp4_wgmma``'s kernels take this launch: switched on (``WGMMA_PREFILL``), blocks of 64 or 128
+    pairs, the tensor-core GEMVs' conditions, an sm90 GPU (wgmma is Hopper's) and shapes it tiles."""
+    if not (WGMMA_PREFILL and bm in (64, 128) and _tensor_cores_take(experts, x.device)):
+        return False
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    from fp4moe.kernels import nvfp4_wgmma as wg
+
+    return wg.fits(x.shape[1], experts.inter, experts.tile)
 
 
 def tile_step(experts: ExpertWeights) -> int:
@@ -154,5 +173,9 @@ def moe_pairs(experts: ExpertWeights, x: torch.Tensor, topk_ids: torch.Tensor, t
         routing = pair_routing(topk_ids, bm)
     else:
         routing = align(topk_ids, experts.num_experts, bm)
+    if _wgmma_fits(experts, x, bm):
+        from fp4moe.kernels import nvfp4_wgmma as wg
+
+        return wg.moe_pairs(x, gu, dn, routing, k, topk_weights.float(), tile=tile)
     act = gemm.moe_gate_up(x, *gu, routing, k, tile=tile)
     return gemm.moe_down(act, *dn, routing, topk_weights.float(), tile=tile)
