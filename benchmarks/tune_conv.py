@@ -4,6 +4,9 @@ state; each candidate (token rows, channels, warps) checked equal to the default
 of CUDA-event replays, with its share of the copy bandwidth (bytes read and written once).
 
     python3 benchmarks/tune_conv.py --tokens 8192
+
+Then the same for the sliding-window kernel (``causal_conv.WINDOW``: each input row read once), whose outputs
+must equal the taps kernel's bit for bit.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from common import event_seconds
 from fp4moe.kernels import causal_conv
 
 CANDIDATES = [(32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8), (16, 256, 4), (128, 64, 4), (64, 64, 2)]
+WINDOW_CANDIDATES = [(16, 1024, 4), (8, 1024, 4), (32, 1024, 4), (16, 512, 2), (16, 2048, 8), (8, 512, 2)]
 
 
 def main() -> None:
@@ -32,6 +36,7 @@ def main() -> None:
     w = torch.randn(c, 1, 4, device=dev, dtype=torch.bfloat16) * 0.5
     default = causal_conv.TILE
     parts, norm = (key, 2 * key), 128  # q and k L2-normalised per head, as the engine runs it
+    causal_conv.WINDOW = False  # the taps kernel first, its default tile the reference
     ref, _ = causal_conv.causal_conv_silu(x, state, w, parts, norm)
     out = []
     for tile in CANDIDATES:
@@ -43,6 +48,16 @@ def main() -> None:
         out.append(dict(tile=tile, us=sec * 1e6, gb_s=gbs, same=same))
         print(f"tile {tile}: {sec * 1e6:.1f} us, {gbs:.0f} GB/s, same output: {same}", flush=True)
     causal_conv.TILE = default
+    causal_conv.WINDOW, window_default = True, causal_conv.WINDOW_TILE
+    for tile in WINDOW_CANDIDATES:
+        causal_conv.WINDOW_TILE = tile
+        got, _ = causal_conv.causal_conv_silu(x, state, w, parts, norm)
+        same = all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+        sec = sorted(event_seconds(lambda: causal_conv.causal_conv_silu(x, state, w, parts, norm), 20))[10]
+        gbs = 2 * n * c * 2 / sec / 1e9
+        out.append(dict(kernel="window", tile=tile, us=sec * 1e6, gb_s=gbs, same=same))
+        print(f"window tile {tile}: {sec * 1e6:.1f} us, {gbs:.0f} GB/s, same output: {same}", flush=True)
+    causal_conv.WINDOW, causal_conv.WINDOW_TILE = False, window_default
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), tokens=n, rows=out), f, indent=1)

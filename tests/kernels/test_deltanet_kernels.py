@@ -26,8 +26,17 @@ def _gdn_layer(gen, hk=2, hv=4, dk=16, dv=32, hidden=64):
     return layer.to(DEV)
 
 
+@pytest.fixture(params=["taps", "window"])
+def conv_kernel(request, monkeypatch):
+    """Each conv test on both prefill conv kernels: the taps kernel and the sliding window (``causal_conv.WINDOW``)."""
+    from fp4moe.kernels import causal_conv
+
+    monkeypatch.setattr(causal_conv, "WINDOW", request.param == "window")
+    return request.param
+
+
 @pytest.mark.parametrize("n", [2, 3, 37, 100])
-def test_causal_conv_matches_the_layers_conv(n):
+def test_causal_conv_matches_the_layers_conv(n, conv_kernel):
     """The prefill conv kernel against the layer's torch path (on the CPU): the output exactly (both round
     the fp32 sum to bf16 before and after the SiLU; single elements may differ by a bf16 ulp where the
     fp32 sums' order flips a rounding), the new state exactly (it is a copy of inputs)."""
@@ -163,7 +172,7 @@ def _varlen_rows(gen, lengths, width):
     return x, ctx
 
 
-def test_causal_conv_varlen_is_each_sequence_alone():
+def test_causal_conv_varlen_is_each_sequence_alone(conv_kernel):
     """One launch over several sequences' rows gives, row for row, what the single-sequence launch gives
     each sequence on its own (same kernel, same sums: exactly), and the new states equal the layer's."""
     from fp4moe.kernels.causal_conv import causal_conv_silu, causal_conv_silu_varlen
@@ -187,7 +196,7 @@ def test_causal_conv_varlen_is_each_sequence_alone():
 
 
 @pytest.mark.parametrize("k_dim", [16, 24])
-def test_causal_conv_planar_parts_are_the_row_major_outputs_columns(k_dim):
+def test_causal_conv_planar_parts_are_the_row_major_outputs_columns(k_dim, conv_kernel):
     """``parts``: q, k and v each one contiguous block of the same values (exactly: same sums, another
     layout), for a single sequence and the varlen launch -- 128 channels, and 160 (not a whole number of the
     kernel's 128-channel blocks); a split past the channels is refused."""
@@ -216,7 +225,7 @@ def test_causal_conv_planar_parts_are_the_row_major_outputs_columns(k_dim):
 
 
 @pytest.mark.parametrize("k_dim,hk", [(16, 2), (128, 1)])
-def test_causal_conv_normalises_q_and_k_as_fla_does(k_dim, hk):
+def test_causal_conv_normalises_q_and_k_as_fla_does(k_dim, hk, conv_kernel):
     """``norm``: q's and k's heads L2-normalised in the conv kernel as fla's ``l2norm_fwd`` would normalise the
     planar output (x / sqrt(sum x^2 + 1e-6) in fp32 from the bf16 values, rounded to bf16), v as it was; heads
     of 16 channels (several a program) and of 128 (one a program, the model's). Another summation order: an
@@ -359,3 +368,33 @@ def test_restore_states_copies_the_accepted_state_where_drafts_were_rejected(t):
         assert torch.equal(want[:, slot], before[:, slot] if a == t - 1 else history[:, i * t + a]), i
     untouched = [s for s in range(slots_n) if s not in slots.tolist()]
     assert torch.equal(state[:, untouched], before[:, untouched])
+
+
+@pytest.mark.parametrize("norm", [0, 128])
+def test_window_conv_gives_the_taps_kernels_outputs(norm, monkeypatch):
+    """The sliding-window conv kernel against the taps kernel on a wide conv (channels past one 1,024-channel
+    block and not a whole number of them, the model's q/k/v split at 1,024 / 2,048, heads of 128): the same
+    sums in the same order, so the same bits -- for sequences that start inside a block of rows (the state's
+    taps) and for blocks inside one sequence (the window's fast path)."""
+    from fp4moe.kernels import causal_conv
+
+    gen = torch.Generator().manual_seed(17 + norm)
+    channels, parts = 3 * 1024 + 512, (1024, 2048)
+    w = (torch.randn(channels, 1, 4, generator=gen) * 0.5).to(BF16).to(DEV)
+    lengths = [5, 40, 21]
+    x, ctx = _varlen_rows(gen, lengths, channels)
+    states = torch.randn(len(lengths), channels, 3, generator=gen).to(BF16).to(DEV)
+    t = ctx.tensors(DEV)
+    outs = []
+    for window in (False, True):
+        monkeypatch.setattr(causal_conv, "WINDOW", window)
+        got, new = causal_conv.causal_conv_silu_varlen(
+            x.to(DEV), states, w, t.token_seq, t.starts, t.ends, parts, norm
+        )
+        alone, _ = causal_conv.causal_conv_silu(x[5:45].to(DEV), states[1], w, parts, norm)
+        outs.append((got, new, alone))
+    for a, b in zip(outs[0], outs[1], strict=True):
+        for u, v in zip(
+            a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,), strict=True
+        ):
+            assert torch.equal(u.cpu(), v.cpu())

@@ -17,6 +17,8 @@ Reference: ``layers.deltanet.GatedDeltaNet._conv``; fla's ``l2norm_fwd`` for the
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +31,11 @@ from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 # compiler, all for this kernel); benchmarks/tune_conv.py times others
 TILE = (32, 128, 4)
 L2_EPS = 1e-6  # fla's l2norm_fwd default, which chunk_gated_delta_rule uses
+# FP4MOE_CONV_KERNEL=window: ``_conv_window_kernel`` (a 4-tap conv, each input row read and converted once into a
+# sliding window; sm90 SASS ~2.4x fewer instructions an element than the taps kernel's). Off by default until
+# timed on the H200 (benchmarks/tune_conv.py times both); (rows, channels, warps) of its programs
+WINDOW = os.environ.get("FP4MOE_CONV_KERNEL", "taps") == "window"
+WINDOW_TILE = (16, 1024, 4)
 
 
 @triton.jit(do_not_specialize=["T"])  # the token count: a server meets every value (issue 20)
@@ -101,6 +108,88 @@ def _causal_conv_kernel(
     )
 
 
+@triton.jit
+def _silu_norm(acc, c, P2, eps, BC: tl.constexpr, KD: tl.constexpr):
+    """One row's conv sums [BC] -> bf16-rounded silu (and q's and k's heads L2-normalised), as the taps kernel."""
+    y = round_bf16(acc)
+    y = round_bf16(y * tl.sigmoid(y))
+    if KD > 0:
+        if KD == BC:
+            normed = y * (1 / tl.sqrt(tl.sum(y * y, 0) + eps))
+        else:
+            heads = tl.reshape(y, (BC // KD, KD))
+            rstd = 1 / tl.sqrt(tl.sum(heads * heads, 1) + eps)
+            normed = tl.reshape(heads * rstd[:, None], (BC,))
+        y = tl.where(c < P2, round_bf16(normed), y)
+    return y
+
+
+@triton.jit(do_not_specialize=["T"])
+def _conv_window_kernel(
+    x_ptr, stride_x, state_ptr, w_ptr, out_ptr, seq_ptr, start_ptr, T, C, P1, P2, eps,
+    BT: tl.constexpr, BC: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr, KD: tl.constexpr = 0,
+):  # fmt: skip
+    """The taps kernel's outputs for a 4-tap conv, a program's BT rows in turn: each input row is loaded and
+    converted once and kept for the next three rows (the taps kernel loads every row four times), so a
+    program spans BC channels (8 a thread: 16-byte loads and stores) and its rows run unrolled. Rows whose
+    taps reach before their sequence's first row take those inputs from its conv state."""
+    wait_for_previous(PDL)
+    t0 = tl.program_id(0) * BT
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    c_ok = c < C
+    w0 = tl.load(w_ptr + c * 4, mask=c_ok, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + c * 4 + 1, mask=c_ok, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + c * 4 + 2, mask=c_ok, other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + c * 4 + 3, mask=c_ok, other=0.0).to(tl.float32)
+    # planar output: channel c of part p (columns [lo_p, hi_p)) at T * lo_p + t * (hi_p - lo_p) + c - lo_p
+    lo = tl.where(c >= P2, P2, tl.where(c >= P1, P1, 0))
+    width = tl.where(c >= P2, C - P2, tl.where(c >= P1, P2 - P1, P1))
+    out_c = out_ptr + lo.to(tl.int64) * T + (c - lo)
+    # every row of the block reads only rows of x (no position before its sequence's first row): no state
+    t_last = tl.minimum(t0 + BT, T) - 1
+    first_last = tl.load(start_ptr + tl.load(seq_ptr + t_last)) if VARLEN else 0
+    if t0 - 3 >= first_last:  # (rows t0 - 3 .. of one sequence: the last row's)
+        x1 = tl.load(x_ptr + (t0 - 3).to(tl.int64) * stride_x + c, mask=c_ok, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + (t0 - 2).to(tl.int64) * stride_x + c, mask=c_ok, other=0.0).to(tl.float32)
+        x3 = tl.load(x_ptr + (t0 - 1).to(tl.int64) * stride_x + c, mask=c_ok, other=0.0).to(tl.float32)
+        for r in tl.static_range(BT):
+            t = t0 + r
+            ok = t < T
+            xt = tl.load(x_ptr + t.to(tl.int64) * stride_x + c, mask=c_ok & ok, other=0.0).to(tl.float32)
+            acc = tl.zeros((BC,), dtype=tl.float32)
+            acc += x1 * w0
+            acc += x2 * w1
+            acc += x3 * w2
+            acc += xt * w3
+            y = _silu_norm(acc, c, P2, eps, BC, KD)
+            tl.store(out_c + t.to(tl.int64) * width, y.to(out_ptr.dtype.element_ty), mask=c_ok & ok)
+            x1, x2, x3 = x2, x3, xt
+    else:  # each tap of each row from x or, before the row's sequence, from its state [N, C, 3]
+        for r in tl.static_range(BT):
+            t = t0 + r
+            ok = t < T
+            if VARLEN:
+                s = tl.load(seq_ptr + t, mask=ok, other=0)
+                first = tl.load(start_ptr + s, mask=ok, other=0)
+            else:
+                s = t * 0
+                first = t * 0
+            acc = tl.zeros((BC,), dtype=tl.float32)
+            for i in tl.static_range(4):  # tap i reads the input 3 - i positions back
+                src = t - 3 + i
+                inside = src >= first
+                xv = tl.load(x_ptr + src.to(tl.int64) * stride_x + c, mask=c_ok & ok & inside, other=0.0)
+                sv = tl.load(
+                    state_ptr + s.to(tl.int64) * C * 3 + c * 3 + (3 + src - first),
+                    mask=c_ok & ok & (src < first),
+                    other=0.0,
+                )
+                wi = w0 if i == 0 else (w1 if i == 1 else (w2 if i == 2 else w3))
+                acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wi
+            y = _silu_norm(acc, c, P2, eps, BC, KD)
+            tl.store(out_c + t.to(tl.int64) * width, y.to(out_ptr.dtype.element_ty), mask=c_ok & ok)
+
+
 def causal_conv_silu(
     x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, parts: tuple[int, int] | None = None,
     norm: int = 0,
@@ -144,6 +233,12 @@ def last_inputs(
     return torch.where((pos >= starts[:, None])[:, None, :], from_x, from_state).contiguous()
 
 
+def window_fits(kc: int, norm: int) -> bool:
+    """Whether ``_conv_window_kernel`` runs this conv: switched on (``WINDOW``), 4 taps, heads that divide its
+    channel block."""
+    return WINDOW and kc == 4 and WINDOW_TILE[1] % max(norm, 1) == 0
+
+
 def norm_fits(parts: tuple[int, int] | None, norm: int) -> bool:
     """Whether the conv kernel can L2-normalise heads of ``norm`` channels before ``parts[1]``: a power of two
     that divides the kernel's channel block (so no head straddles two programs) and both split points."""
@@ -169,12 +264,20 @@ def _launch(x, states, weight, token_seq, starts, parts=None, norm: int = 0):
         )
     flat = torch.empty(n * c, dtype=x.dtype, device=x.device)
     varlen = token_seq is not None
-    bt, bc, warps = TILE
-    _causal_conv_kernel[(triton.cdiv(n, bt), triton.cdiv(c, bc))](
-        x, x.stride(0), states, weight.reshape(c, kc), flat, token_seq if varlen else x,
-        starts if varlen else x, n, c, p1, p2, L2_EPS, KC=kc, BT=bt, BC=bc, VARLEN=varlen, KD=norm,
-        num_warps=warps, **pdl_args(),
-    )  # fmt: skip
+    if window_fits(kc, norm):
+        bt, bc, warps = WINDOW_TILE
+        _conv_window_kernel[(triton.cdiv(n, bt), triton.cdiv(c, bc))](
+            x, x.stride(0), states, weight.reshape(c, kc), flat, token_seq if varlen else x,
+            starts if varlen else x, n, c, p1, p2, L2_EPS, BT=bt, BC=bc, VARLEN=varlen, KD=norm,
+            num_warps=warps, **pdl_args(),
+        )  # fmt: skip
+    else:
+        bt, bc, warps = TILE
+        _causal_conv_kernel[(triton.cdiv(n, bt), triton.cdiv(c, bc))](
+            x, x.stride(0), states, weight.reshape(c, kc), flat, token_seq if varlen else x,
+            starts if varlen else x, n, c, p1, p2, L2_EPS, KC=kc, BT=bt, BC=bc, VARLEN=varlen, KD=norm,
+            num_warps=warps, **pdl_args(),
+        )  # fmt: skip
     if parts is None:
         return flat.view(n, c)
     return tuple(flat[n * lo : n * hi].view(n, hi - lo) for lo, hi in ((0, p1), (p1, p2), (p2, c)))
