@@ -79,12 +79,15 @@ def _setup(tokens, h, i, tile, seed=0):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", [0, 64])
 @pytest.mark.parametrize(
-    ("tokens", "bm", "stages"), [(300, 64, 0), (300, 128, 0), (700, 128, 3), (90, 64, 2)]
-)
-def test_wgmma_experts_match_the_reference(tokens, bm, stages, tile):
+    ("tokens", "bm", "stages", "h", "i"),
+    [(300, 64, 0, 256, 256), (300, 128, 0, 256, 256), (700, 128, 3, 256, 256), (90, 64, 2, 256, 256),
+     (300, 128, 0, 1024, 1024), (300, 64, 0, 1024, 1024), (300, 128, 3, 1024, 512)],
+)  # fmt: skip
+def test_wgmma_experts_match_the_reference(tokens, bm, stages, h, i, tile):
     """Both launches against the dequantized reference and the weights-first Triton kernel on the same blocks:
-    partial blocks (counts under ``bm``), two and more ring stages, both byte orders; gate/up's output is
-    down's input in the K order (and in the natural order without ``permute_out``)."""
+    partial blocks (counts under ``bm``), two to four ring stages -- with 8 K steps the ring wraps around, every
+    slot refilled while another step's MMAs run -- both byte orders; gate/up's output is down's input in the K
+    order (and in the natural order without ``permute_out``)."""
     _wgmma()
     from fp4moe.kernels import moe_routing as mr
     from fp4moe.kernels import nvfp4_dequant as dq
@@ -92,7 +95,7 @@ def test_wgmma_experts_match_the_reference(tokens, bm, stages, tile):
 
     if dq.DEQUANT_MODE != 7:
         pytest.skip("the kernel dequantizes as mode 7")
-    h, i, k = 256, 256, 3  # K multiples of 256 (``fits``)
+    k = 3
     gu, dn, tgu, tdn, x, ids, w = _setup(tokens, h, i, tile)
     routing = mr.align(ids, 8, bm)
     act = wg.wgmma_gate_up(wg.permute_k(x), *tgu, routing, k, tile=tile, stages=stages)
@@ -132,9 +135,11 @@ def test_launch_refuses_what_it_cannot_tile():
     t = torch.zeros(1, dtype=torch.int32)
     r = Routing(t, t, t, t, t, 16)
     with pytest.raises(ValueError, match="64 or 128"):
-        wg._launch(None, None, None, None, None, r, None, 64, 128, 1, True, True, 0, 0)
-    with pytest.raises(ValueError, match="multiple of 128"):
-        wg._launch(None, None, None, None, None, r, None, 64, 96, 1, True, True, 0, 0)
+        wg._launch(None, None, None, None, None, r, None, 128, 256, 1, True, True, 0, 0)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        wg._launch(None, None, None, None, None, r, None, 64, 384, 1, True, True, 0, 0)
+    with pytest.raises(ValueError, match="whole 128-wide chunks"):  # the K-order output of I = 192
+        wg._launch(None, None, None, None, None, r, None, 192, 256, 1, True, True, 0, 0)
     with pytest.raises(ValueError, match="64-byte steps"):
-        wg._launch(None, None, None, None, None, r, None, 64, 128, 1, True, True, 32, 0)
+        wg._launch(None, None, None, None, None, r, None, 128, 256, 1, True, True, 32, 0)
     assert wg.fits(2048, 512, 64) and not wg.fits(2048, 128, 64) and not wg.fits(2048, 512, 32)

@@ -7,20 +7,20 @@ operand, so every code byte is loaded alone from shared memory (LDS.U8) and the 
 PRMTs. The H200's tensor cores then wait on the issue slots (gate/up 279 TFLOP/s, down 206, of a measured
 786 bf16 peak at an 8K prefill).
 
-Here each thread loads exactly the code bytes its wgmma register fragment needs, 16 contiguous bytes per row
-and step, straight from global memory (every weight byte is read by one thread, so shared memory buys
-nothing), and turns each 4 bytes into four bf16 pairs with ``nvfp4_dequant``'s inline PTX (``E2M1_BOTH``).
-Those pairs are (code 2i, code 2i + 2) of a byte's low nibbles, or of its high nibbles: not the (k, k + 1)
-pairs the fragment holds. So the MMA runs over K in another order -- within each 128-wide chunk, logical
-position kappa = 32 j + 16 h + 8 q + 2 c + t takes physical k = 32 c + 8 j + 4 q + 2 t + h (``k_order``) --
-and the activations are stored in that order (``permute_k``: the gate/up input once per layer; the gate/up
-launch writes its output in it for down, ``PERMUTE_OUT``). The weights keep their bytes and order
-(``expert_layout``), shared with the decode kernels.
+Here each thread reads exactly the code bytes its wgmma register fragment needs, 16 contiguous bytes per row
+and step (one 16-byte shared-memory load, after a cp.async copy of the step's bytes), and turns each 4 bytes into
+four bf16 pairs with ``nvfp4_dequant``'s inline PTX (``E2M1_BOTH``). Those pairs are (code 2i, code 2i + 2) of
+a byte's low nibbles, or of its high nibbles: not the (k, k + 1) pairs the fragment holds. So the MMA runs over
+K in another order -- within each 128-wide chunk, logical position kappa = 32 j + 16 h + 8 q + 2 c + t takes
+physical k = 32 c + 8 j + 4 q + 2 t + h (``k_order``) -- and the activations are stored in that order
+(``permute_k``: the gate/up input once per layer; the gate/up launch writes its output in it for down,
+``PERMUTE_OUT``). The weights keep their bytes and order (``expert_layout``), shared with the decode kernels.
 
 Activations reach shared memory by cp.async in a ring of ``STAGES`` chunks; both projections' MMAs of a
 chunk run asynchronously while the next chunk's weights are dequantized. Values are mode 7's bit for bit
 (code bits times the block scale * 2^118 in bf16, the 2^8 left over applied to the fp32 sum), with
-``nvfp4_moe_prefill``'s epilogues and roundings, so results differ from it only by fp32 summation order.
+``nvfp4_moe_prefill``'s epilogues and roundings, so results differ from it by the fp32 summation order and
+the SiLU's formula (gate / (1 + exp(-gate)), as ``nvfp4_mma_gemv``; it: gate * sigmoid(gate)).
 
 GPU only (Gluon has no interpreter); off unless ``FP4MOE_WGMMA_PREFILL=1`` (``moe_dispatch.WGMMA_PREFILL``)
 until it has run and been measured on the H200: written and compiled for sm90 without a GPU. References: ``nvfp4_gemm.moe_reference``; ``k_order`` / ``permute_k`` / ``unpermute_k``
@@ -32,7 +32,11 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from fp4moe.kernels import pdl_args
 from fp4moe.kernels.moe_routing import Routing
@@ -169,7 +173,8 @@ def _wgmma_kernel(
     """Program (row block b, rows n0 = 64 * program_id(1)): GATED: silu(gate) * up of gate rows n0.. and up rows
     N + n0.. for the block's tokens (rows pair // TOPK of a, K in the kernel's order), stored per pair at
     columns n (PERMUTE_OUT: in the kernel's K order, for the down launch); else the down product of rows n0..
-    for the block's pair rows, times each pair's routing weight. K % 128 == 0, N % 64 == 0."""
+    for the block's pair rows, times each pair's routing weight. K % 256 == 0 (whole steps, 16-byte aligned scale
+    rows), N % 64 == 0 (gate/up with PERMUTE_OUT: N % 128, whole chunks of down's K)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16]
     )
@@ -226,6 +231,7 @@ def _wgmma_kernel(
         slot = i % STAGES
         async_copy.wait_group(STAGES - 2)  # step i's copies landed (this thread's) ...
         gl.thread_barrier()  # ... and every thread's
+        fence_async_shared()  # visible to wgmma's reads (the async proxy)
         b_t = acts.index(slot).permute((1, 0))  # [128, BM]
         cw = codes.index(slot).slice(0, BN).load(CODE)
         cs = scales.index(slot).slice(0, BN).load(SS)
@@ -287,18 +293,30 @@ def fits(hidden: int, inter: int, tile: int) -> bool:
 
 def stages_for(bm: int, gated: bool) -> int:
     """Ring depth: as deep as keeps two programs' shared memory on an SM (228 KB): a gate/up step of 128 pairs is
-    41 KB (activations 32, codes 8, scales 1), a down step 36.5 KB; blocks of 64 pairs take 16 KB less."""
+    41 KB (activations 32, codes 8, scales 1), a down step 36.5 KB; blocks of 64 pairs take 16 KB less (4 steps:
+    100 and 82 KB)."""
     if bm == 128:
         return 2 if gated else 3
-    return 3 if gated else 4
+    return 4
 
 
 def _launch(a, w, s, decode, out, routing: Routing, topw, n, k, top_k, gated, permute_out, tile, stages):
     stages = stages or stages_for(routing.bm, gated)
     if stages < 2:
         raise ValueError(f"stages = {stages}: the ring needs at least 2")
-    if k % STEP_K or n % ROWS:
-        raise ValueError(f"K = {k} must be a multiple of {STEP_K} and N = {n} of {ROWS}")
+    if k % 256:
+        raise ValueError(
+            f"K = {k} is not a multiple of 256 (whole {STEP_K}-wide steps, 16-byte aligned scale rows)"
+        )
+    if n % (STEP_K if gated and permute_out else ROWS):
+        raise ValueError(
+            f"N = {n} is not a multiple of {STEP_K if gated and permute_out else ROWS}"
+            + (
+                " (the output in the down launch's K order: whole 128-wide chunks)"
+                if gated and permute_out
+                else ""
+            )
+        )
     if tile not in (0, 64):
         raise ValueError(f"experts tiled at {tile}-byte steps: this kernel reads row-major or 64-byte steps")
     if routing.bm not in (64, 128):
