@@ -25,7 +25,8 @@ from common import E, H, I, K, graph_time, weights
 from fp4moe.kernels import moe_routing as mr
 from fp4moe.kernels import nvfp4_gemm as gemm
 
-WGMMA = [(128, 2), (128, 3), (64, 2), (64, 3), (64, 4)]  # (block rows, ring stages) of the Hopper kernels
+# (block rows, ring stages (0: stages_for), weight rows a program) of the Hopper kernels
+WGMMA = [(128, 0, 64), (128, 3, 64), (64, 0, 64), (128, 0, 128), (128, 3, 128), (64, 0, 128)]
 
 LAYERS = 6  # layers' experts and routings per graph (tune_experts' random NVFP4 experts)
 # (block rows, Tiles): the row kernel's default (the reference), then weights-first candidates: the default
@@ -124,22 +125,28 @@ def _time_wgmma(row, ws, routing, x, ref_act, ref_y, topw, t, tile) -> None:
     y = torch.empty(t * K, H, dtype=torch.bfloat16, device=x.device)
     for kind, flops in (("wgmma_gate_up", 4 * t * K * I * H), ("wgmma_down", 2 * t * K * H * I)):
         row[kind] = []
-        for bm, stages in WGMMA:
+        for bm, stages, wrows in WGMMA:
             rs = routing(bm)
+            stages = stages or wg.stages_for(bm, kind == "wgmma_gate_up", wrows)
             if kind == "wgmma_gate_up":
-                sec = graph_time(lambda: [wg.wgmma_gate_up(x_perm, *w["gu"], r, K, out=act, tile=tile, stages=stages)
+                sec = graph_time(lambda: [wg.wgmma_gate_up(x_perm, *w["gu"], r, K, out=act, tile=tile, stages=stages, rows=wrows)
                                            for w, r in zip(ws, rs, strict=True)], 15, LAYERS)  # fmt: skip
                 got = wg.unpermute_k(
-                    wg.wgmma_gate_up(x_perm, *ws[0]["gu"], rs[0], K, tile=tile, stages=stages)
+                    wg.wgmma_gate_up(x_perm, *ws[0]["gu"], rs[0], K, tile=tile, stages=stages, rows=wrows)
                 )
                 ref = ref_act
             else:
-                sec = graph_time(lambda: [wg.wgmma_down(act_perm, *w["dn"], r, topw, out=y, tile=tile, stages=stages)
+                sec = graph_time(lambda: [wg.wgmma_down(act_perm, *w["dn"], r, topw, out=y, tile=tile, stages=stages, rows=wrows)
                                            for w, r in zip(ws, rs, strict=True)], 15, LAYERS)  # fmt: skip
-                got, ref = wg.wgmma_down(act_perm, *ws[0]["dn"], rs[0], topw, tile=tile, stages=stages), ref_y
+                got, ref = (
+                    wg.wgmma_down(act_perm, *ws[0]["dn"], rs[0], topw, tile=tile, stages=stages, rows=wrows),
+                    ref_y,
+                )
             err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
-            row[kind].append(dict(block=bm, stages=stages, ms=sec * 1e3, tflops=flops / sec / 1e12, err=err))
-            print(f"T={t} {kind} bm={bm} stages={stages}: {sec * 1e3:.3f} ms, {flops / sec / 1e12:.0f} TFLOP/s, "
+            row[kind].append(
+                dict(block=bm, stages=stages, rows=wrows, ms=sec * 1e3, tflops=flops / sec / 1e12, err=err)
+            )
+            print(f"T={t} {kind} bm={bm} stages={stages} rows={wrows}: {sec * 1e3:.3f} ms, {flops / sec / 1e12:.0f} TFLOP/s, "
                   f"err {err:.1e}", flush=True)  # fmt: skip
 
 

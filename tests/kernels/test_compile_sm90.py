@@ -331,16 +331,16 @@ POINTERS = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "d_ptr": "*fp32", 
             "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_count_ptr": "*i32", "nblk_ptr": "*i32",
             "topw_ptr": "*fp32"}
 results = []
-for gated, bm, tile in json.loads(sys.argv[1]):
+for gated, bm, tile, rows in json.loads(sys.argv[1]):
     # the full-size experts: gate/up K = 2048, down K = 512; the engine's 64-byte tile order, or row-major
-    consts = dict(K=2048 if gated else 512, GATED=bool(gated), BM=bm, STAGES=wg.stages_for(bm, bool(gated)),
-                  PERMUTE_OUT=bool(gated), PDL=1, TILE=tile)
+    consts = dict(K=2048 if gated else 512, GATED=bool(gated), BM=bm, STAGES=wg.stages_for(bm, bool(gated), rows),
+                  PERMUTE_OUT=bool(gated), PDL=1, TILE=tile, BN=rows)
     signature = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in consts and n not in ("TOPK", "stride_de")}
     try:
         k = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=rows // 16))
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"]); f.flush()
             sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
@@ -355,21 +355,29 @@ for gated, bm, tile in json.loads(sys.argv[1]):
         results.append(dict(ok=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
 print(json.dumps(results))
 """
-WGMMA_VARIANTS = [(1, 128, 64), (0, 128, 64), (1, 64, 64), (0, 64, 0)]
+# (gated, block rows, tile, weight rows a program)
+WGMMA_VARIANTS = [
+    (1, 128, 64, 64),
+    (0, 128, 64, 64),
+    (1, 64, 64, 64),
+    (0, 64, 0, 64),
+    (1, 128, 64, 128),
+    (0, 128, 64, 128),
+]
 
 
 @pytest.mark.slow
 def test_wgmma_prefill_kernels_compile_for_sm90_without_spills():
     """``nvfp4_wgmma``'s kernel (Gluon: no interpreter, so this is all CI can run of it) compiles for the H200 at
     its default ring depths: wgmma with the weights as the register operand, two programs' shared memory on an
-    SM, and no register spills (its first version held the next step's code bytes in registers, one per byte,
+    SM (one of 128 weight rows), and no register spills (its first version held the next step's code bytes in registers, one per byte,
     and spilled ~560 bytes a thread)."""
     results = _compile(WGMMA_SCRIPT, WGMMA_VARIANTS)
     for variant, r in zip(WGMMA_VARIANTS, results, strict=True):
         assert r["ok"], (variant, r["error"])
         assert r["hgmma"] > 0 and r["register_a"] == r["hgmma"], (variant, r)
         assert r["spills"] == 0, (variant, r)
-        assert r["shared"] <= 228 * 1024 // 2, (variant, r)
+        assert r["shared"] <= (228 * 1024 // 2 if variant[3] == 64 else 227 * 1024), (variant, r)
 
 
 CONV_SCRIPT = r"""

@@ -79,15 +79,17 @@ def _setup(tokens, h, i, tile, seed=0):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", [0, 64])
 @pytest.mark.parametrize(
-    ("tokens", "bm", "stages", "h", "i"),
-    [(300, 64, 0, 256, 256), (300, 128, 0, 256, 256), (700, 128, 3, 256, 256), (90, 64, 2, 256, 256),
-     (300, 128, 0, 1024, 1024), (300, 64, 0, 1024, 1024), (300, 128, 3, 1024, 512)],
+    ("tokens", "bm", "stages", "h", "i", "rows"),
+    [(300, 64, 0, 256, 256, 64), (300, 128, 0, 256, 256, 64), (700, 128, 3, 256, 256, 64),
+     (90, 64, 2, 256, 256, 64), (300, 128, 0, 1024, 1024, 64), (300, 64, 0, 1024, 1024, 64),
+     (300, 128, 3, 1024, 512, 64), (300, 128, 0, 1024, 1024, 128), (90, 64, 0, 256, 256, 128)],
 )  # fmt: skip
-def test_wgmma_experts_match_the_reference(tokens, bm, stages, h, i, tile):
+def test_wgmma_experts_match_the_reference(tokens, bm, stages, h, i, rows, tile):
     """Both launches against the dequantized reference and the weights-first Triton kernel on the same blocks:
     partial blocks (counts under ``bm``), two to four ring stages -- with 8 K steps the ring wraps around, every
-    slot refilled while another step's MMAs run -- both byte orders; gate/up's output is down's input in the K
-    order (and in the natural order without ``permute_out``)."""
+    slot refilled while another step's MMAs run -- both byte orders, one and two warpgroups a program (``rows``
+    64, 128); gate/up's output is down's input in the K order (and in the natural order without
+    ``permute_out``)."""
     _wgmma()
     from fp4moe.kernels import moe_routing as mr
     from fp4moe.kernels import nvfp4_dequant as dq
@@ -98,12 +100,14 @@ def test_wgmma_experts_match_the_reference(tokens, bm, stages, h, i, tile):
     k = 3
     gu, dn, tgu, tdn, x, ids, w = _setup(tokens, h, i, tile)
     routing = mr.align(ids, 8, bm)
-    act = wg.wgmma_gate_up(wg.permute_k(x), *tgu, routing, k, tile=tile, stages=stages)
-    plain = wg.wgmma_gate_up(wg.permute_k(x), *tgu, routing, k, tile=tile, stages=stages, permute_out=False)
+    act = wg.wgmma_gate_up(wg.permute_k(x), *tgu, routing, k, tile=tile, stages=stages, rows=rows)
+    plain = wg.wgmma_gate_up(
+        wg.permute_k(x), *tgu, routing, k, tile=tile, stages=stages, permute_out=False, rows=rows
+    )
     assert torch.equal(wg.unpermute_k(act), plain)
     ref_act = gemm.moe_gate_up(x, *gu, routing, k)
     assert rel(plain, ref_act) < RTOL
-    pairs = wg.wgmma_down(act, *tdn, routing, w, tile=tile, stages=stages)
+    pairs = wg.wgmma_down(act, *tdn, routing, w, tile=tile, stages=stages, rows=rows)
     assert rel(pairs, gemm.moe_down(ref_act, *dn, routing, w)) < RTOL
     out = pairs.view(tokens, k, h).sum(1, dtype=torch.float32)
     ref = gemm.moe_reference(x.double(), *gu[:2], gu[2].double(), *dn[:2], dn[2].double(), ids, w.double())
@@ -140,6 +144,17 @@ def test_launch_refuses_what_it_cannot_tile():
         wg._launch(None, None, None, None, None, r, None, 64, 384, 1, True, True, 0, 0)
     with pytest.raises(ValueError, match="whole 128-wide chunks"):  # the K-order output of I = 192
         wg._launch(None, None, None, None, None, r, None, 192, 256, 1, True, True, 0, 0)
+    with pytest.raises(ValueError, match="64 or 128 weight rows"):
+        wg._launch(None, None, None, None, None, r, None, 128, 256, 1, True, True, 0, 0, 32)
     with pytest.raises(ValueError, match="64-byte steps"):
         wg._launch(None, None, None, None, None, r, None, 128, 256, 1, True, True, 32, 0)
     assert wg.fits(2048, 512, 64) and not wg.fits(2048, 128, 64) and not wg.fits(2048, 512, 32)
+
+
+@pytest.mark.parametrize("n0", [0, 384])
+def test_two_warpgroups_write_a_whole_chunk_in_the_k_order(n0):
+    """128 rows a program (``rows=128``): split (c, j, q, t, h) and reordered by Y_ORDER, row lam of the result
+    is column n0 + lam -- the chunk exactly as ``permute_k`` orders it."""
+    rows = (n0 + torch.arange(128)).float()[:, None]
+    reordered = rows.reshape(4, 4, 2, 2, 2, 1).permute(*wg.Y_ORDER.value).reshape(128)
+    assert torch.equal(reordered, n0 + wg.k_order(128).float())

@@ -44,9 +44,8 @@ from fp4moe.kernels.nvfp4_dequant import E2M1_BOTH
 from fp4moe.kernels.nvfp4_mma_gemv import _pdl_wait, _round_bf16
 
 STEP_K = 128  # K positions of one step (64 code bytes a row: one step of ``expert_layout`` at 64 bytes)
-ROWS = 64  # weight rows of a program (gate/up: 64 gate and the same 64 up rows), one warpgroup
+ROWS = 64  # weight rows of a program by default (gate/up: 64 gate and the same 64 up rows): one warpgroup
 CHUNK = gl.constexpr(STEP_K)
-BN = gl.constexpr(ROWS)
 
 
 # ---- the K order (spelled once for the kernel and for torch; CPU-tested) ---------------------------------
@@ -168,15 +167,17 @@ def _wgmma_kernel(
     order_ptr, blk_expert_ptr, blk_start_ptr, blk_count_ptr, nblk_ptr, topw_ptr,
     N, TOPK, stride_we, stride_wn, stride_se, stride_sn, stride_de,
     K: gl.constexpr, GATED: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, PERMUTE_OUT: gl.constexpr,
-    PDL: gl.constexpr, TILE: gl.constexpr = 0,
+    PDL: gl.constexpr, TILE: gl.constexpr = 0, BN: gl.constexpr = 64,
 ):  # fmt: skip
-    """Program (row block b, rows n0 = 64 * program_id(1)): GATED: silu(gate) * up of gate rows n0.. and up rows
-    N + n0.. for the block's tokens (rows pair // TOPK of a, K in the kernel's order), stored per pair at
-    columns n (PERMUTE_OUT: in the kernel's K order, for the down launch); else the down product of rows n0..
-    for the block's pair rows, times each pair's routing weight. K % 256 == 0 (whole steps, 16-byte aligned scale
-    rows), N % 64 == 0 (gate/up with PERMUTE_OUT: N % 128, whole chunks of down's K)."""
+    """Program (row block b, weight rows n0 = BN * program_id(1); BN 64 or 128, a warpgroup per 64): GATED:
+    silu(gate) * up of gate rows n0.. and up rows N + n0.. for the block's tokens (rows pair // TOPK of a, K in the
+    kernel's order), stored per pair at columns n (PERMUTE_OUT: in the kernel's K order, for the down launch);
+    else the down product of rows n0.. for the block's pair rows, times each pair's routing weight. K % 256 == 0
+    (whole steps, 16-byte aligned scale rows), N % BN == 0 (gate/up with PERMUTE_OUT: N % 128, whole chunks of
+    down's K)."""
+    W: gl.constexpr = BN // 16  # warps: a warpgroup per 64 rows
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16]
+        version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BM, 16]
     )
     SA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)  # weights [BN, 128], logical K order
     CODE: gl.constexpr = _code_layout(gl.to_linear_layout(SA, [BN, CHUNK]))  # code bytes [BN, 64]
@@ -184,13 +185,13 @@ def _wgmma_kernel(
     SS: gl.constexpr = gl.SliceLayout(2, S3)  # scale bytes [BN, 8]
     # activations [BM, 128]: 16 bytes a copy, 4 lanes along 64 contiguous bytes of a row, so a thread copies
     # 4 chunks of each of BM / 32 rows (few row addresses to hold)
-    ACT: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    ACT: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [W, 1], [1, 0])
     SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, CHUNK], gl.bfloat16)
     R: gl.constexpr = 2 * BN if GATED else BN  # weight rows of a program
-    CW: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # code bytes [R, 64], 16 B a copy
-    CSL: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])  # scale bytes [R, 8], 4 B a copy
+    CW: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [W, 1], [1, 0])  # code bytes [R, 64], 16 B a copy
+    CSL: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [W, 1], [1, 0])  # scale bytes [R, 8], 4 B a copy
     PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    EPI: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, 4], [0, 1])  # outputs [BN, BM], 4 columns each
+    EPI: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, W], [0, 1])  # outputs [BN, BM], 4 columns each
     STEPS: gl.constexpr = K // CHUNK
 
     _pdl_wait(PDL)
@@ -265,7 +266,10 @@ def _wgmma_kernel(
         gate = _round_bf16(acc * 256.0 * d0)  # the bf16-bit dequantization leaves a factor 2^-8
         up = _round_bf16(acc_up * 256.0 * d1)
         y = _round_bf16(_round_bf16(gate / (1.0 + gl.exp(-gate))) * up)
-        if PERMUTE_OUT:  # rows n0 + (c0, j, q, t, h) -> (j, h, q, c0, t): the down launch's K order
+        if PERMUTE_OUT and BN == 128:  # a whole chunk: rows n0 + (c, j, q, t, h) -> (j, h, q, c, t)
+            y = gl.reshape(gl.permute(gl.reshape(y, [4, 4, 2, 2, 2, BM]), Y_ORDER.value), [BN, BM])
+            col = n0 + ro
+        elif PERMUTE_OUT:  # rows n0 + (c0, j, q, t, h) -> (j, h, q, c0, t): the down launch's K order
             y = gl.reshape(gl.permute(gl.reshape(y, [2, 4, 2, 2, 2, BM]), Y_ORDER.value), [BN, BM])
             col = _out_columns(n0, ro)
         else:
@@ -291,26 +295,31 @@ def fits(hidden: int, inter: int, tile: int) -> bool:
     return hidden % 256 == 0 and inter % 256 == 0 and tile in (0, 64)
 
 
-def stages_for(bm: int, gated: bool) -> int:
-    """Ring depth: as deep as keeps two programs' shared memory on an SM (228 KB): a gate/up step of 128 pairs is
-    41 KB (activations 32, codes 8, scales 1), a down step 36.5 KB; blocks of 64 pairs take 16 KB less (4 steps:
-    100 and 82 KB)."""
-    if bm == 128:
-        return 2 if gated else 3
-    return 4
+def stages_for(bm: int, gated: bool, rows: int = ROWS) -> int:
+    """Ring depth (2-4 steps) within the shared memory that keeps two programs of 64 rows on an SM (113 KB each of
+    228), or one of 128 rows (220 KB): a step holds bm x 128 activations (2 bytes) and each weight row's 64 code
+    and 8 scale bytes (gate/up: twice the rows) -- 41 KB at 128 pairs and 64 gate/up rows, 2 steps; 50 KB at 128
+    rows, 4 steps."""
+    per_step = bm * STEP_K * 2 + rows * (2 if gated else 1) * 72
+    budget = (113 if rows == ROWS else 220) * 1024
+    return max(2, min(4, budget // per_step))
 
 
-def _launch(a, w, s, decode, out, routing: Routing, topw, n, k, top_k, gated, permute_out, tile, stages):
-    stages = stages or stages_for(routing.bm, gated)
+def _launch(a, w, s, decode, out, routing: Routing, topw, n, k, top_k, gated, permute_out, tile, stages,
+            rows=ROWS):  # fmt: skip
+    if rows not in (64, 128):
+        raise ValueError(f"rows = {rows}: a program takes 64 or 128 weight rows")
+    stages = stages or stages_for(routing.bm, gated, rows)
     if stages < 2:
         raise ValueError(f"stages = {stages}: the ring needs at least 2")
     if k % 256:
         raise ValueError(
             f"K = {k} is not a multiple of 256 (whole {STEP_K}-wide steps, 16-byte aligned scale rows)"
         )
-    if n % (STEP_K if gated and permute_out else ROWS):
+    whole = STEP_K if gated and permute_out else rows
+    if n % whole:
         raise ValueError(
-            f"N = {n} is not a multiple of {STEP_K if gated and permute_out else ROWS}"
+            f"N = {n} is not a multiple of {whole}"
             + (
                 " (the output in the down launch's K order: whole 128-wide chunks)"
                 if gated and permute_out
@@ -321,29 +330,30 @@ def _launch(a, w, s, decode, out, routing: Routing, topw, n, k, top_k, gated, pe
         raise ValueError(f"experts tiled at {tile}-byte steps: this kernel reads row-major or 64-byte steps")
     if routing.bm not in (64, 128):
         raise ValueError(f"row blocks of {routing.bm} pairs: this kernel takes 64 or 128")
-    _wgmma_kernel[(routing.blk_expert.numel(), n // ROWS)](
+    _wgmma_kernel[(routing.blk_expert.numel(), n // rows)](
         a, a.stride(0), w, s, decode, out, out.stride(0), routing.order, routing.blk_expert, routing.blk_start,
         routing.blk_count, routing.nblk, topw, n, top_k, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
         decode.stride(0), K=k, GATED=gated, BM=routing.bm, STAGES=stages, PERMUTE_OUT=permute_out, TILE=tile,
-        num_warps=4, **pdl_args(),
+        BN=rows, num_warps=rows // 16, **pdl_args(),
     )  # fmt: skip
     return out
 
 
 def wgmma_gate_up(x_perm, packed, scales, decode, routing: Routing, top_k: int, out=None, tile: int = 0,
-                  permute_out: bool = True, stages: int = 0):  # fmt: skip
+                  permute_out: bool = True, stages: int = 0, rows: int = ROWS):  # fmt: skip
     """x_perm [T, H] bf16 in the kernel's K order (``permute_k``); packed [E, 2I, H/2] NVFP4 -> silu(gate) * up
-    per pair [T*k, I] bf16 (row = pair), in the kernel's K order when ``permute_out`` (``wgmma_down``'s input)."""
+    per pair [T*k, I] bf16 (row = pair), in the kernel's K order when ``permute_out`` (``wgmma_down``'s input).
+    ``stages`` 0: ``stages_for``; ``rows``: weight rows a program (64: one warpgroup, 128: two)."""
     two_i, hidden = packed.shape[1], x_perm.shape[1]
     if out is None:
         out = torch.empty(x_perm.shape[0] * top_k, two_i // 2, dtype=x_perm.dtype, device=x_perm.device)
     s = scales.view(torch.uint8)
     return _launch(x_perm, packed, s, decode, out, routing, decode, two_i // 2, hidden, top_k, True,
-                   permute_out, tile, stages)  # fmt: skip
+                   permute_out, tile, stages, rows)  # fmt: skip
 
 
 def wgmma_down(act_perm, packed, scales, decode, routing: Routing, topk_weights, out=None, tile: int = 0,
-               stages: int = 0):  # fmt: skip
+               stages: int = 0, rows: int = ROWS):  # fmt: skip
     """act_perm [T*k, I] bf16 in the kernel's K order (``wgmma_gate_up``'s); packed [E, H, I/2] -> weight *
     down(act) per pair [T*k, H] bf16."""
     hidden, inter = packed.shape[1], act_perm.shape[1]
@@ -351,9 +361,8 @@ def wgmma_down(act_perm, packed, scales, decode, routing: Routing, topk_weights,
         out = torch.empty(act_perm.shape[0], hidden, dtype=torch.bfloat16, device=act_perm.device)
     s = scales.view(torch.uint8)
     topw = topk_weights.reshape(-1).float()
-    return _launch(
-        act_perm, packed, s, decode, out, routing, topw, hidden, inter, 1, False, False, tile, stages
-    )
+    return _launch(act_perm, packed, s, decode, out, routing, topw, hidden, inter, 1, False, False, tile, stages,
+                   rows)  # fmt: skip
 
 
 def moe_pairs(x, gu, dn, routing: Routing, top_k: int, topk_weights, tile: int = 0):
