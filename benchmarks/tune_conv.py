@@ -34,30 +34,30 @@ def main() -> None:
     x = rows[:, :c]
     state = torch.zeros(c, 3, device=dev, dtype=torch.bfloat16)
     w = torch.randn(c, 1, 4, device=dev, dtype=torch.bfloat16) * 0.5
-    default = causal_conv.TILE
     parts, norm = (key, 2 * key), 128  # q and k L2-normalised per head, as the engine runs it
     causal_conv.WINDOW = False  # the taps kernel first, its default tile the reference
     ref, _ = causal_conv.causal_conv_silu(x, state, w, parts, norm)
     out = []
-    for tile in CANDIDATES:
-        causal_conv.TILE = tile
-        got, _ = causal_conv.causal_conv_silu(x, state, w, parts, norm)
-        same = all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
-        sec = sorted(event_seconds(lambda: causal_conv.causal_conv_silu(x, state, w, parts, norm), 20))[10]
-        gbs = 2 * n * c * 2 / sec / 1e9
-        out.append(dict(tile=tile, us=sec * 1e6, gb_s=gbs, same=same))
-        print(f"tile {tile}: {sec * 1e6:.1f} us, {gbs:.0f} GB/s, same output: {same}", flush=True)
-    causal_conv.TILE = default
-    causal_conv.WINDOW, window_default = True, causal_conv.WINDOW_TILE
-    for tile in WINDOW_CANDIDATES:
-        causal_conv.WINDOW_TILE = tile
-        got, _ = causal_conv.causal_conv_silu(x, state, w, parts, norm)
-        same = all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
-        sec = sorted(event_seconds(lambda: causal_conv.causal_conv_silu(x, state, w, parts, norm), 20))[10]
-        gbs = 2 * n * c * 2 / sec / 1e9
-        out.append(dict(kernel="window", tile=tile, us=sec * 1e6, gb_s=gbs, same=same))
-        print(f"window tile {tile}: {sec * 1e6:.1f} us, {gbs:.0f} GB/s, same output: {same}", flush=True)
-    causal_conv.WINDOW, causal_conv.WINDOW_TILE = False, window_default
+
+    def sweep(kind, tiles, setting):
+        """Time each tile (``setting``: the module attribute holding the kernel's tile) against ``ref``."""
+        default = getattr(causal_conv, setting)
+        for tile in tiles:
+            setattr(causal_conv, setting, tile)
+            got, _ = causal_conv.causal_conv_silu(x, state, w, parts, norm)
+            same = all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+            sec = sorted(event_seconds(lambda: causal_conv.causal_conv_silu(x, state, w, parts, norm), 20))[
+                10
+            ]
+            gbs = 2 * n * c * 2 / sec / 1e9
+            out.append(dict(kernel=kind, tile=tile, us=sec * 1e6, gb_s=gbs, same=same))
+            print(f"{kind} tile {tile}: {sec * 1e6:.1f} us, {gbs:.0f} GB/s, same output: {same}", flush=True)
+        setattr(causal_conv, setting, default)
+
+    sweep("taps", CANDIDATES, "TILE")
+    causal_conv.WINDOW = True
+    sweep("window", WINDOW_CANDIDATES, "WINDOW_TILE")
+    causal_conv.WINDOW = False
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), tokens=n, rows=out), f, indent=1)

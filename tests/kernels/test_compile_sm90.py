@@ -140,18 +140,33 @@ def test_expert_kernel_variants_compile_for_sm90():
         assert r["cg_before_wait"] == (kind == "gemv down"), (kind, r)
 
 
-MMA_SCRIPT = r"""
+# what the Gluon expert kernels' compile scripts share: the imports, the pointer types of the expert kernels'
+# arguments, and their machine code (spills are ptxas's: they show in the SASS)
+GLUON_PREAMBLE = r"""
 import json, os, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-from fp4moe.kernels import nvfp4_mma_gemv as mma
-
-fn = mma._mma_gemv_kernel
 POINTERS = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "d_ptr": "*fp32", "out_ptr": "*bf16", "order_ptr": "*i32",
             "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_count_ptr": "*i32", "nblk_ptr": "*i32",
             "topw_ptr": "*fp32"}
+
+
+def sass_of(kernel):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+"""
+
+MMA_SCRIPT = (
+    GLUON_PREAMBLE
+    + r"""
+from fp4moe.kernels import nvfp4_mma_gemv as mma
+
+fn = mma._mma_gemv_kernel
 results = []
 for gated, pairs, k, wk, kc, rows, tile in json.loads(sys.argv[1]):
     consts = dict(K=k, GATED=gated, PAIRS=pairs, ROWS=32 if gated else rows, WK=wk, KC=kc, PDL=3 if gated else 1,
@@ -165,11 +180,7 @@ for gated, pairs, k, wk, kc, rows, tile in json.loads(sys.argv[1]):
         ptx = kern.asm["ptx"]
         wait = ptx.index("griddepcontrol.wait")
         launch = ptx.find("griddepcontrol.launch_dependents")
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:  # spills are ptxas's: look in the machine code
-            f.write(kern.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True,
-                                  text=True, check=True).stdout
+        sass = sass_of(kern)
         results.append(dict(ok=True, mma=ptx.count("mma.sync.aligned.m16n8k16"), prmt="prmt.b32" in ptx,
                             loads_before_wait=ptx[:wait].count("ld.global"),
                             cg_before_wait="ld.global.cg" in ptx[:wait],
@@ -179,6 +190,7 @@ for gated, pairs, k, wk, kc, rows, tile in json.loads(sys.argv[1]):
         results.append(dict(ok=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
 print(json.dumps(results))
 """
+)
 # (gated, pairs, K, wk, kc, rows): the engine's launches on the full-size model (gate/up K = H = 2048, down K = I =
 # 512; blocks of 8 pairs, and one pair per block at batch 1) and on the decode gate's tiny model (H = I = 64)
 # and a tile step (expert_layout: the engine's experts are tiled at 64-byte steps at full size, 32 on the tiny
@@ -319,17 +331,12 @@ def test_weights_first_prefill_experts_compile_for_sm90():
         assert r["weights_first"] and r["a_in_registers"] and r["prmt"], (variant, r)
 
 
-WGMMA_SCRIPT = r"""
-import json, os, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+WGMMA_SCRIPT = (
+    GLUON_PREAMBLE
+    + r"""
 from fp4moe.kernels import nvfp4_wgmma as wg
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
 fn = wg._wgmma_kernel
-POINTERS = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "d_ptr": "*fp32", "out_ptr": "*bf16", "order_ptr": "*i32",
-            "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_count_ptr": "*i32", "nblk_ptr": "*i32",
-            "topw_ptr": "*fp32"}
 results = []
 for gated, bm, tile, rows in json.loads(sys.argv[1]):
     # the full-size experts: gate/up K = 2048, down K = 512; the engine's 64-byte tile order, or row-major
@@ -341,10 +348,7 @@ for gated, bm, tile, rows in json.loads(sys.argv[1]):
     try:
         k = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=rows // 16))
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"]); f.flush()
-            sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                                  check=True).stdout
+        sass = sass_of(k)
         # HGMMA.64x128x16.F32.BF16 R24, R152, gdesc[UR12], R24: the accumulator, then A (a register, or gdesc[..]
         # for shared memory), then B
         hgmma = [line.split("HGMMA.")[1].split(";")[0] for line in sass.splitlines() if "HGMMA." in line]
@@ -355,6 +359,7 @@ for gated, bm, tile, rows in json.loads(sys.argv[1]):
         results.append(dict(ok=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
 print(json.dumps(results))
 """
+)
 # (gated, block rows, tile, weight rows a program)
 WGMMA_VARIANTS = [
     (1, 128, 64, 64),
@@ -380,13 +385,12 @@ def test_wgmma_prefill_kernels_compile_for_sm90_without_spills():
         assert r["shared"] <= (228 * 1024 // 2 if variant[3] == 64 else 227 * 1024), (variant, r)
 
 
-CONV_SCRIPT = r"""
-import json, os, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
+CONV_SCRIPT = (
+    GLUON_PREAMBLE
+    + r"""
 from triton.compiler import ASTSource
 from fp4moe.kernels import causal_conv as cc
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
 POINTERS = {"x_ptr": "*bf16", "state_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "seq_ptr": "*i32",
             "start_ptr": "*i32", "eps": "fp32"}
 results = []
@@ -402,15 +406,13 @@ for window, varlen, kd in json.loads(sys.argv[1]):
     try:
         k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"]); f.flush()
-            sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                                  check=True).stdout
+        sass = sass_of(k)
         results.append(dict(ok=True, spills=sum(op in sass for op in (" STL", " LDL")), error=""))
     except Exception as exc:
         results.append(dict(ok=False, error=f"{type(exc).__name__}: {exc}"[-2000:]))
 print(json.dumps(results))
 """
+)
 CONV_VARIANTS = [
     (1, 1, 128),
     (1, 0, 0),
