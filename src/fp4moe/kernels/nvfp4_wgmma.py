@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from fp4moe.kernels import pdl_args
+from fp4moe.kernels.expert_layout import tiled_offsets
 from fp4moe.kernels.moe_routing import Routing
 from fp4moe.kernels.nvfp4_dequant import E2M1_BOTH
 from fp4moe.kernels.nvfp4_mma_gemv import _pdl_wait, _round_bf16
@@ -132,20 +133,6 @@ def _weights(codes, sbytes, CODE: gl.constexpr, S3: gl.constexpr, SA: gl.constex
 
 
 @gluon.jit
-def _row_offsets(n, half, row_stride, GATED: gl.constexpr, TILED: gl.constexpr, STEP: gl.constexpr):
-    """Offset of each weight row ``n`` (gate/up: rows >= ``half`` are up rows) inside one expert, and from one
-    K step of ``STEP`` bytes to the next: ``expert_layout.tiled_offsets`` at 64-byte steps (codes; 8 for
-    scales), or row-major."""
-    if TILED:
-        if GATED:
-            up = (n >= half).to(gl.int32)
-            m = n - up * half
-            return (m // 16) * (32 * row_stride) + (up * 16 + m % 16) * STEP, 32 * STEP
-        return (n // 16) * (16 * row_stride) + (n % 16) * STEP, 16 * STEP
-    return n * row_stride, STEP
-
-
-@gluon.jit
 def _out_columns(n0, lam):
     """The columns of the gate/up epilogue's reordered rows ``lam`` (``Y_ORDER``: lam = 16 j + 8 h + 4 q + 2 c0 +
     t of a program's rows n0 + 32 c0 + 8 j + 4 q + 2 t + h) in the down launch's K order: logical 32 j + 16 h +
@@ -154,11 +141,16 @@ def _out_columns(n0, lam):
 
 
 @gluon.jit
-def _copy_step(acts, codes, scales, slot, step, a_ptrs, w_ptrs, s_ptrs, step_w, step_s):
-    """Issue the cp.async copies of K step ``step`` (activations, code and scale bytes) into ring ``slot``."""
+def _copy_step(acts, codes, scales, slot, step, a_ptrs, w_base, s_base, rows_w, bytes_w, rows_s, bytes_s,
+               stride_wn, stride_sn, N, GATED: gl.constexpr, TILE: gl.constexpr):  # fmt: skip
+    """Issue the cp.async copies of K step ``step`` into ring ``slot``: the activations, and the code and scale
+    bytes of weight rows ``rows_w`` / ``rows_s`` (gate/up: rows N on are up rows), addressed in the experts'
+    byte order by ``expert_layout.tiled_offsets`` (64-byte steps, 8 for scales; TILE 0: row-major)."""
     async_copy.async_copy_global_to_shared(acts.index(slot), a_ptrs + step * CHUNK)
-    async_copy.async_copy_global_to_shared(codes.index(slot), w_ptrs + step * step_w)
-    async_copy.async_copy_global_to_shared(scales.index(slot), s_ptrs + step * step_s)
+    w_off = tiled_offsets(rows_w, step * 64 + bytes_w, stride_wn, N, GATED, TILE)
+    async_copy.async_copy_global_to_shared(codes.index(slot), w_base + w_off)
+    s_off = tiled_offsets(rows_s, step * 8 + bytes_s, stride_sn, N, GATED, TILE // 8)
+    async_copy.async_copy_global_to_shared(scales.index(slot), s_base + s_off)
 
 
 @gluon.jit
@@ -211,19 +203,20 @@ def _wgmma_kernel(
     pairs_a = gl.load(order_ptr + start + ma, mask=ma < count, other=0)  # rows past the block read row 0
     a_ptrs = a_ptr + (pairs_a // TOPK).to(gl.int64)[:, None] * stride_am + ka[None, :]
     rw = gl.arange(0, R, layout=gl.SliceLayout(1, CW))
-    bw = gl.arange(0, 64, layout=gl.SliceLayout(0, CW))
+    rows_w = n0 + rw % BN + (rw // BN) * N  # gate/up: the gate rows, then the same up rows
+    bytes_w = gl.arange(0, 64, layout=gl.SliceLayout(0, CW))
     rs = gl.arange(0, R, layout=gl.SliceLayout(1, CSL))
-    bs = gl.arange(0, 8, layout=gl.SliceLayout(0, CSL))
-    row_w, step_w = _row_offsets(n0 + rw % BN + (rw // BN) * N, N, stride_wn, GATED, TILE != 0, 64)
-    row_s, step_s = _row_offsets(n0 + rs % BN + (rs // BN) * N, N, stride_sn, GATED, TILE != 0, 8)
-    w_ptrs = w_ptr + e * stride_we + (row_w[:, None] + bw[None, :])
-    s_ptrs = s_ptr + e * stride_se + (row_s[:, None] + bs[None, :])
+    rows_s = n0 + rs % BN + (rs // BN) * N
+    bytes_s = gl.arange(0, 8, layout=gl.SliceLayout(0, CSL))
+    w_base = w_ptr + e * stride_we
+    s_base = s_ptr + e * stride_se
     acts = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, CHUNK], SMEM)
     codes = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 64], PLAIN)
     scales = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 8], PLAIN)
     for i in gl.static_range(STAGES - 1):
         if i < STEPS:
-            _copy_step(acts, codes, scales, i, i, a_ptrs, w_ptrs, s_ptrs, step_w, step_s)
+            _copy_step(acts, codes, scales, i, i, a_ptrs, w_base, s_base, rows_w, bytes_w, rows_s, bytes_s,
+                       stride_wn, stride_sn, N, GATED, TILE)  # fmt: skip
         async_copy.commit_group()
 
     acc = gl.zeros([BN, BM], gl.float32, layout=MMA)
@@ -247,7 +240,8 @@ def _wgmma_kernel(
             acc = warpgroup_mma_wait(1, deps=[acc])
         refill = i + STAGES - 1  # into the slot step i - 1 read
         if refill < STEPS:
-            _copy_step(acts, codes, scales, refill % STAGES, refill, a_ptrs, w_ptrs, s_ptrs, step_w, step_s)
+            _copy_step(acts, codes, scales, refill % STAGES, refill, a_ptrs, w_base, s_base, rows_w, bytes_w,
+                       rows_s, bytes_s, stride_wn, stride_sn, N, GATED, TILE)  # fmt: skip
         async_copy.commit_group()
     if GATED:
         acc, acc_up = warpgroup_mma_wait(0, deps=[acc, acc_up])
