@@ -1,5 +1,5 @@
-"""The Hopper prefill expert GEMMs (``kernels.nvfp4_wgmma``). The K order they run in is checked here on the CPU:
-``permute_k`` / ``k_order`` / ``unpermute_k`` agree, and the reorders the kernel spells with the same constants
+"""The Hopper prefill expert GEMMs (``kernels.nvfp4_wgmma``). On the CPU: the reorders the kernel spells with
+``k_order``'s constants
 (``SPLIT``, ``W_ORDER`` on a step's dequantized nibbles, ``Y_ORDER`` and ``_out_columns``' arithmetic on the
 gate/up epilogue's rows) land every weight and output where ``permute_k`` puts its activation. The kernels
 themselves are Gluon (no interpreter): they run on an sm90 GPU only, against the dequantized reference and the
@@ -15,20 +15,8 @@ pytest.importorskip("triton")
 
 from kernel_refs import BF16, DEV, RTOL, rel  # noqa: E402
 
+from fp4moe.kernels import k_order as ko  # noqa: E402
 from fp4moe.kernels import nvfp4_wgmma as wg  # noqa: E402
-
-
-def test_permute_k_is_a_gather_of_each_chunk_and_inverts():
-    x = torch.randn(5, 384)
-    order = wg.k_order(384)
-    assert sorted(order.tolist()) == list(range(384))
-    assert bool((order // 128 == torch.arange(384) // 128).all())  # each chunk stays in place
-    assert torch.equal(wg.permute_k(x), x[:, order])
-    assert torch.equal(wg.unpermute_k(wg.permute_k(x)), x)
-    # logical 32 j + 16 h + 8 q + 2 c + t holds physical 32 c + 8 j + 4 q + 2 t + h: e.g. 1 -> 2, 2 -> 32, 16 -> 1
-    assert order[:4].tolist() == [0, 2, 32, 34] and int(order[16]) == 1 and int(order[8]) == 4
-    with pytest.raises(ValueError, match="multiple of 128"):
-        wg.permute_k(torch.zeros(2, 96))
 
 
 def test_a_steps_weights_reach_the_mma_in_the_k_order():
@@ -37,10 +25,10 @@ def test_a_steps_weights_reach_the_mma_in_the_k_order():
     k_order(128)[kappa] -- the column of the activations ``permute_k`` puts there."""
     w = torch.randn(64, 128)  # one step's dequantized weights, physical k
     joined = torch.stack([w[:, 0::2], w[:, 1::2]], dim=-1)  # [rows, byte, nibble]
-    logical = joined.reshape(64, *wg.SPLIT).permute(*wg.W_ORDER.value).reshape(64, 128)
-    assert torch.equal(logical, w[:, wg.k_order(128)])
+    logical = joined.reshape(64, *ko.SPLIT).permute(*wg.W_ORDER.value).reshape(64, 128)
+    assert torch.equal(logical, w[:, ko.k_order(128)])
     x = torch.randn(3, 128)
-    assert torch.allclose(wg.permute_k(x) @ logical.T, x @ w.T, atol=1e-5)
+    assert torch.allclose(ko.permute_k(x) @ logical.T, x @ w.T, atol=1e-5)
 
 
 @pytest.mark.parametrize("n0", [0, 64, 128, 448])
@@ -52,7 +40,7 @@ def test_gate_up_writes_its_rows_where_down_reads_them(n0):
     lam = torch.arange(64)
     reordered = rows.reshape(2, 4, 2, 2, 2, 1).permute(*wg.Y_ORDER.value).reshape(64)
     cols = (n0 // 128) * 128 + ((lam >> 2) << 3) + (((n0 >> 6) & 1) << 2) + (lam & 3)  # _out_columns
-    where = wg.permute_k(torch.arange(n0 // 128 * 128 + 128).float()[None])[0]
+    where = ko.permute_k(torch.arange(n0 // 128 * 128 + 128).float()[None])[0]
     assert torch.equal(where[cols], reordered)
 
 
@@ -100,11 +88,11 @@ def test_wgmma_experts_match_the_reference(tokens, bm, stages, h, i, rows, tile)
     k = 3
     gu, dn, tgu, tdn, x, ids, w = _setup(tokens, h, i, tile)
     routing = mr.align(ids, 8, bm)
-    act = wg.wgmma_gate_up(wg.permute_k(x), *tgu, routing, k, tile=tile, stages=stages, rows=rows)
+    act = wg.wgmma_gate_up(ko.permute_k(x), *tgu, routing, k, tile=tile, stages=stages, rows=rows)
     plain = wg.wgmma_gate_up(
-        wg.permute_k(x), *tgu, routing, k, tile=tile, stages=stages, permute_out=False, rows=rows
+        ko.permute_k(x), *tgu, routing, k, tile=tile, stages=stages, permute_out=False, rows=rows
     )
-    assert torch.equal(wg.unpermute_k(act), plain)
+    assert torch.equal(ko.unpermute_k(act), plain)
     ref_act = gemm.moe_gate_up(x, *gu, routing, k)
     assert rel(plain, ref_act) < RTOL
     pairs = wg.wgmma_down(act, *tdn, routing, w, tile=tile, stages=stages, rows=rows)
@@ -117,7 +105,7 @@ def test_wgmma_experts_match_the_reference(tokens, bm, stages, h, i, rows, tile)
 @pytest.mark.gpu
 def test_dispatch_runs_prefill_blocks_through_wgmma_when_switched_on(monkeypatch):
     """``moe_dispatch.WGMMA_PREFILL``: a prefill's pairs go through ``nvfp4_wgmma.moe_pairs`` (counted) and give
-    the default path's outputs within the tolerance."""
+    the default path's outputs within the tolerance; given the input in the K order, exactly the same."""
     _wgmma()
     from fp4moe.kernels import moe_dispatch as dispatch
 
@@ -129,8 +117,10 @@ def test_dispatch_runs_prefill_blocks_through_wgmma_when_switched_on(monkeypatch
     monkeypatch.setattr(wg, "moe_pairs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(dispatch, "WGMMA_PREFILL", True)
     got = dispatch.moe_pairs(experts, x, ids, w)
-    assert calls == [1]
+    assert calls == [1] and dispatch.wants_k_order(experts, x, 3)
     assert rel(got, default) < RTOL
+    # the input already in the K order (as the post-attention norm writes it): the same outputs
+    assert torch.equal(dispatch.moe_pairs(experts, x, ids, w, ko.permute_k(x)), got)
 
 
 def test_launch_refuses_what_it_cannot_tile():
@@ -157,4 +147,4 @@ def test_two_warpgroups_write_a_whole_chunk_in_the_k_order(n0):
     is column n0 + lam -- the chunk exactly as ``permute_k`` orders it."""
     rows = (n0 + torch.arange(128)).float()[:, None]
     reordered = rows.reshape(4, 4, 2, 2, 2, 1).permute(*wg.Y_ORDER.value).reshape(128)
-    assert torch.equal(reordered, n0 + wg.k_order(128).float())
+    assert torch.equal(reordered, n0 + ko.k_order(128).float())

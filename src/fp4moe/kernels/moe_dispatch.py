@@ -127,6 +127,22 @@ def _wgmma_fits(experts: ExpertWeights, x: torch.Tensor, bm: int) -> bool:
     return wg.fits(x.shape[1], experts.inter, experts.tile)
 
 
+def wants_k_order(experts: ExpertWeights, x: torch.Tensor, top_k: int) -> bool:
+    """Whether ``moe_pairs`` will run these rows through ``nvfp4_wgmma`` (which takes its input in ``k_order``'s
+    order: the norm ahead of the MoE can write it, ``moe_pairs(..., x_k=...)``)."""
+    if not WGMMA_PREFILL or not experts.quantized:
+        return False
+    bm = gemm.block_m(x.shape[0], top_k, experts.num_experts, _weights_first(experts, x))
+    return _wgmma_fits(experts, x, bm)
+
+
+def _weights_first(experts: ExpertWeights, x: torch.Tensor) -> bool:
+    """Whether the weights-first prefill kernel takes both launches (K a multiple of its tile): 128-row blocks."""
+    return (
+        dq.mode_of(experts.gate_up[0]) in prefill.MODES and x.shape[1] % 32 == 0 and experts.inter % 32 == 0
+    )
+
+
 def tile_step(experts: ExpertWeights) -> int:
     """The ``expert_layout`` step these experts should be tiled at on their device: where the tensor-core GEMVs
     run them (NVFP4, mode 7, sm89+, Gluon) and the shapes tile; else 0 (row-major)."""
@@ -138,8 +154,10 @@ def tile_step(experts: ExpertWeights) -> int:
     return expert_layout.step_for(gu.shape[2] * 2, experts.inter)
 
 
-def moe_pairs(experts: ExpertWeights, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
-    """Each (token, expert) pair's weighted output [T*k, H] bf16 (pair = token * k + j)."""
+def moe_pairs(experts: ExpertWeights, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              x_k: torch.Tensor | None = None):  # fmt: skip
+    """Each (token, expert) pair's weighted output [T*k, H] bf16 (pair = token * k + j). ``x_k``: x in
+    ``k_order``'s order, where ``wants_k_order`` (else made here when ``nvfp4_wgmma`` runs)."""
     t, k = topk_ids.shape
     gu, dn, tile = experts.gate_up, experts.down, experts.tile
     if _mma_gemv_fits(experts, x):
@@ -167,8 +185,7 @@ def moe_pairs(experts: ExpertWeights, x: torch.Tensor, topk_ids: torch.Tensor, t
             return mma.mma_down(act, *dn, pairs, topk_weights, tiles=tiles, tile=tile)
         return gemv.gemv_down(act, *dn, topk_ids, topk_weights, tile=tile)
     # 128-row blocks only where the weights-first kernel takes both launches (K a multiple of its tile)
-    weights_first = dq.mode_of(gu[0]) in prefill.MODES and x.shape[1] % 32 == 0 and experts.inter % 32 == 0
-    bm = gemm.block_m(t, k, experts.num_experts, weights_first)
+    bm = gemm.block_m(t, k, experts.num_experts, _weights_first(experts, x))
     if t <= PAIR_ROUTING_MAX_TOKENS and bm == 16:
         routing = pair_routing(topk_ids, bm)
     else:
@@ -176,6 +193,6 @@ def moe_pairs(experts: ExpertWeights, x: torch.Tensor, topk_ids: torch.Tensor, t
     if _wgmma_fits(experts, x, bm):
         from fp4moe.kernels import nvfp4_wgmma as wg
 
-        return wg.moe_pairs(x, gu, dn, routing, k, topk_weights.float(), tile=tile)
+        return wg.moe_pairs(x, gu, dn, routing, k, topk_weights.float(), tile=tile, x_k=x_k)
     act = gemm.moe_gate_up(x, *gu, routing, k, tile=tile)
     return gemm.moe_down(act, *dn, routing, topk_weights.float(), tile=tile)

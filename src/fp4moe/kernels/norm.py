@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from fp4moe.kernels import next_pow2, pdl_args
+from fp4moe.kernels.k_order import STEP_K, logical_column
 from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 
 
@@ -27,11 +28,13 @@ def _add_norm_kernel(
     w_ptr,
     h_out_ptr,
     x_out_ptr,
+    xk_ptr,
     N,
     eps,
     HAS_ADD: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
+    K_ORDER: tl.constexpr = False,
 ):
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -43,10 +46,17 @@ def _add_norm_kernel(
         tl.store(h_out_ptr + t * N + offs, h.to(h_out_ptr.dtype.element_ty), mask=mask)
     x = _norm(h, w_ptr, offs, mask, N, eps)
     tl.store(x_out_ptr + t * N + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
+    if K_ORDER:  # the same row again in the Hopper expert GEMMs' K order (``k_order``)
+        tl.store(xk_ptr + t * N + logical_column(offs), x.to(xk_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(h, add, weight, eps, h_out=None, x_out=None, num_warps: int | None = None):
-    """h_out = h + add (skipped when add is None); x_out = rmsnorm(h_out) * (1 + weight). Rows of N."""
+def add_rms_norm(h, add, weight, eps, h_out=None, x_out=None, num_warps: int | None = None, x_k=None):
+    """h_out = h + add (skipped when add is None); x_out = rmsnorm(h_out) * (1 + weight). Rows of N. ``x_k``
+    (a [rows, N] buffer, N a multiple of 128): x_out written there too, in ``k_order``'s order."""
+    if x_k is not None and (x_k.shape != h.shape or h.shape[1] % STEP_K):
+        raise ValueError(
+            f"a K-order output {tuple(x_k.shape)} for rows {tuple(h.shape)} (N a multiple of {STEP_K})"
+        )
     t, n = h.shape
     num_warps = num_warps or (16 if t <= 8 else 8)  # H200 sweep (benchmarks/tune_kernels.py)
     h_out = h if add is None else (torch.empty_like(h) if h_out is None else h_out)
@@ -57,11 +67,13 @@ def add_rms_norm(h, add, weight, eps, h_out=None, x_out=None, num_warps: int | N
         weight,
         h_out,
         x_out,
+        x_out if x_k is None else x_k,
         n,
         eps,
         HAS_ADD=add is not None,
         num_warps=num_warps,
         BLOCK=next_pow2(n),
+        K_ORDER=x_k is not None,
         **pdl_args("start"),  # the next projection's GEMV loads its first weight tile meanwhile
     )
     return h_out, x_out

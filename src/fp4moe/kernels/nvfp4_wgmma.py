@@ -24,8 +24,8 @@ chunk run asynchronously while the next chunk's weights are dequantized. Values 
 the SiLU's formula (gate / (1 + exp(-gate)), as ``nvfp4_mma_gemv``; it: gate * sigmoid(gate)).
 
 GPU only (Gluon has no interpreter); off unless ``FP4MOE_WGMMA_PREFILL=1`` (``moe_dispatch.WGMMA_PREFILL``)
-until it has run and been measured on the H200: written and compiled for sm90 without a GPU. References: ``nvfp4_gemm.moe_reference``; ``k_order`` / ``permute_k`` / ``unpermute_k``
-have CPU tests of their own."""
+until it has run and been measured on the H200: written and compiled for sm90 without a GPU. References:
+``nvfp4_gemm.moe_reference``; the K order (``k_order``) has CPU tests of its own."""
 
 from __future__ import annotations
 
@@ -41,42 +41,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from fp4moe.kernels import pdl_args
 from fp4moe.kernels.expert_layout import tiled_offsets
+from fp4moe.kernels.k_order import STEP_K, TO_LOGICAL, permute_k
 from fp4moe.kernels.moe_routing import Routing
 from fp4moe.kernels.nvfp4_dequant import E2M1_BOTH
 from fp4moe.kernels.nvfp4_mma_gemv import _pdl_wait, _round_bf16
 
-STEP_K = 128  # K positions of one step (64 code bytes a row: one step of ``expert_layout`` at 64 bytes)
 ROWS = 64  # weight rows of a program by default (gate/up: 64 gate and the same 64 up rows): one warpgroup
 CHUNK = gl.constexpr(STEP_K)
-
-
-# ---- the K order (spelled once for the kernel and for torch; CPU-tested) ---------------------------------
-
-# Within a 128-wide chunk, physical k = 32 c + 8 j + 4 q + 2 t + h -- code byte 16 c + 4 j + 2 q + t, nibble h --
-# sits at logical position 32 j + 16 h + 8 q + 2 c + t: split a chunk (or a row's code bytes and nibble) as
-# SPLIT, reorder the parts by TO_LOGICAL. The gate/up epilogue reorders its 64 rows (c0, j, q, t, h) the same way.
-SPLIT = (4, 4, 2, 2, 2)  # (c, j, q, t, h)
-TO_LOGICAL = (1, 4, 2, 0, 3)  # -> (j, h, q, c, t)
-W_ORDER = gl.constexpr((0, *(d + 1 for d in TO_LOGICAL)))  # [rows, c, j, q, t, h] -> [rows, j, h, q, c, t]
-Y_ORDER = gl.constexpr((*TO_LOGICAL, 5))  # [c0, j, q, t, h, pairs] -> [j, h, q, c0, t, pairs]
-
-
-def permute_k(x: torch.Tensor) -> torch.Tensor:
-    """x [T, K] -> the same rows with each 128-wide chunk in the kernel's K order (a new contiguous tensor)."""
-    t, k = x.shape
-    if k % STEP_K:
-        raise ValueError(f"K = {k} is not a multiple of {STEP_K}")
-    return x.reshape(t, k // STEP_K, *SPLIT).permute(0, 1, *(d + 2 for d in TO_LOGICAL)).reshape(t, k)
-
-
-def k_order(k: int) -> torch.Tensor:
-    """Physical K index of each logical position: ``permute_k(x) == x[:, k_order(k)]`` (int64 [k])."""
-    return permute_k(torch.arange(k)[None])[0]
-
-
-def unpermute_k(x: torch.Tensor) -> torch.Tensor:
-    """``permute_k``'s inverse."""
-    return x[:, torch.argsort(k_order(x.shape[1])).to(x.device)]
+# ``k_order``'s reorder, as the kernel applies it to a step's dequantized nibbles [rows, c, j, q, t, h] and to the
+# gate/up epilogue's rows [c (or c0 of one half), j, q, t, h, pairs]
+W_ORDER = gl.constexpr((0, *(d + 1 for d in TO_LOGICAL)))
+Y_ORDER = gl.constexpr((*TO_LOGICAL, 5))
 
 
 # ---- layouts ----------------------------------------------------------------------------------------
@@ -360,8 +335,9 @@ def wgmma_down(act_perm, packed, scales, decode, routing: Routing, topk_weights,
                    rows)  # fmt: skip
 
 
-def moe_pairs(x, gu, dn, routing: Routing, top_k: int, topk_weights, tile: int = 0):
+def moe_pairs(x, gu, dn, routing: Routing, top_k: int, topk_weights, tile: int = 0, x_k=None):
     """Each (token, expert) pair's weighted output [T*k, H] bf16 through both launches (gate/up writes down's
-    input in the kernel's K order)."""
-    act = wgmma_gate_up(permute_k(x), *gu, routing, top_k, tile=tile)
+    input in the kernel's K order). ``x_k``: x already in the K order (the post-attention norm writes it),
+    else ``permute_k(x)``."""
+    act = wgmma_gate_up(permute_k(x) if x_k is None else x_k, *gu, routing, top_k, tile=tile)
     return wgmma_down(act, *dn, routing, topk_weights, tile=tile)

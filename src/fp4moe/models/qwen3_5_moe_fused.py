@@ -75,15 +75,20 @@ class Qwen3_5MoeFused:
         """The layer walk every fused path shares: residual add + norm in one kernel, ``mixer(i, layer, x)``
         (attention or Gated DeltaNet, as the path runs them), the fused MoE and the next layer's norm
         (``moe``) -> (residual stream, final-normed hidden) [rows, H] from the embeddings ``h``."""
-        from fp4moe.kernels import norm
+        from fp4moe.kernels import moe_dispatch, norm
 
         a, layers = self.args, self.model.layers
         _, x = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, a.eps)
         for i, layer in enumerate(layers):
             out = mixer(i, layer, x)
-            h, x = norm.add_rms_norm(h, out, layer.post_attention_layernorm.weight, a.eps)
+            # the norm also writes the MoE input in the Hopper expert GEMMs' K order where they will run
+            wants = moe_dispatch.WGMMA_PREFILL and moe_dispatch.wants_k_order(
+                layer.mlp.experts.kernel_weights(), h, a.top_k
+            )
+            x_k = torch.empty_like(h) if wants else None
+            h, x = norm.add_rms_norm(h, out, layer.post_attention_layernorm.weight, a.eps, x_k=x_k)
             next_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
-            h, x = self.moe(layer.mlp, self.fused[i][1], h, x, next_w)
+            h, x = self.moe(layer.mlp, self.fused[i][1], h, x, next_w, x_k)
         return h, x
 
     def hidden_states(self, ids, positions, ctx, embeds=None) -> torch.Tensor:
@@ -271,8 +276,9 @@ class Qwen3_5MoeFused:
         x = torch.zeros(1, self.args.hidden_size, dtype=table.dtype, device=table.device)
         attn_k.warm_decode_merge(self.fused[i][0](x), (m.num_heads, m.num_kv_heads, m.head_dim))
 
-    def moe(self, moe, router, h, x, next_w) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router + shared expert GEMM, routing, grouped NVFP4 experts, shared down, combine + next norm."""
+    def moe(self, moe, router, h, x, next_w, x_k=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router + shared expert GEMM, routing, grouped NVFP4 experts, shared down, combine + next norm (``x_k``:
+        x in the K order of the Hopper expert GEMMs, ``moe_dispatch.wants_k_order``)."""
         from fp4moe.kernels import moe_router, norm
         from fp4moe.kernels.moe_dispatch import moe_pairs
 
@@ -284,7 +290,7 @@ class Qwen3_5MoeFused:
         topk_ids, topk_w, shared_act = moe_router.route(rp, e, k, s_inter, trigger="start")
         side = self.side_stream(x)
         if side is None:
-            routed = moe_pairs(moe.experts.kernel_weights(), x, topk_ids, topk_w)
+            routed = moe_pairs(moe.experts.kernel_weights(), x, topk_ids, topk_w, x_k)
             shared = moe.shared_down_proj(shared_act)
         else:  # the shared expert's down GEMM beside the routed experts (which leave SMs idle at small batch)
             main = torch.cuda.current_stream(x.device)
@@ -292,7 +298,7 @@ class Qwen3_5MoeFused:
             with torch.cuda.stream(side):
                 shared = moe.shared_down_proj(shared_act)
             try:
-                routed = moe_pairs(moe.experts.kernel_weights(), x, topk_ids, topk_w)
+                routed = moe_pairs(moe.experts.kernel_weights(), x, topk_ids, topk_w, x_k)
             finally:  # joined also when the experts raise (a capture stopped for a compile ends cleanly)
                 main.wait_stream(side)
         return norm.moe_combine(h, routed, k, shared, rp, e + 2 * s_inter, next_w, a.eps)
