@@ -13,8 +13,8 @@ four bf16 pairs with ``nvfp4_dequant``'s inline PTX (``E2M1_BOTH``). Those pairs
 a byte's low nibbles, or of its high nibbles: not the (k, k + 1) pairs the fragment holds. So the MMA runs over
 K in another order -- within each 128-wide chunk, logical position kappa = 32 j + 16 h + 8 q + 2 c + t takes
 physical k = 32 c + 8 j + 4 q + 2 t + h (``k_order``) -- and the activations are stored in that order
-(``permute_k``: the gate/up input once per layer; the gate/up launch writes its output in it for down,
-``PERMUTE_OUT``). The weights keep their bytes and order (``expert_layout``), shared with the decode kernels.
+(``k_order``: the post-attention norm writes gate/up's input in it too, else ``permute_k``; the gate/up
+launch writes its output in it for down, ``PERMUTE_OUT``). The weights keep their bytes and order (``expert_layout``), shared with the decode kernels.
 The same gate/up step compiles to ~453 instructions a warp here (sm90, no spills).
 
 Activations reach shared memory by cp.async in a ring of ``STAGES`` chunks; both projections' MMAs of a
