@@ -6,7 +6,8 @@ of CUDA-event replays, with its share of the copy bandwidth (bytes read and writ
     python3 benchmarks/tune_conv.py --tokens 8192
 
 Then the same for the sliding-window kernel (``causal_conv.WINDOW``: each input row read once), whose outputs
-must equal the taps kernel's bit for bit.
+equal the taps kernel's but where the heads' L2 norm sums its squares in another order ("same output" may
+then say False for a bf16 step on a few elements).
 """
 
 from __future__ import annotations

@@ -219,3 +219,29 @@ def test_a_second_recording_adds_to_the_first(tmp_path, monkeypatch):
         compile_seeds.record("Test GPU 2", [], target, config="prefix")
     other = compile_seeds.record("Test GPU 2", [(module, name, "c")], ("cuda", 100, 32), keep=tmp_path)
     assert [k["spec"] for k in other["kernels"]] == ["c"]
+
+
+def test_every_shipped_variant_matches_its_kernels_parameters():
+    """The shipped seed files (``data/compiles-*.json``) name each variant's parameters. One of our kernels whose
+    parameters change leaves its entries compiling a variant nobody launches while the warm-up compiles the
+    new one itself (a slower cold start): the file is re-recorded, or its entries updated, with the change.
+    In a subprocess without the interpreter (its kernels are not JIT functions)."""
+    script = r"""
+import json, sys
+from fp4moe.kernels import compile_seeds
+from fp4moe.kernels.autotune_seeds import SEED_DIR
+stale = []
+for path in sorted(SEED_DIR.glob("compiles-*.json")):
+    for k in json.loads(path.read_text())["kernels"]:
+        if not k["module"].startswith("fp4moe."):  # flash-linear-attention's: not installed here
+            continue
+        fn = compile_seeds.jit_function(k["module"], k["name"])
+        params = list(json.loads(k["spec"])["signature"])
+        if fn is None or params != list(fn.arg_names):
+            stale.append([path.name, k["name"], params, None if fn is None else list(fn.arg_names)])
+print(json.dumps(stale))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == []

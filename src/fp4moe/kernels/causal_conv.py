@@ -32,8 +32,9 @@ from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 TILE = (32, 128, 4)
 L2_EPS = 1e-6  # fla's l2norm_fwd default, which chunk_gated_delta_rule uses
 # FP4MOE_CONV_KERNEL=window: ``_conv_window_kernel`` (a 4-tap conv, each input row read and converted once into a
-# sliding window; sm90 SASS ~2.4x fewer instructions an element than the taps kernel's). Off by default until
-# timed on the H200 (benchmarks/tune_conv.py times both); (rows, channels, warps) of its programs
+# sliding window; sm90 SASS 31.6 instructions an output element against the taps kernel's 44, 128 registers
+# against 184-252). Off by default until timed on the H200 (benchmarks/tune_conv.py times both); (rows,
+# channels, warps) of its programs
 WINDOW = os.environ.get("FP4MOE_CONV_KERNEL", "taps") == "window"
 WINDOW_TILE = (16, 1024, 4)
 
@@ -129,10 +130,12 @@ def _conv_window_kernel(
     x_ptr, stride_x, state_ptr, w_ptr, out_ptr, seq_ptr, start_ptr, T, C, P1, P2, eps,
     BT: tl.constexpr, BC: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr, KD: tl.constexpr = 0,
 ):  # fmt: skip
-    """The taps kernel's outputs for a 4-tap conv, a program's BT rows in turn: each input row is loaded and
-    converted once and kept for the next three rows (the taps kernel loads every row four times), so a
-    program spans BC channels (8 a thread: 16-byte loads and stores) and its rows run unrolled. Rows whose
-    taps reach before their sequence's first row take those inputs from its conv state."""
+    """The taps kernel's conv for 4 taps, a program's BT rows in turn: each input row is loaded and converted
+    once and kept for the next three rows (the taps kernel loads every row four times), so a program spans BC
+    channels (8 a thread: 16-byte loads and stores) and its rows run unrolled. Rows whose taps reach before
+    their sequence's first row take those inputs from its conv state. The same fp32 sums in the same order
+    (bit for bit the taps kernel's outputs), but for the heads' L2 norm on the GPU: the compiler sums a head's
+    squares in another order for each kernel's layout, so a normalised element may differ by a bf16 step."""
     wait_for_previous(PDL)
     t0 = tl.program_id(0) * BT
     c = tl.program_id(1) * BC + tl.arange(0, BC)

@@ -130,8 +130,8 @@ def _wgmma_fits(experts: ExpertWeights, x: torch.Tensor, bm: int) -> bool:
 def wants_k_order(experts: ExpertWeights, x: torch.Tensor, top_k: int) -> bool:
     """Whether ``moe_pairs`` will run these rows through ``nvfp4_wgmma`` (which takes its input in ``k_order``'s
     order: the norm ahead of the MoE can write it, ``moe_pairs(..., x_k=...)``)."""
-    if not WGMMA_PREFILL or not experts.quantized:
-        return False
+    if not WGMMA_PREFILL or not experts.quantized or _mma_gemv_fits(experts, x):
+        return False  # (the tensor-core GEMVs take their row counts first)
     bm = gemm.block_m(x.shape[0], top_k, experts.num_experts, _weights_first(experts, x))
     return _wgmma_fits(experts, x, bm)
 

@@ -41,7 +41,9 @@ def _router_kernel(
     top_i = tl.zeros((KP,), dtype=tl.int32)
     for j in tl.static_range(TOPK):
         m = tl.max(p, 0)
-        idx = tl.min(tl.where(p == m, offs, EP), 0)
+        # (in range whatever the logits: with a NaN no p equals m, and an id of EP would send the experts'
+        # kernels past the last expert)
+        idx = tl.minimum(tl.min(tl.where(p == m, offs, EP), 0), E - 1)
         top_w = tl.where(kk == j, m, top_w)
         top_i = tl.where(kk == j, idx, top_i)
         p = tl.where(offs == idx, -1.0, p)

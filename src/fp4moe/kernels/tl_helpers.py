@@ -12,8 +12,9 @@ _ON_BITS = tl.constexpr(INTERPRET)
 @triton.jit
 def round_bf16(x):
     """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32: mirrors where the CPU path holds a
-    bf16 intermediate. On the GPU a conversion there and back (cvt.rn: 2 instructions on sm90); under Triton's
-    interpreter, whose casts truncate, on the bits (4; the same values for every finite x and infinity)."""
+    bf16 intermediate. On the GPU a conversion there and back (cvt.rn: 2 instructions on sm90; NaN stays NaN,
+    as in torch); under Triton's interpreter, whose casts truncate, on the bits (4; the same values for every
+    non-NaN x -- the bit formula turns some NaN payloads, the GPU's canonical one among them, into -0 or inf)."""
     if _ON_BITS:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000

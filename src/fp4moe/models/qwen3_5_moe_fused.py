@@ -79,13 +79,14 @@ class Qwen3_5MoeFused:
 
         a, layers = self.args, self.model.layers
         _, x = norm.add_rms_norm(h, None, layers[0].input_layernorm.weight, a.eps)
+        # the post-attention norm also writes the MoE input in the Hopper expert GEMMs' K order where they will
+        # run (the same answer for every layer: their experts share one shape)
+        k_order = moe_dispatch.WGMMA_PREFILL and moe_dispatch.wants_k_order(
+            layers[0].mlp.experts.kernel_weights(), h, a.top_k
+        )
         for i, layer in enumerate(layers):
             out = mixer(i, layer, x)
-            # the norm also writes the MoE input in the Hopper expert GEMMs' K order where they will run
-            wants = moe_dispatch.WGMMA_PREFILL and moe_dispatch.wants_k_order(
-                layer.mlp.experts.kernel_weights(), h, a.top_k
-            )
-            x_k = torch.empty_like(h) if wants else None
+            x_k = torch.empty_like(h) if k_order else None
             h, x = norm.add_rms_norm(h, out, layer.post_attention_layernorm.weight, a.eps, x_k=x_k)
             next_w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
             h, x = self.moe(layer.mlp, self.fused[i][1], h, x, next_w, x_k)
