@@ -32,6 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from fp4moe.kernels import pdl_args, uint8_view
+from fp4moe.kernels.gl_helpers import pdl_wait, round_bf16
 from fp4moe.kernels.moe_routing import Routing
 from fp4moe.kernels.nvfp4_dequant import E2M1_BOTH, mode_of
 
@@ -72,29 +73,6 @@ def _act_layout(sb):
         [[0, 1, 0]] + [double(v) for v in sb.reg_bases if any(v)], [double(v) for v in sb.lane_bases],
         [double(v) for v in sb.warp_bases], [], [wk, 2 * kc, n],
     )  # fmt: skip
-
-
-@gluon.jit
-def _pdl_wait(PDL: gl.constexpr):
-    """``tl_helpers.wait_for_previous`` in Gluon."""
-    if PDL == 2:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-    if PDL:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-    if PDL == 3:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-
-
-@gluon.jit
-def _round_bf16(x):
-    """fp32 rounded to the nearest bf16, kept in fp32 (``tl_helpers.round_bf16``)."""
-    return x.to(gl.bfloat16).to(gl.float32)
 
 
 @gluon.jit
@@ -175,7 +153,7 @@ def _mma_gemv_kernel(
     b = gl.program_id(0)
     n0 = gl.program_id(1) * (16 if GATED else ROWS)
     if not PRELOAD:
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
     if PAIRS:
         e = gl.load(blk_expert_ptr + b, cache_modifier=".cg").to(gl.int64)
         start = b
@@ -215,7 +193,7 @@ def _mma_gemv_kernel(
     cw = gl.load(w_ptrs)
     cs = gl.load(s_ptrs)
     if PRELOAD:
-        _pdl_wait(PDL)
+        pdl_wait(PDL)
 
     # activations [WK, 2 KC, 8]: token t of the block, weight 2 j + parity of warp w's bytes
     wb = gl.arange(0, WK, layout=gl.SliceLayout(1, gl.SliceLayout(2, AL)))
@@ -251,13 +229,13 @@ def _mma_gemv_kernel(
     out_mask = (ro[:, None] >= 0) & live_o[None, :]
     if GATED:  # the CPU path rounds gate, up and silu(gate) to bf16 on the way; so do we
         g, u = gl.split(gl.permute(gl.reshape(y, [2, 16, 8]), [1, 2, 0]))
-        gate = _round_bf16(gl.convert_layout(g, EPI) * d0)
-        up = _round_bf16(gl.convert_layout(u, EPI) * d1)
-        act = _round_bf16(gate / (1.0 + gl.exp(-gate)))
+        gate = round_bf16(gl.convert_layout(g, EPI) * d0)
+        up = round_bf16(gl.convert_layout(u, EPI) * d1)
+        act = round_bf16(gate / (1.0 + gl.exp(-gate)))
         gl.store(out_ptrs, (act * up).to(gl.bfloat16), mask=out_mask)
     else:
-        topw = _round_bf16(gl.load(topw_ptr + pair_o, mask=live_o, other=0.0))
-        y = _round_bf16(gl.convert_layout(y, EPI) * d0) * topw[None, :]
+        topw = round_bf16(gl.load(topw_ptr + pair_o, mask=live_o, other=0.0))
+        y = round_bf16(gl.convert_layout(y, EPI) * d0) * topw[None, :]
         gl.store(out_ptrs, y.to(gl.bfloat16), mask=out_mask)
 
 

@@ -41,10 +41,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from fp4moe.kernels import pdl_args
 from fp4moe.kernels.expert_layout import tiled_offsets
+from fp4moe.kernels.gl_helpers import pdl_wait, round_bf16
 from fp4moe.kernels.k_order import STEP_K, TO_LOGICAL, permute_k
 from fp4moe.kernels.moe_routing import Routing
 from fp4moe.kernels.nvfp4_dequant import E2M1_BOTH
-from fp4moe.kernels.nvfp4_mma_gemv import _pdl_wait, _round_bf16
 
 ROWS = 64  # weight rows of a program by default (gate/up: 64 gate and the same 64 up rows): one warpgroup
 CHUNK = gl.constexpr(STEP_K)
@@ -162,7 +162,7 @@ def _wgmma_kernel(
     EPI: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, W], [0, 1])  # outputs [BN, BM], 4 columns each
     STEPS: gl.constexpr = K // CHUNK
 
-    _pdl_wait(PDL)
+    pdl_wait(PDL)
     b = gl.program_id(0)
     n0 = gl.program_id(1) * BN
     if b >= gl.load(nblk_ptr):
@@ -233,9 +233,9 @@ def _wgmma_kernel(
     d0 = gl.load(d_ptr + e * stride_de)
     if GATED:
         d1 = gl.load(d_ptr + e * stride_de + 1)
-        gate = _round_bf16(acc * 256.0 * d0)  # the bf16-bit dequantization leaves a factor 2^-8
-        up = _round_bf16(acc_up * 256.0 * d1)
-        y = _round_bf16(_round_bf16(gate / (1.0 + gl.exp(-gate))) * up)
+        gate = round_bf16(acc * 256.0 * d0)  # the bf16-bit dequantization leaves a factor 2^-8
+        up = round_bf16(acc_up * 256.0 * d1)
+        y = round_bf16(round_bf16(gate / (1.0 + gl.exp(-gate))) * up)
         if PERMUTE_OUT and BN == 128:  # a whole chunk: rows n0 + (c, j, q, t, h) -> (j, h, q, c, t)
             y = gl.reshape(gl.permute(gl.reshape(y, [4, 4, 2, 2, 2, BM]), Y_ORDER.value), [BN, BM])
             col = n0 + ro
@@ -245,8 +245,8 @@ def _wgmma_kernel(
         else:
             col = n0 + ro
     else:
-        topw = _round_bf16(gl.load(topw_ptr + pairs, mask=live, other=0.0))
-        y = _round_bf16(acc * 256.0 * d0)
+        topw = round_bf16(gl.load(topw_ptr + pairs, mask=live, other=0.0))
+        y = round_bf16(acc * 256.0 * d0)
         col = n0 + ro
     y = gl.convert_layout(y, EPI)
     if not GATED:
