@@ -14,6 +14,7 @@ from kernel_refs import BF16, DEV, RTOL, rel  # noqa: E402
 from fp4moe.engine.cache import DeltaNetStates, KVCache  # noqa: E402
 from fp4moe.engine.context import StepContext  # noqa: E402
 from fp4moe.kernels import attention as attn_k  # noqa: E402
+from fp4moe.kernels import gpu_arch  # noqa: E402
 from fp4moe.layers.attention import GatedAttention  # noqa: E402
 from fp4moe.layers.rope import RopeConfig, Rotary  # noqa: E402
 
@@ -25,10 +26,19 @@ def _attention_layer(gen, h=4, hkv=2, d=32, hidden=64):
     return layer.to(DEV)
 
 
-@pytest.mark.parametrize("kv_dtype,max_len", [("auto", 128), ("fp8", 128), ("auto", 96)])
-def test_paged_attention_matches_the_layer(kv_dtype, max_len):
+def _by_bits(kv_dtype: str, monkeypatch) -> str:
+    """kv_dtype "fp8-bits": an fp8 cache with e4m3 converted by bits (Ampere's path, ``gpu_arch``)."""
+    if kv_dtype == "fp8-bits":
+        monkeypatch.setattr(gpu_arch, "SOFT_FP8", True)
+        return "fp8"
+    return kv_dtype
+
+
+@pytest.mark.parametrize("kv_dtype,max_len", [("auto", 128), ("fp8", 128), ("fp8-bits", 128), ("auto", 96)])
+def test_paged_attention_matches_the_layer(kv_dtype, max_len, monkeypatch):
     """Decode attention over pages against the layer, in 4 splits of 32 tokens (3 at ``max_len`` 96: the
     merge's width, a power of two, wider than its splits)."""
+    kv_dtype = _by_bits(kv_dtype, monkeypatch)
     gen = torch.Generator().manual_seed(6)
     layer = _attention_layer(gen)
     h, hkv, d, page = 4, 2, 32, 16
@@ -130,8 +140,8 @@ def test_paged_append_step_is_append_per_sequence(dtype):
             assert torch.equal(a.view(flat)[:, rows[0]].cpu().float(), b.view(flat)[:, rows[1]].cpu().float())
 
 
-@pytest.mark.parametrize("dtype", ["auto", "fp8"])
-def test_paged_prefill_attention_is_attend_over_each_whole_cache(dtype):
+@pytest.mark.parametrize("dtype", ["auto", "fp8", "fp8-bits"])
+def test_paged_prefill_attention_is_attend_over_each_whole_cache(dtype, monkeypatch):
     """The paged cache's ``attend_step`` for a step with cached tokens (the paged prefill kernel over every
     row) against the CPU cache's (``attend`` over each sequence's whole k/v, causal from its cached length):
     continuing chunks longer than a program's tokens, a prefix longer than a key tile and spread over pages
@@ -140,6 +150,7 @@ def test_paged_prefill_attention_is_attend_over_each_whole_cache(dtype):
     and lengths as ``append`` would leave."""
     from fp4moe.engine.paged_cache import PagedKVCache
 
+    dtype = _by_bits(dtype, monkeypatch)
     gen = torch.Generator().manual_seed(16)
     h, hkv, d = 8, 2, 32
     paged = PagedKVCache([3], 256, 4, hkv, d, 6, 512, dtype, BF16, DEV)

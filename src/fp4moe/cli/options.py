@@ -43,16 +43,23 @@ def positive(value: str) -> int:
     return n
 
 
-DEVICE_HELP = "auto (default: cuda when there is one, else cpu), cpu (the reference path) or cuda"
+DEVICE_HELP = (
+    "auto (default: cuda when there is a GPU the engine runs on -- sm80 or later -- else cpu), cpu (the "
+    "reference path) or cuda"
+)
 
 
 def resolve_device(value: str) -> str:
-    """``--device auto`` -> cuda when torch sees one, else cpu."""
+    """``--device auto`` -> cuda when torch sees one the GPU engine supports (``gpu_arch.MIN_CAPABILITY``),
+    else cpu."""
     if value != "auto":
         return value
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    from fp4moe.kernels import gpu_arch
+
+    ok = torch.cuda.is_available() and torch.cuda.get_device_capability() >= gpu_arch.MIN_CAPABILITY
+    return "cuda" if ok else "cpu"
 
 
 def add_load_format(p) -> None:

@@ -24,6 +24,7 @@ from fp4moe.engine.prompts import Prompts
 from fp4moe.engine.sampler import SampleResult, SamplingParams, sample_batch
 from fp4moe.engine.scheduler import SchedulerConfig
 from fp4moe.engine.sequence import FinishReason, Sequence
+from fp4moe.kernels import gpu_arch
 
 
 @dataclass
@@ -56,6 +57,7 @@ class LLM:
         self.engine_config = config
         self.path = Path(model)
         self.device = torch.device(config.device)
+        gpu_arch.check(self.device)  # before the load: a GPU the kernels cannot run on says so at once
         self.limit_images = int((config.limit_mm_per_prompt or {}).get("image", 4))
         self._vision = None
         self.load_format = config.load_format

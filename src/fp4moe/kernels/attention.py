@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4moe.kernels import INTERPRET, next_pow2, pdl_args, uint8_view
-from fp4moe.kernels.tl_helpers import fp8e4m3_bytes, round_bf16, wait_for_previous
+from fp4moe.kernels import INTERPRET, gpu_arch, next_pow2, pdl_args, uint8_view
+from fp4moe.kernels.tl_helpers import e4m3_to_f16, fp8e4m3_bytes, round_bf16, wait_for_previous
 
 
 @triton.jit
@@ -65,8 +65,8 @@ def _qk_norm_rope_kernel(
         if FP8:
             ks = tl.load(kv_scale_ptr)
             vs = tl.load(kv_scale_ptr + 1)
-            kq = fp8e4m3_bytes(tl.clamp(out / ks, -448.0, 448.0))
-            vq = fp8e4m3_bytes(tl.clamp(v / vs, -448.0, 448.0))
+            kq = fp8e4m3_bytes(tl.clamp(out / ks, -448.0, 448.0), FP8 == 2)  # 2: by bits (gpu_arch.SOFT)
+            vq = fp8e4m3_bytes(tl.clamp(v / vs, -448.0, 448.0), FP8 == 2)
             tl.store(k_cache_ptr + dst, kq)
             tl.store(v_cache_ptr + dst, vq)
         else:
@@ -86,9 +86,14 @@ def qk_norm_rope_store(
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     _qk_norm_rope_kernel[(t, h + hkv)](
         qkv, qkv.stride(0), cos, sin, q_norm, k_norm, q_out, uint8_view(k_cache), uint8_view(v_cache),
-        slot_mapping, kv_scales, eps, H=h, HKV=hkv, D=d, R=cos.shape[-1], FP8=fp8, **pdl_args(),
+        slot_mapping, kv_scales, eps, H=h, HKV=hkv, D=d, R=cos.shape[-1], FP8=_fp8(fp8, qkv), **pdl_args(),
     )  # fmt: skip
     return q_out
+
+
+def _fp8(fp8: bool, t: torch.Tensor):
+    """The kernels' ``FP8`` constexpr: False for a bf16 cache, else ``gpu_arch.fp8_flag`` of the device."""
+    return gpu_arch.fp8_flag(t.device) if fp8 else False
 
 
 @triton.jit
@@ -111,14 +116,17 @@ def _online_softmax(s, v, m_i, l_i, acc, DOT_F32: tl.constexpr):
 def _kv_tile(k_cache_ptr, v_cache_ptr, kv_off, valid, FP8: tl.constexpr, MASKED: tl.constexpr = True):
     """Keys and values at ``kv_off`` [keys, D] (rows not ``valid``: zeros; ``MASKED`` False: every row is);
     an fp8 cache's bytes as fp16 (e4m3 is exact in it: one conversion, the scales go on the scores and
-    the output)."""
+    the output; ``FP8`` 2, ``gpu_arch.SOFT``: converted by bits, on GPUs without e4m3 conversions)."""
     if MASKED:
         k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0)
         v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0)
     else:
         k = tl.load(k_cache_ptr + kv_off)
         v = tl.load(v_cache_ptr + kv_off)
-    if FP8:
+    if FP8 == 2:
+        k = e4m3_to_f16(k)
+        v = e4m3_to_f16(v)
+    elif FP8:
         k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     return k, v
@@ -299,7 +307,7 @@ def paged_decode_attention(
     _decode_split_kernel[(b, hkv, nsplit)](
         q, uint8_view(k_cache), uint8_view(v_cache), block_table, block_table.stride(0), seq_lens, kv_scales,
         part_o, part_ml, d**-0.5 * LOG2E, split, nsplit,
-        H=h, HKV=hkv, D=d, G=g, GP=max(16, next_pow2(g)), PAGE=page, FP8=fp8, DOT_F32=INTERPRET,
+        H=h, HKV=hkv, D=d, G=g, GP=max(16, next_pow2(g)), PAGE=page, FP8=_fp8(fp8, q), DOT_F32=INTERPRET,
         num_warps=4, num_stages=2, **pdl_args(),
     )  # fmt: skip
     _decode_merge(part_o, part_ml, qkv, out, b, nsplit, h, d)
@@ -432,7 +440,7 @@ def paged_prefill_attention(
     _prefill_paged_kernel[(blocks.shape[0], hkv)](
         q, uint8_view(k_cache), uint8_view(v_cache), block_table, block_table.stride(0), out, blocks,
         step.slots, step.cached, step.starts, step.ends, kv_scales, d**-0.5 * LOG2E,
-        H=h, HKV=hkv, D=d, G=g, TOK=tok, BM=bm, BN=cols, PAGE=k_cache.shape[1], FP8=fp8, DOT_F32=INTERPRET,
+        H=h, HKV=hkv, D=d, G=g, TOK=tok, BM=bm, BN=cols, PAGE=k_cache.shape[1], FP8=_fp8(fp8, q), DOT_F32=INTERPRET,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from fp4moe.kernels import INTERPRET
+from fp4moe.kernels import INTERPRET, gpu_arch
 from fp4moe.kernels import nvfp4_dequant as dq
 from fp4moe.kernels import nvfp4_gemm as gemm
 from fp4moe.kernels import nvfp4_moe_prefill as prefill
@@ -92,13 +92,13 @@ def _have_gluon() -> bool:
 
 def _tensor_cores_take(experts: ExpertWeights, device: torch.device) -> bool:
     """Whether the tensor-core GEMVs can run these experts on ``device``: NVFP4 with mode 7's dequantization,
-    an NVIDIA GPU of sm89+ (fp8 scale conversion), Triton with Gluon, not the interpreter."""
+    an NVIDIA GPU that converts e4m3 (sm89+, ``gpu_arch.has_fp8``), Triton with Gluon, not the interpreter."""
     return (
         experts.quantized
         and not INTERPRET
         and device.type == "cuda"
         and dq.DEQUANT_MODE == 7
-        and torch.cuda.get_device_capability(device) >= (8, 9)
+        and gpu_arch.has_fp8(device)
         and _have_gluon()
     )
 

@@ -2,7 +2,7 @@
 ``nvfp4_moe_prefill``) and the GEMVs (``nvfp4_gemv``, ``nvfp4_mma_gemv``): packed codes [BN, BK/2] (two E2M1
 codes per byte, even k in the low nibble) and FP8-E4M3 block scales [BN, BK/16] -> bf16 weights, exactly.
 Three ways to the same values (``DEQUANT_MODE`` picks one; ``mode_of`` is a weight tensor's): mode 1 through fp16 bits and fp32
-(the interpreter's), mode 4 through bf16 bits with Triton ops, mode 7 through bf16 bits by inline PTX two
+(the interpreter's, and Ampere's: its block scales are converted by bits), mode 4 through bf16 bits with Triton ops, mode 7 through bf16 bits by inline PTX two
 codes per instruction (the GPU default). Modes 4 and 7 leave a factor 2^-8 for the accumulator."""
 
 import os
@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4moe.kernels import INTERPRET
+from fp4moe.kernels import INTERPRET, gpu_arch
+from fp4moe.kernels.tl_helpers import e4m3_to_f16
 
 # 1: interleaved bf16 tiles through fp16 bits and fp32; 4: codes straight into bf16 bits, one bf16 multiply
 # by the block scale; 7: the same values two at a time by inline PTX, even and odd k in two dots. All give
@@ -25,8 +26,13 @@ DEQUANT_MODE = int(os.environ.get("FP4MOE_DEQUANT_MODE", "1" if INTERPRET else "
 
 
 def mode_of(packed: torch.Tensor) -> int:
-    """The kernels' MODE for a weight tensor: 0 for bf16 weights, else ``DEQUANT_MODE``."""
-    return 0 if packed.dtype == torch.bfloat16 else DEQUANT_MODE
+    """The kernels' MODE for a weight tensor: 0 for bf16 weights, else ``DEQUANT_MODE``, or 1 on a GPU
+    without e4m3 conversions (modes 4 and 7 convert the block scales with them; ``gpu_arch``)."""
+    if packed.dtype == torch.bfloat16:
+        return 0
+    if DEQUANT_MODE in (4, 7) and not gpu_arch.has_fp8(packed.device):
+        return 1
+    return DEQUANT_MODE
 
 
 def block_k(k: int, cap: int = 128) -> int:
@@ -57,7 +63,7 @@ def dequant_bf16_of(packed, sbytes, BN: tl.constexpr, BK: tl.constexpr):
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BN, BK))  # even k from the low nibble
     bits = ((codes & 8) << 12) | ((codes & 7) << 9)
     vals = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+    scales = e4m3_to_f16(sbytes).to(tl.float32) * 16384.0  # by bits: the mode Ampere runs (``gpu_arch``)
     w = tl.reshape(vals, (BN, BK // 16, 16)) * scales[:, :, None]
     return tl.reshape(w, (BN, BK)).to(tl.bfloat16)
 

@@ -28,13 +28,13 @@ import triton
 import triton.language as tl
 
 from fp4moe.formats import nvfp4
-from fp4moe.kernels import INTERPRET, pdl_args, uint8_view, unit_scale
+from fp4moe.kernels import INTERPRET, gpu_arch, pdl_args, uint8_view, unit_scale
 from fp4moe.kernels import nvfp4_dequant as dq
 from fp4moe.kernels import nvfp4_moe_prefill as prefill
 from fp4moe.kernels.expert_layout import expert_ptrs
 from fp4moe.kernels.moe_routing import Routing
 from fp4moe.kernels.nvfp4_dequant import block_k, dequant_asm, dequant_bf16, dequant_bf16_bits, mode_of
-from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
+from fp4moe.kernels.tl_helpers import e4m3_to_f16, round_bf16, wait_for_previous
 
 
 @triton.jit
@@ -87,11 +87,12 @@ def _tile_dot(a, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, offs_ks,
     else:
         if MODE == 0:  # bf16 weights (the all-bf16 model through the same kernel)
             w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
-        elif (
-            MODE == 3
-        ):  # per-tensor FP8-E4M3 weights (bytes): exact in bf16, the scale goes on the accumulator
+        elif MODE == 3:  # per-tensor FP8-E4M3 weights (bytes): exact in bf16, the scale on the accumulator
             w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0)
             w = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        elif MODE == 2:  # the same converted by bits (GPUs without e4m3 conversions, ``gpu_arch``)
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0)
+            w = e4m3_to_f16(w).to(tl.bfloat16)
         elif MODE == 4:
             w = dequant_bf16_bits(w_ptrs, s_ptrs, w_mask, s_mask, BN, BK)
         else:
@@ -176,7 +177,7 @@ def _w4a16_kernel(
     a_base = a_ptr + rows[:, None].to(tl.int64) * stride_am
     k_lo = pid_s * K_SPLIT
     for k0 in range(k_lo, k_lo + K_SPLIT, BK):
-        if MODE == 0 or MODE == 3:
+        if MODE == 0 or MODE == 2 or MODE == 3:
             w_ptrs = w_base + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
             s_ptrs = w_ptrs
         else:  # the experts' byte order (``expert_layout``): gate/up rows N / 2 on are up rows when split
@@ -189,7 +190,7 @@ def _w4a16_kernel(
             a, k0, K, w_ptrs, s_ptrs, mask_n, offs_k, offs_kh, offs_ks, MODE, BN, BK, EVEN_K, DOT_F32
         )
         if EPILOGUE == 1:
-            if MODE == 0 or MODE == 3:
+            if MODE == 0 or MODE == 2 or MODE == 3:
                 w_up = w_ptrs + N * stride_wn
                 s_up = w_up
             else:
@@ -292,6 +293,13 @@ def plan(bm: int, tokens: int, mode: int | None = None) -> tuple[Tiles, Tiles]:
     return Tiles(64, 128, 4, 3), Tiles(64, 128, 4, 3)
 
 
+def stage_bytes(bm: int, bn: int, bk: int, mode: int, gated: bool) -> int:
+    """Shared memory of one pipeline stage of ``_w4a16_kernel``: the bf16 activation tile and the weight
+    tile(s) (gate and up with GATED) -- bf16, e4m3 bytes or NVFP4 codes and block scales by ``mode``."""
+    weight = bk * 2 if mode == 0 else bk if mode in (2, 3) else bk // 2 + bk // 16
+    return bm * bk * 2 + (2 if gated else 1) * bn * weight
+
+
 def _launch(a, a_strides, act_splits, w, s, stride_sn, decode, out, routing, topw, n, k, top_k, epilogue,
             mode, t: Tiles, split: int = 1, dense_m: int = 0, tile: int = 0):  # fmt: skip
     """One ``_w4a16_kernel`` launch: grid (row blocks, N / BN, K splits); or with ``t.weights_first``, where
@@ -302,7 +310,7 @@ def _launch(a, a_strides, act_splits, w, s, stride_sn, decode, out, routing, top
     if weights_first and split == 1 and not (dense_m or act_splits):
         return prefill.launch(a, w, s, decode, out, routing, topw, n, k, top_k, epilogue, mode, t.bn, bk,
                               t.warps, t.stages, INTERPRET, tile, t.wide)  # fmt: skip
-    if tile and (mode in (0, 3) or dense_m):
+    if tile and (mode in (0, 2, 3) or dense_m):
         raise ValueError("only NVFP4 expert weights come in tile order (expert_layout)")
     if split > 1 and k_split % bk:
         raise ValueError(f"K = {k} does not split into {split} ranges of whole {bk}-wide tiles")
@@ -314,13 +322,16 @@ def _launch(a, a_strides, act_splits, w, s, stride_sn, decode, out, routing, top
         grid_m = routing.blk_expert.numel()
         tables = (routing.order, routing.blk_expert, routing.blk_start, routing.blk_count, routing.nblk)
     stride_os = out.stride(0) if out.ndim == 3 else 0
+    stages = gpu_arch.fit_stages(
+        t.stages, stage_bytes(bm, t.bn, bk, mode, epilogue == GATED), gpu_arch.max_shared(a.device)
+    )
     _w4a16_kernel[(grid_m, triton.cdiv(n, t.bn), split)](
         a, *a_strides, w, s, decode, out, out.stride(-2), stride_os, *tables, topw,
         dense_m, n, k, k_split, top_k,
         w.stride(0) if w.ndim == 3 else 0, w.stride(-2), s.stride(0) if s.ndim == 3 else 0, stride_sn,
         decode.stride(0) if decode.ndim else 0,
         DENSE=bool(dense_m), MODE=mode, EPILOGUE=epilogue, ACT_SPLITS=act_splits, BM=bm, BN=t.bn, BK=bk,
-        EVEN_K=k_split % bk == 0, DOT_F32=INTERPRET, TILE=tile, num_warps=t.warps, num_stages=t.stages,
+        EVEN_K=k_split % bk == 0, DOT_F32=INTERPRET, TILE=tile, num_warps=t.warps, num_stages=stages,
         **pdl_args(),
     )  # fmt: skip
     return out
@@ -384,14 +395,14 @@ def moe_down(
 def nvfp4_linear(x, packed, scales, decode, out=None):
     """Dense NVFP4 linear: x [M, K] bf16, packed [N, K/2], scales [N, K/16], decode 0-D -> [M, N] bf16."""
     s = uint8_view(scales)
-    return _dense(x, packed, s, s.stride(0), decode.reshape(1), dq.DEQUANT_MODE, out)
+    return _dense(x, packed, s, s.stride(0), decode.reshape(1), mode_of(packed), out)
 
 
 def fp8_linear(x, weight, scale, out=None):
     """Per-tensor FP8 linear, weight-only: x [M, K] bf16, weight e4m3 [N, K], scale fp32 0-D -> [M, N] bf16
     (the engine's FP8 groups; vLLM runs these W8A8)."""
     w = uint8_view(weight)
-    return _dense(x, w, w, 0, scale.reshape(1).float(), 3, out)
+    return _dense(x, w, w, 0, scale.reshape(1).float(), 3 if gpu_arch.has_fp8(x.device) else 2, out)
 
 
 def bf16_linear(x, weight, out=None):
