@@ -2,7 +2,7 @@
 instruction for it (Ampere), equal bit for bit to the hardware's conversion (every byte; a sweep of fp32
 values for the cache writes); the choices that follow a GPU's compute capability; the expert GEMM's stages
 cut to a GPU's shared memory; and every kernel variant the engine records on the H200 compiling for sm80
-(with Ampere's settings), sm89 and sm120 (with their shared memory) -- on the CPU, as the sm90 compile
+and sm86 (with Ampere's settings), sm89 and sm120, each within its shared memory -- on the CPU, as the sm90 compile
 tests do (tests/kernels/test_compile_sm90.py). Exact comparisons throughout: the conversions are exact."""
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ for e in seeds:
     consts = {}
     for k, v in zip(spec["constant_keys"], spec["constant_vals"]):
         consts[names[k[0]]] = v["constexpr"] if isinstance(v, dict) and "constexpr" in v else v
-    key = (e["name"], consts.get("MODE"), consts.get("FP8"))
+    key = (e["name"], consts.get("MODE"), consts.get("FP8"), consts.get("EPILOGUE"), consts.get("DENSE"))
     if key in seen or (arch < 89 and fn.is_gluon()):
         continue
     seen.add(key)
@@ -163,9 +163,11 @@ for e in seeds:
             consts["MODE"] = {7: 1, 4: 1, 3: 2}[consts["MODE"]]
         if consts.get("FP8") is True:
             consts["FP8"] = gpu_arch.SOFT
+    recorded = opts["num_stages"]
     if e["name"] == "_w4a16_kernel":
         stage = gemm.stage_bytes(consts["BM"], consts["BN"], consts["BK"], consts["MODE"], consts["EPILOGUE"] == gemm.GATED)
-        opts["num_stages"] = gpu_arch.fit_stages(opts["num_stages"], stage, limit)
+        opts["num_stages"] = gpu_arch.fit_stages(recorded, stage, limit)
+    cut = recorded - opts["num_stages"]
     source = ASTSource
     if fn.is_gluon():
         from triton.experimental.gluon._runtime import GluonASTSource as source
@@ -175,24 +177,29 @@ for e in seeds:
     signature = {k: convert_to_tuple_if_list(v) for k, v in spec["signature"].items()}
     try:
         k = triton.compile(source(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=opts)
-        results.append([e["name"], consts.get("MODE"), k.metadata.shared, ""])
+        results.append([e["name"], consts.get("MODE"), k.metadata.shared, cut, ""])
     except Exception as ex:
-        results.append([e["name"], consts.get("MODE"), 0, (type(ex).__name__ + ": " + str(ex))[-300:]])
+        results.append([e["name"], consts.get("MODE"), 0, cut, (type(ex).__name__ + ": " + str(ex))[-300:]])
 print(json.dumps(results))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "arch,limit", [(80, 166_912), (89, 101_376), (120, 101_376)], ids=["sm80 A100", "sm89 Ada", "sm120 RTX 50xx"]
-)  # fmt: skip
+    "arch,limit",
+    [(80, 166_912), (86, 101_376), (89, 101_376), (120, 101_376)],
+    ids=["sm80 A100", "sm86 RTX 30xx", "sm89 Ada", "sm120 RTX 50xx"],
+)
 def test_the_engines_kernels_compile_for_other_gpus(arch, limit):
     results = _compile(ARCH_SCRIPT, [arch, limit])
     assert len(results) >= 20, results  # every kernel the engine launches on the H200, and their modes
-    failed = [r for r in results if r[3]]
+    failed = [r for r in results if r[4]]
     assert not failed, failed
     over = [r for r in results if r[2] > limit]
     assert not over, over
+    # the bf16 experts' decode gate/up tile (144 KB at the H200's 3 stages) loses one stage where 99 KB is all
+    cut = [r[:2] for r in results if r[3]]
+    assert cut == ([] if limit > 150_000 else [["_w4a16_kernel", 0]]), cut
 
 
 def test_the_sweep_holds_every_e4m3_value():

@@ -8,12 +8,13 @@
   ``fp8e4m3_bytes(..., SOFT=True)``): the NVFP4 experts through dequantization mode 1, FP8 weights through
   mode 2, an fp8 cache with the kernels' ``FP8`` constexpr at ``SOFT`` instead of True. ``FP4MOE_SOFT_FP8=1``
   takes those paths on any GPU (to check them on a newer one); the GPU tests run them that way.
-- **Shared memory per program**: 227 KB on Hopper and the B200, 163 KB on the A100, 99 KB on Ada and on
-  consumer Blackwell (RTX 50xx, the DGX Spark's GB10). The expert GEMM's pipeline stages are cut to what
+- **Shared memory per program**: 227 KB on Hopper and the B200, 163 KB on the A100, 99 KB on the RTX 30xx,
+  Ada and consumer Blackwell (RTX 50xx, the DGX Spark's GB10). The expert GEMM's pipeline stages are cut to what
   the GPU has (``fit_stages``); the tiles were chosen on the H200, where nothing is cut.
 
-Built and compiled for sm80 / sm89 / sm100 / sm120 on the CPU (tests/kernels/test_gpu_arch.py); measured
-only on the H200."""
+Compiled on the CPU for sm80, sm86, sm89 and sm120 (tests/kernels/test_gpu_arch.py: every variant the
+engine records on the H200, with each GPU's settings, within its shared memory); run and measured only on the
+H200."""
 
 from __future__ import annotations
 
