@@ -197,9 +197,10 @@ def test_the_engines_kernels_compile_for_other_gpus(arch, limit):
     assert not failed, failed
     over = [r for r in results if r[2] > limit]
     assert not over, over
-    # the bf16 experts' decode gate/up tile (144 KB at the H200's 3 stages) loses one stage where 99 KB is all
+    # only bf16 expert tiles lose stages (the MTP head's decode gate/up: 144 KB at the H200's 3), and only
+    # where a program gets less than that
     cut = [r[:2] for r in results if r[3]]
-    assert cut == ([] if limit > 150_000 else [["_w4a16_kernel", 0]]), cut
+    assert all(c == ["_w4a16_kernel", 0] for c in cut) and (limit < 147_456 or not cut), cut
 
 
 def test_the_sweep_holds_every_e4m3_value():
