@@ -7,13 +7,20 @@ what is measured) and no vision tower. Each N runs `fp4moe quantize` in a fresh 
 reports (ru_maxrss, from the OS) is that run's alone.
 
     python benchmarks/quantize.py --layers 2 4 8 --workdir /tmp/fp4moe-bench [--device cuda] [--out results.json]
+
+``--read-ahead both --repeats 3 --cold`` runs each checkpoint with the next layer read on a worker thread (the
+default) and with ``--no-read-ahead``, alternating, three times each, and prints the medians; ``--cold`` drops
+the checkpoint's pages from the OS page cache before every run (``posix_fadvise``), so its reads come from the
+disk, as on a first run over a freshly downloaded model, not from memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -117,46 +124,41 @@ def write_synthetic(path: Path, n: int, seed: int = 0) -> int:
     return writer.total_bytes
 
 
-def run(n: int, workdir: Path, args) -> dict:
-    src, dst = workdir / f"synthetic-{n}L", workdir / f"synthetic-{n}L-nvfp4"
-    shutil.rmtree(src, ignore_errors=True)
+def evict(path: Path) -> None:
+    """Drop ``path``'s files from the OS page cache (clean pages only: they were written and synced)."""
+    os.sync()
+    for f in path.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def quantize_once(n: int, src: Path, workdir: Path, read_ahead: bool, args) -> dict:
+    """One `fp4moe quantize` of ``src`` in a fresh process -> its report's figures."""
+    dst = workdir / f"synthetic-{n}L-nvfp4"
     shutil.rmtree(dst, ignore_errors=True)
-    t = time.perf_counter()
-    size = write_synthetic(src, n)
-    gen_s = time.perf_counter() - t
+    if args.cold:
+        evict(src)
     report_path = workdir / f"report-{n}L.json"
     cmd = [
-        sys.executable,
-        "-m",
-        "fp4moe.cli",
-        "quantize",
-        str(src),
-        str(dst),
-        "--no-progress",
-        "--report",
-        str(report_path),
-        "--num-samples",
-        str(args.num_samples),
-        "--seq-len",
-        str(args.seq_len),
-        "--device",
-        args.device,
-        "--calib-dtype",
-        args.calib_dtype,
-        "--batch-size",
-        str(args.batch_size),
-        "--max-shard-size",
-        args.max_shard_size,
-    ]
+        sys.executable, "-m", "fp4moe.cli", "quantize", str(src), str(dst), "--no-progress",
+        "--report", str(report_path), "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len),
+        "--device", args.device, "--calib-dtype", args.calib_dtype, "--batch-size", str(args.batch_size),
+        "--max-shard-size", args.max_shard_size, *([] if read_ahead else ["--no-read-ahead"]),
+    ]  # fmt: skip
     t = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - t
     report = json.loads(report_path.read_text())
-    result = {
+    shutil.rmtree(dst)
+    return {
         "layers": n,
+        "read_ahead": read_ahead,
+        "cold": args.cold,
         "bytes_in": report["bytes_in"],
         "bytes_out": report["bytes_out"],
-        "generate_s": round(gen_s, 1),
         "wall_s": round(wall, 1),
         "quantize_s": round(report["seconds"], 1),
         "gb_per_s": round(report["bytes_in"] / 1e9 / report["seconds"], 3),
@@ -168,15 +170,46 @@ def run(n: int, workdir: Path, args) -> dict:
         "experts_calibrated": report["experts_calibrated"],
         "experts": report["experts_quantized"],
     }
-    print(json.dumps(result), flush=True)
-    if args.out:  # append as we go, so a run cut short keeps what it measured
-        with open(args.out + ".jsonl", "a") as f:
-            f.write(json.dumps(result) + "\n")
-    assert size == report["bytes_in"]
+
+
+def run(n: int, workdir: Path, args) -> list[dict]:
+    """Write the N-layer checkpoint, quantize it ``--repeats`` times per ``--read-ahead`` mode (alternating)."""
+    src = workdir / f"synthetic-{n}L"
+    shutil.rmtree(src, ignore_errors=True)
+    t = time.perf_counter()
+    size = write_synthetic(src, n)
+    gen_s = time.perf_counter() - t
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.read_ahead]
+    results = []
+    for _ in range(args.repeats):
+        for read_ahead in modes:
+            result = {"generate_s": round(gen_s, 1), **quantize_once(n, src, workdir, read_ahead, args)}
+            assert size == result["bytes_in"]
+            print(json.dumps(result), flush=True)
+            if args.out:  # append as we go, so a run cut short keeps what it measured
+                with open(args.out + ".jsonl", "a") as f:
+                    f.write(json.dumps(result) + "\n")
+            results.append(result)
     if not args.keep:
         shutil.rmtree(src)
-        shutil.rmtree(dst)
-    return result
+    return results
+
+
+def medians(results: list[dict]) -> list[dict]:
+    """Per (layers, read-ahead): the median time, rate and stage times, and the largest peak RSS."""
+    rows = []
+    for key in dict.fromkeys((r["layers"], r["read_ahead"]) for r in results):
+        runs = [r for r in results if (r["layers"], r["read_ahead"]) == key]
+        stages = {
+            s: round(statistics.median(r["stage_s"].get(s, 0.0) for r in runs), 1) for s in runs[0]["stage_s"]
+        }
+        seconds = statistics.median(r["quantize_s"] for r in runs)
+        rows.append({
+            "layers": key[0], "read_ahead": key[1], "runs": len(runs), "median_s": seconds,
+            "gb_per_s": round(runs[0]["bytes_in"] / 1e9 / seconds, 3),
+            "peak_rss_gb": max(r["peak_rss_gb"] for r in runs), "median_stage_s": stages,
+        })  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -191,14 +224,28 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256, help="calibration sample length (default 256)")
     p.add_argument("--batch-size", type=int, default=8, help="calibration batch size (default 8)")
     p.add_argument("--max-shard-size", default="1GB", help="1GB: every N fills the one shard buffer")
+    p.add_argument(
+        "--read-ahead",
+        choices=["on", "off", "both"],
+        default="on",
+        help="quantize with the next layer read on a worker thread (on: the default), --no-read-ahead (off), or "
+        "both, alternating",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="runs per checkpoint and read-ahead mode (medians)")
+    p.add_argument(
+        "--cold", action="store_true", help="drop the checkpoint from the OS page cache before every run"
+    )
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--out", help="write all results as JSON here")
     args = p.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    results = [run(n, workdir, args) for n in args.layers]
+    results = [r for n in args.layers for r in run(n, workdir, args)]
+    summary = medians(results)
+    for row in summary:
+        print(json.dumps(row), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps({"runs": results, "medians": summary}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

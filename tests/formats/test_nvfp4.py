@@ -22,6 +22,18 @@ def test_e2m1_round_half_to_even_and_saturation():
     assert torch.equal(nvfp4.e2m1_values(nvfp4.e2m1_codes(-x)), -expected)
 
 
+def test_e2m1_magnitude_is_the_codes_value_for_every_float_in_range():
+    """By bits against the codes' table: float32 from 0 to 6 with a stride (every 2,039th bit pattern), and
+    every one within 64 ulps of each grid value, midpoint and power of two, where the rounding changes."""
+    top = int(torch.tensor(6.0).view(torch.int32))
+    sweep = torch.arange(0, top + 1, 2039, dtype=torch.int32)
+    edges = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 2.0**-126, 2.0**-149]
+    near = torch.tensor(edges).view(torch.int32)[:, None] + torch.arange(-64, 65, dtype=torch.int32)
+    bits = torch.cat([sweep, near.flatten().clamp(0, top), torch.tensor([0, top], dtype=torch.int32)])
+    a = bits.view(torch.float32)
+    assert torch.equal(nvfp4.e2m1_magnitude(a), nvfp4.e2m1_values(nvfp4.e2m1_codes(a)))
+
+
 def test_codes_sign_bit_and_magnitude_table():
     codes = nvfp4.e2m1_codes(torch.tensor([0.5, -0.5, 6.0, -6.0, -0.1, -0.0, 0.0]))
     assert codes.tolist() == [1, 9, 7, 15, 8, 0, 0]

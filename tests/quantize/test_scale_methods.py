@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fp4moe.formats import nvfp4
+from fp4moe.quantize import scales
 from fp4moe.quantize.experts import quantize_weight
 from fp4moe.quantize.scales import ScaleMethod, choose_block_scales
 
@@ -18,6 +19,44 @@ def block_mse(w: torch.Tensor, q: nvfp4.NVFP4Tensor) -> torch.Tensor:
 def heavy_tailed(shape, seed):
     gen = torch.Generator().manual_seed(seed)
     return torch.distributions.StudentT(2.0).sample(shape) * 0.02 + torch.randn(shape, generator=gen) * 1e-3
+
+
+def reference_block_scales(w: torch.Tensor, global_scale: torch.Tensor, method: ScaleMethod) -> torch.Tensor:
+    """The search written out plainly: every block of the whole tensor quantized (codes, then their values)
+    under each candidate, the squared error summed, the first smallest kept."""
+    blocks = w.float().unflatten(-1, (w.shape[-1] // 16, 16))
+    gs = global_scale.float().reshape(*global_scale.shape, 1, 1, 1)
+    best = best_err = None
+    for cand in scales._candidates(blocks.abs().amax(-1), global_scale, method):
+        eff = cand.float().unsqueeze(-1) / gs
+        codes = nvfp4.e2m1_codes(torch.clamp(blocks / eff, -nvfp4.FP4_MAX, nvfp4.FP4_MAX))
+        err = ((nvfp4.e2m1_values(codes) * eff - blocks) ** 2).sum(-1)
+        if best is None:
+            best, best_err = cand.view(torch.uint8), err
+            continue
+        better = err < best_err
+        best, best_err = torch.where(better, cand.view(torch.uint8), best), torch.where(better, err, best_err)
+    return best.view(nvfp4.FP8_DTYPE)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(
+    "shape", [(3, 96, 512), (700, 64), (5, 40, 16)], ids=["experts", "matrix", "gptq-group"]
+)
+def test_the_chunked_search_chooses_what_the_plain_search_does(method, shape, monkeypatch):
+    """Chunks of 64 blocks (the last one short), over heavy-tailed weights, weights already on the NVFP4
+    grid (candidates tie: the first must win) and all-zero rows."""
+    monkeypatch.setattr(scales, "CPU_CHUNK_BLOCKS", 64)
+    w = heavy_tailed(shape, 4).to(torch.bfloat16)
+    q = quantize_weight(w.float(), ScaleMethod.RTN)
+    w[..., : shape[-2] // 3, :] = q.dequantize(torch.bfloat16)[..., : shape[-2] // 3, :]
+    w[..., -1, :] = 0
+    global_scale = nvfp4.global_scale_from_amax(w.float().abs().amax(dim=(-2, -1)))
+    ours = choose_block_scales(w, global_scale, method)
+    assert ours.shape == (*shape[:-1], shape[-1] // 16)
+    assert torch.equal(
+        ours.view(torch.uint8), reference_block_scales(w, global_scale, method).view(torch.uint8)
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)

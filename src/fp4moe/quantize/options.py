@@ -36,6 +36,7 @@ class QuantizeOptions:
     kv_cache_quant_algo: str | None = None
     overwrite: bool = False
     seed: int = 0
+    read_ahead: bool = True  # the next decoder layer read on a worker thread while this one is quantized
     progress: bool = True
     quantize_extra: tuple[str, ...] = ()  # beyond the routed experts: attention, deltanet, shared, lm_head
 

@@ -1,7 +1,10 @@
 """``quantize(src, dst, options)``: read -> calibrate -> quantize -> write, one decoder layer at a time.
 
-Peak host memory is one decoder layer (its bf16 tensors, a compute copy, the quantized experts) plus the
-calibration activations plus at most one output shard -- independent of the number of layers.
+The next layer is read (and checked for NaN/Inf) on a worker thread while this one is calibrated, quantized
+and written (``LayerReader``), so the disk and the arithmetic overlap. Peak host memory is one decoder
+layer's working set (its bf16 tensors, a compute copy, the quantized experts) plus the next layer's stored
+tensors (``--no-read-ahead``: without them) plus the calibration activations plus at most one output shard --
+independent of the number of layers.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import ctypes
 import json
 import resource
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,17 +189,72 @@ class _Run:
     min_tokens: int | None = None
 
 
-def _quantize_layer(run: _Run, i: int, block, hidden: torch.Tensor) -> torch.Tensor:
-    """Decoder layer ``i``: read it, calibrate it on ``hidden`` (the previous layer's outputs, returned for
-    the next), quantize its routed experts (and its ``--quantize`` groups), write it, free it."""
-    reader, options, timer, device = run.reader, run.options, run.timer, run.device
-    names = arch.layer_names(reader, run.prefix, i)
-    expert_names = set(block.source_names())
+@dataclass
+class _LayerTensors:
+    """One decoder layer's tensors as stored, checked finite: the dense ones by name, the routed experts fused."""
+
+    names: list[str]
+    dense: dict[str, torch.Tensor]
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def _read_layer(reader: CheckpointReader, prefix: str, i: int, block, timer: StageTimer) -> _LayerTensors:
     with timer("read"):
+        names = arch.layer_names(reader, prefix, i)
+        expert_names = set(block.source_names())
         dense = {n: _finite(n, reader.get(n)) for n in names if n not in expert_names}
         gate_up, down = block.read(reader)
         _finite(f"{block.prefix}gate_up_proj", gate_up)
         _finite(f"{block.prefix}down_proj", down)
+    return _LayerTensors(names, dense, gate_up, down)
+
+
+class LayerReader:
+    """The decoder layers' tensors in order, each read one layer ahead on a worker thread: ``take(i)`` hands
+    over layer i (waiting for its read where it is not done) and starts reading layer i + 1, so the disk works
+    while the caller calibrates, quantizes and writes layer i. A read's error (a missing tensor, NaN) is
+    raised by the ``take`` of its layer. ``ahead=False``: each layer read in ``take``, on the caller's thread.
+
+    Stage times: "read" is the reading itself (on the worker, beside the other stages when ahead), "read wait"
+    the time ``take`` spent waiting for it."""
+
+    def __init__(self, reader: CheckpointReader, prefix: str, blocks: list, timer: StageTimer, ahead: bool):
+        self.reader, self.prefix, self.blocks, self.timer = reader, prefix, blocks, timer
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="fp4moe-read") if ahead else None
+        self.pending: tuple[int, Future] | None = None
+
+    def _read(self, i: int) -> _LayerTensors:
+        return _read_layer(self.reader, self.prefix, i, self.blocks[i], self.timer)
+
+    def take(self, i: int) -> _LayerTensors:
+        if self.pool is None:
+            return self._read(i)
+        if self.pending is None or self.pending[0] != i:  # the first layer, or out of order: read it now
+            self.pending = (i, self.pool.submit(self._read, i))
+        future = self.pending[1]
+        self.pending = None  # the reader keeps no reference to the tensors it hands over
+        with self.timer("read wait"):
+            layer = future.result()
+        del future
+        if i + 1 < len(self.blocks):
+            self.pending = (i + 1, self.pool.submit(self._read, i + 1))
+        return layer
+
+    def close(self) -> None:
+        """Stop: a read in flight is cancelled, or finishes on its own and is dropped."""
+        self.pending = None
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _quantize_layer(run: _Run, i: int, block, hidden: torch.Tensor, tensors: _LayerTensors) -> torch.Tensor:
+    """Decoder layer ``i`` (``tensors``: as read by ``LayerReader``): calibrate it on ``hidden`` (the previous
+    layer's outputs, returned for the next), quantize its routed experts (and its ``--quantize`` groups), write
+    it, free it."""
+    options, timer, device = run.options, run.timer, run.device
+    names, dense, gate_up, down = tensors.names, tensors.dense, tensors.gate_up, tensors.down
+    del tensors
     with timer("calibrate"):
         layer_tensors = {arch.strip_layer_prefix(n): t for n, t in dense.items()}
         layer_tensors["mlp.experts.gate_up_proj"] = gate_up
@@ -366,10 +425,14 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
         )
         shard_bar = tqdm(desc="shards written", unit="shard", disable=not show, position=2)
         writer.on_flush = lambda index: shard_bar.update(1)
-        for i, block in enumerate(layer_bar):
-            hidden = _quantize_layer(run, i, block, hidden)
-            expert_bar.update(block.num_experts)
-            expert_bar.set_postfix(calibrated=run.num_calibrated, fallbacks=len(run.fallbacks))
+        layers = LayerReader(reader, prefix, blocks, timer, ahead=options.read_ahead)
+        try:
+            for i, block in enumerate(layer_bar):
+                hidden = _quantize_layer(run, i, block, hidden, layers.take(i))
+                expert_bar.update(block.num_experts)
+                expert_bar.set_postfix(calibrated=run.num_calibrated, fallbacks=len(run.fallbacks))
+        finally:
+            layers.close()
         with timer("write"):
             _write_rest(run, hidden, mtp_names)
             writer.close()

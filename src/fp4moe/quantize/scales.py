@@ -32,11 +32,23 @@ class ScaleMethod(enum.Enum):
 NEIGHBOURS = 6  # e4m3 steps searched on each side of RTN's block scale by ``mse``
 
 
-def _block_error(blocks: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
-    """Squared error of each block [..., N, K/16, 16] quantized under e4m3 ``scales`` [..., N, K/16]."""
-    eff = scales.float().unsqueeze(-1) / gs
-    codes = nvfp4.e2m1_codes(torch.clamp(blocks / eff, -nvfp4.FP4_MAX, nvfp4.FP4_MAX))
-    return ((nvfp4.e2m1_values(codes) * eff - blocks) ** 2).sum(-1)
+# blocks per step of the search off the GPU: its float32 temporaries (512 KB each) stay in the CPU's cache
+# rather than streaming through memory once per candidate (5.6x faster on 2 cores, BENCHMARKS.md)
+CPU_CHUNK_BLOCKS = 1 << 13
+
+
+def _block_error(absx: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
+    """Squared error of blocks of magnitudes ``absx`` [B, 16] under effective scales ``eff`` [B, 1] (the e4m3
+    scale over the global scale): each |x| / eff rounded to the E2M1 grid (``nvfp4.e2m1_magnitude``), times
+    eff, less |x|. Bit for bit the error of quantizing x itself (``quantize_with_scales``): the grid is
+    symmetric, and dividing, clamping and subtracting treat both signs alike."""
+    d = absx / eff
+    d.clamp_(max=nvfp4.FP4_MAX)
+    d = nvfp4.e2m1_magnitude(d)
+    d *= eff
+    d -= absx
+    d *= d
+    return d.sum(-1)
 
 
 def _candidates(amax: torch.Tensor, global_scale: torch.Tensor, method: ScaleMethod) -> list[torch.Tensor]:
@@ -54,18 +66,26 @@ def _candidates(amax: torch.Tensor, global_scale: torch.Tensor, method: ScaleMet
 
 
 def choose_block_scales(w: torch.Tensor, global_scale: torch.Tensor, method: ScaleMethod) -> torch.Tensor:
-    """E4M3 block scales [..., N, K/16] of ``w`` [..., N, K] under ``global_scale`` [...] by ``method``."""
-    blocks = w.float().unflatten(-1, (w.shape[-1] // nvfp4.BLOCK_SIZE, nvfp4.BLOCK_SIZE))
-    amax = blocks.abs().amax(-1)
-    gs = global_scale.float().reshape(*global_scale.shape, 1, 1, 1)
+    """E4M3 block scales [..., N, K/16] of ``w`` [..., N, K] under ``global_scale`` [...] by ``method``: per
+    block the candidate with the smallest squared error, the first (RTN's) on ties. Off the GPU the blocks go
+    ``CPU_CHUNK_BLOCKS`` at a time through every candidate; the choice does not depend on the chunking."""
+    absx = w.float().unflatten(-1, (w.shape[-1] // nvfp4.BLOCK_SIZE, nvfp4.BLOCK_SIZE)).abs()
+    amax = absx.amax(-1)
     candidates = _candidates(amax, global_scale, method)
-    best = candidates[0]
     if len(candidates) == 1:
-        return best
-    best_err = _block_error(blocks, best, gs)
-    for cand in candidates[1:]:
-        err = _block_error(blocks, cand, gs)
-        better = err < best_err  # strict: RTN's scale wins ties
-        best = torch.where(better, cand.view(torch.uint8), best.view(torch.uint8)).view(nvfp4.FP8_DTYPE)
-        best_err = torch.where(better, err, best_err)
-    return best
+        return candidates[0]
+    codes = torch.stack([c.view(torch.uint8) for c in candidates])  # [C, ..., N, K/16]
+    gs = global_scale.float().reshape(*global_scale.shape, 1, 1)
+    effs = (codes.view(nvfp4.FP8_DTYPE).float() / gs).reshape(len(candidates), -1, 1)  # [C, blocks, 1]
+    codes, absx = codes.reshape(len(candidates), -1), absx.reshape(-1, nvfp4.BLOCK_SIZE)
+    best = torch.empty_like(codes[0])
+    step = absx.shape[0] if absx.is_cuda else CPU_CHUNK_BLOCKS
+    for b in range(0, absx.shape[0], step):
+        part = slice(b, b + step)
+        chosen, least = codes[0, part], _block_error(absx[part], effs[0, part])
+        for c in range(1, len(candidates)):
+            err = _block_error(absx[part], effs[c, part])
+            better = err < least  # strict: RTN's scale wins ties
+            chosen, least = torch.where(better, codes[c, part], chosen), torch.where(better, err, least)
+        best[part] = chosen
+    return best.view(nvfp4.FP8_DTYPE).reshape(amax.shape)
