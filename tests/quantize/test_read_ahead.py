@@ -99,3 +99,30 @@ def test_layer_reader_hands_over_each_layer_once_and_keeps_no_reference(checkpoi
             assert layers.pending is None if i + 1 == len(blocks) else layers.pending[0] == i + 1
     finally:
         layers.close()
+
+
+def test_the_worker_runs_torch_on_one_thread_and_the_caller_keeps_its_own(checkpoints, monkeypatch):
+    """A second thread's parallel torch ops made the caller's 2.8x slower (OpenMP teams contending): the
+    worker runs on one thread; the caller's thread count, and the default for later threads, stay."""
+    reader = pipeline.CheckpointReader(checkpoints.bf16())
+    cfg = pipeline.arch.ModelConfig.from_dir(checkpoints.bf16())
+    prefix = pipeline.arch.text_prefix(reader)
+    blocks = [pipeline.arch.expert_block(reader, f"{prefix}layers.0.mlp.experts.", cfg.text)]
+    before, seen = torch.get_num_threads(), []
+    read = pipeline._read_layer
+
+    def watched(*args):
+        seen.append(torch.get_num_threads())
+        return read(*args)
+
+    monkeypatch.setattr(pipeline, "_read_layer", watched)
+    layers = pipeline.LayerReader(reader, prefix, blocks, pipeline.StageTimer(), ahead=True)
+    layers.take(0)
+    assert torch.get_num_threads() == before
+    layers.close()
+    assert seen == [1] and torch.get_num_threads() == before
+    later = []
+    t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert later == [before]

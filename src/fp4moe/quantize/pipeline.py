@@ -221,8 +221,18 @@ class LayerReader:
 
     def __init__(self, reader: CheckpointReader, prefix: str, blocks: list, timer: StageTimer, ahead: bool):
         self.reader, self.prefix, self.blocks, self.timer = reader, prefix, blocks, timer
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="fp4moe-read") if ahead else None
         self.pending: tuple[int, Future] | None = None
+        self.pool = None
+        if ahead:
+            # The worker's own torch ops (the NaN checks, stacking per-expert tensors) run on one thread: once
+            # a second thread had run a parallel op, torch's OpenMP teams contended for the cores and every op
+            # of the caller's quantize stage ran 2.8x slower (2 cores). torch.set_num_threads is per thread
+            # for a thread already started (the caller's team stays as it is: asked for here first) but also
+            # the default of threads started later, so ``close`` puts that back.
+            self.threads = torch.get_num_threads()
+            self.pool = ThreadPoolExecutor(
+                1, thread_name_prefix="fp4moe-read", initializer=torch.set_num_threads, initargs=(1,)
+            )
 
     def _read(self, i: int) -> _LayerTensors:
         return _read_layer(self.reader, self.prefix, i, self.blocks[i], self.timer)
@@ -246,6 +256,8 @@ class LayerReader:
         self.pending = None
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+            torch.set_num_threads(self.threads)
 
 
 def _quantize_layer(run: _Run, i: int, block, hidden: torch.Tensor, tensors: _LayerTensors) -> torch.Tensor:
