@@ -2,9 +2,9 @@
 
 The next layer is read (and checked for NaN/Inf) on a worker thread while this one is calibrated, quantized
 and written (``LayerReader``), so the disk and the arithmetic overlap. Peak host memory is one decoder
-layer's working set (its bf16 tensors, a compute copy, the quantized experts) plus the next layer's stored
-tensors (``--no-read-ahead``: without them) plus the calibration activations plus at most one output shard --
-independent of the number of layers.
+layer's working set (its bf16 tensors, a compute copy, the quantized experts) plus the calibration
+activations plus at most one output shard -- independent of the number of layers. The next layer's stored
+tensors, read ahead, stay under it (7.98 GB on 8 full-size layers with and without ``--no-read-ahead``).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def choose_block_scales(w: torch.Tensor, global_scale: torch.Tensor, method: Sca
     effs = (codes.view(nvfp4.FP8_DTYPE).float() / gs).reshape(len(candidates), -1, 1)  # [C, blocks, 1]
     codes, absx = codes.reshape(len(candidates), -1), absx.reshape(-1, nvfp4.BLOCK_SIZE)
     best = torch.empty_like(codes[0])
-    step = absx.shape[0] if absx.is_cuda else CPU_CHUNK_BLOCKS
+    step = max(absx.shape[0], 1) if absx.is_cuda else CPU_CHUNK_BLOCKS  # an empty w: no step, no error
     for b in range(0, absx.shape[0], step):
         part = slice(b, b + step)
         chosen, least = codes[0, part], _block_error(absx[part], effs[0, part])
