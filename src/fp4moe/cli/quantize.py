@@ -85,10 +85,17 @@ def add(sub) -> None:
         help="largest output shard; also bounds the write buffer (default 2GB)",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="fp8: calibrate per-layer k/v scales for an fp8 KV cache (amax / 448 over the calibration "
+        "tokens) and write them where vLLM and fp4moe read them (kv_cache_quant_algo FP8); default: none",
+    )
+    p.add_argument(
         "--kv-cache-quant-algo",
         choices=["FP8"],
         default=None,
-        help="declare an FP8 KV cache in the quantization config (scales are computed by the engine)",
+        help="ModelOpt's name for --kv-cache-dtype fp8",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for choosing calibration windows")
     p.add_argument(
@@ -125,7 +132,7 @@ def run(args) -> int:
         calib_dtype=args.calib_dtype,
         batch_size=args.batch_size,
         max_shard_size=args.max_shard_size,
-        kv_cache_quant_algo=args.kv_cache_quant_algo,
+        kv_cache_quant_algo="FP8" if args.kv_cache_dtype == "fp8" else args.kv_cache_quant_algo,
         overwrite=args.overwrite,
         seed=args.seed,
         read_ahead=not args.no_read_ahead,

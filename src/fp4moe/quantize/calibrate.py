@@ -90,6 +90,30 @@ def expert_down_input(x: torch.Tensor, gate_up: torch.Tensor, act=F.silu) -> tor
     return act(gate) * up
 
 
+class KVTap:
+    """Stands in for transformers' cache at a full-attention layer: ``update`` sees the keys after the k-norm
+    and rotary and the values, as a KV cache stores them, and keeps each head's amax (float32 [2, Hkv]: k, v).
+    The layer attends over exactly what it was given (nothing is cached)."""
+
+    def __init__(self):
+        self.amax: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        # [B, Hkv, S, D] each
+        heads = torch.stack(
+            [x.detach().abs().amax(dim=(0, 2, 3)).float().cpu() for x in (key_states, value_states)]
+        )
+        self.amax = heads if self.amax is None else torch.maximum(self.amax, heads)
+        return key_states, value_states
+
+
+def _cache_kwarg(layer) -> str:
+    """The decoder layer's name for its cache argument (``cache`` in newer transformers)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(layer.forward).parameters else "past_key_values"
+
+
 class RouterTap:
     """Captures the MoE input [T, H] and the top-k expert indices [T, k] at the router of one layer."""
 
@@ -162,9 +186,11 @@ def calibrate_layer(
     all_experts: bool = False,
     batch_size: int = 8,
     hessians: bool = False,
+    kv_tap: KVTap | None = None,
 ) -> tuple[torch.Tensor, ExpertStats]:
     """Run ``hidden`` [B, S, H] (on the layer's device) through ``layer``; returns (output, expert stats),
-    with each expert's input second moments when ``hessians`` (for GPTQ).
+    with each expert's input second moments when ``hessians`` (for GPTQ); ``kv_tap`` (a full-attention
+    layer's) collects the amax of the keys and values it caches.
 
     The output comes from the unmodified layer (routing and gating untouched, also with ``all_experts``).
     """
@@ -177,13 +203,14 @@ def calibrate_layer(
     tap = RouterTap(layer.mlp)
     out = torch.empty_like(hidden)
     seq_len = hidden.shape[1]
+    cache = {} if kv_tap is None else {_cache_kwarg(layer): kv_tap}
     try:
         for start in range(0, hidden.shape[0], batch_size):
             h = hidden[start : start + batch_size]
             pos = torch.arange(seq_len, device=h.device).view(1, 1, -1).expand(3, h.shape[0], -1)
             cos_sin = rotary(h, pos)
             out[start : start + batch_size] = layer(
-                h, position_embeddings=cos_sin, attention_mask=None, position_ids=pos[0]
+                h, position_embeddings=cos_sin, attention_mask=None, position_ids=pos[0], **cache
             )
             x, topk = tap.pop()
             accumulate_expert_stats(stats, x, topk, layer.mlp.experts, all_experts)

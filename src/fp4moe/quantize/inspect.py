@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fp4moe.formats import layouts, sharding
+from fp4moe.formats import kv_scales, layouts, sharding
 from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
 from fp4moe.formats.layouts import SUFFIXES, OutputFormat, detect_format
 from fp4moe.formats.nvfp4 import BLOCK_SIZE
@@ -39,6 +39,7 @@ class InspectReport:
     exclude_entries: int = 0
     mtp_tensors: int = 0
     vision_tensors: int = 0
+    kv_cache: str = "-"  # "fp8, calibrated scales" where the config declares an fp8 KV cache
     bytes_on_disk: int = 0
     bytes_bf16_equivalent: int = 0
     problems: list[str] = field(default_factory=list)
@@ -64,6 +65,7 @@ class InspectReport:
             ("exclude-list entries", str(self.exclude_entries)),
             ("MTP tensors", str(self.mtp_tensors)),
             ("vision tensors", str(self.vision_tensors)),
+            ("KV cache", self.kv_cache),
             (
                 "size",
                 f"{self.bytes_on_disk / gb:.3f} GB ({ratio:.1%} of {self.bytes_bf16_equivalent / gb:.3f} GB bf16)",
@@ -116,6 +118,68 @@ def _check_hf_quant_config(path: Path, report: InspectReport) -> None:
         )
     if q.get("group_size") not in (None, BLOCK_SIZE):
         report.problems.append(f"hf_quant_config.json group_size {q.get('group_size')} is not {BLOCK_SIZE}")
+
+
+def _declared_kv_cache(config: dict, path: Path, fmt: OutputFormat, problems: _Problems) -> bool:
+    """Whether the quantization config declares an fp8 KV cache (ModelOpt: ``kv_cache_quant_algo``, in
+    config.json and hf_quant_config.json alike; compressed-tensors: ``kv_cache_scheme``)."""
+    qc = config.get("quantization_config") or {}
+    if fmt is OutputFormat.COMPRESSED_TENSORS:
+        scheme = qc.get("kv_cache_scheme")
+        if scheme is not None and (scheme.get("type"), scheme.get("num_bits"), scheme.get("strategy")) != (
+            "float",
+            8,
+            "tensor",
+        ):
+            problems.add(
+                "kv", f"kv_cache_scheme {scheme} is not per-tensor 8-bit float, the scales written here"
+            )
+        return scheme is not None
+    algo = qc.get("kv_cache_quant_algo")
+    hf = path / "hf_quant_config.json"
+    if hf.exists():
+        try:
+            hf_algo = (json.loads(hf.read_text()).get("quantization") or {}).get("kv_cache_quant_algo")
+        except (json.JSONDecodeError, AttributeError):
+            hf_algo = algo  # reported by _check_hf_quant_config
+        if hf_algo != algo:
+            problems.add(
+                "kv",
+                f"kv_cache_quant_algo is {algo!r} in config.json but {hf_algo!r} in hf_quant_config.json",
+            )
+    if algo not in (None, "FP8"):
+        problems.add("kv", f"kv_cache_quant_algo {algo!r}: only FP8 (or none) is supported")
+    return algo == "FP8"
+
+
+def _check_kv_scales(reader, cfg, fmt: OutputFormat, path: Path, prefix: str, report, problems) -> None:
+    """Every full-attention layer has its k and v scale under the format's names, each a positive finite
+    scalar, exactly where the config declares an fp8 KV cache."""
+    declared = _declared_kv_cache(cfg.raw, path, fmt, problems)
+    found = kv_scales.find(reader.names(), arch.layer_of)
+    attention = [i for i, t in enumerate(cfg.text.layer_types) if t == "full_attention"]
+    if not declared:
+        if found:
+            problems.add(
+                "kv",
+                f"k/v cache scales are present ({len(found)} layers) but the quantization config declares no "
+                "fp8 KV cache (kv_cache_quant_algo FP8 / kv_cache_scheme): vLLM would not load them",
+            )
+        return
+    for i in sorted(set(found) - set(attention)):
+        problems.add("kv", f"layer {i} is not a full-attention layer but has k/v cache scales")
+    for i in attention:
+        for kind, name in zip("kv", kv_scales.names(fmt, f"{prefix}layers.{i}."), strict=True):
+            if found.get(i, {}).get(kind) != name:
+                other = found.get(i, {}).get(kind)
+                problems.add(
+                    "kv", f"{name} missing" + (f" ({other} found: the other format's name)" if other else "")
+                )
+                continue
+            t = reader.get(name)
+            if tuple(t.shape) not in SCALAR_SHAPES or not t.is_floating_point() or not _scalar_ok(t):
+                problems.add("kv", f"{name} must be a positive finite scalar, got {t.dtype} {tuple(t.shape)}")
+    report.kv_cache = f"fp8, k/v scales in {len(attention)} attention layer(s)"
 
 
 def _scalar_ok(t: torch.Tensor) -> bool:
@@ -425,6 +489,8 @@ def inspect_checkpoint(
     if not problem:
         _check_exclude_list(reader, fmt, entries, cfg.text, prefix, problems)
     _check_fused_groups(reader, fmt, prefix, cfg.text.num_layers, problems)
+    if not problem:
+        _check_kv_scales(reader, cfg, fmt, path, prefix, report, problems)
 
     report.mtp_tensors = sum(n.startswith("mtp.") for n in reader.names())
     report.vision_tensors = sum(arch.classify(n) is arch.Role.VISION for n in reader.names())

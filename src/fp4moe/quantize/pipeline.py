@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from fp4moe.data.windows import random_windows
-from fp4moe.formats import fp8, layouts, nvfp4
+from fp4moe.formats import fp8, kv_scales, layouts, nvfp4
 from fp4moe.formats.checkpoint import (
     INDEX_NAME,
     CheckpointReader,
@@ -165,7 +165,10 @@ def write_linear_group(
 def _quantization_configs(fmt: OutputFormat, exclude: list[str], kv: str | None) -> tuple[dict, dict | None]:
     if fmt is OutputFormat.MODELOPT:
         return layouts.modelopt_quantization_config(exclude, kv), layouts.hf_quant_config(exclude, kv)
-    return layouts.compressed_tensors_quantization_config(exclude, ["Linear"]), None
+    config = layouts.compressed_tensors_quantization_config(exclude, ["Linear"])
+    if kv == "FP8":
+        config["kv_cache_scheme"] = kv_scales.compressed_tensors_scheme()
+    return config, None
 
 
 @dataclass
@@ -275,6 +278,8 @@ def _quantize_layer(run: _Run, i: int, block, hidden: torch.Tensor, tensors: _La
         modules = {n.removesuffix(".weight") for n in layer_tensors if n.endswith(".weight")}
         groups = arch.layer_groups(options.quantize_extra, modules)
         taps = extra.InputAmax(layer, [m for g, _ in groups for m in g])
+        attention = run.text_config.layer_types[i] == "full_attention"
+        kv_tap = calibrate.KVTap() if options.kv_cache_quant_algo == "FP8" and attention else None
         try:
             hidden, stats = calibrate.calibrate_layer(
                 layer,
@@ -283,6 +288,7 @@ def _quantize_layer(run: _Run, i: int, block, hidden: torch.Tensor, tensors: _La
                 all_experts=options.calibrate_all_experts,
                 batch_size=options.batch_size,
                 hessians=options.gptq,
+                kv_tap=kv_tap,
             )
         finally:
             taps.remove()
@@ -304,6 +310,11 @@ def _quantize_layer(run: _Run, i: int, block, hidden: torch.Tensor, tensors: _La
         for name, t in dense.items():
             run.writer.add(name, t)
         write_experts(run.writer, options.format, block.prefix, q)
+        if kv_tap is not None:
+            for name, amax in zip(
+                kv_scales.names(options.format, head), kv_tap.amax.amax(dim=1), strict=True
+            ):
+                run.writer.add(name, kv_scales.scale_from_amax(amax))
     run.fallbacks += [[i, int(e)] for e in q.fallback.nonzero().flatten()]
     run.num_calibrated += int(stats.calibrated.sum())
     seen = stats.num_tokens[stats.calibrated]
