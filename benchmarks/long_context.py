@@ -204,6 +204,9 @@ def main() -> int:
     )
     ap.add_argument("--decode-contexts", default="1024,32768,131072,262144,524288", help="decode contexts")
     ap.add_argument("--batches", default="1,16,64", help="decode batch sizes (plus the largest that fits)")
+    ap.add_argument(
+        "--decode-kv", default="both", help="KV cache dtypes for the decode rows (fp8, auto or both)"
+    )
     ap.add_argument("--skip", default="", help="parts to skip: kernel, prefill, decode, capacity")
     ap.add_argument(
         "--repeats", type=int, default=3,
@@ -233,7 +236,9 @@ def main() -> int:
         kvs = ("fp8", "auto") if args.prefill_kv == "both" else (args.prefill_kv,)
         for kv in kvs:
             for tokens in ints(args.prefill):
-                r = chunked_prefill(model, tokens, args.chunk, kv, peak, args.repeats if tokens <= 131072 else 1)
+                r = chunked_prefill(
+                    model, tokens, args.chunk, kv, peak, args.repeats if tokens <= 131072 else 1
+                )
                 rows.append(r)
                 log(f"prefill {tokens:7d} kv={kv}: {r['tokens_per_s']:8.0f} tok/s, {r['tflops']:6.1f} TFLOP/s = "
                     f"{r['pct_peak']:.1%} of peak; chunk 1 {r['first_chunk_s'] * 1e3:.0f} ms, chunk "
@@ -243,7 +248,7 @@ def main() -> int:
         from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
 
         for ctx in ints(args.decode_contexts):
-            for kv in ("fp8", "auto"):
+            for kv in ("fp8", "auto") if args.decode_kv == "both" else (args.decode_kv,):
                 free = torch.cuda.mem_get_info()[0] - (6 << 30)  # activations, graphs, the split buffers
                 fits = [b for b in GRAPH_BATCH_SIZES if b * seq_bytes(model, ctx, kv) <= free]
                 if not fits:
@@ -252,7 +257,10 @@ def main() -> int:
                 batches = sorted({b for b in ints(args.batches) if b <= fits[-1]} | {fits[-1]})
                 for b in batches:
                     runs = sorted(
-                        (common.decode_row(model, "nvfp4", b, ctx, kv, bw) for _ in range(max(1, args.repeats))),
+                        (
+                            common.decode_row(model, "nvfp4", b, ctx, kv, bw)
+                            for _ in range(max(1, args.repeats))
+                        ),
                         key=lambda r: r["replay_s"],
                     )
                     r = runs[len(runs) // 2]  # the median run, every run's rates beside it
