@@ -291,7 +291,7 @@ def acceptance_rows(manifest: dict, by_id: dict[str, Figure]) -> list[str]:
     return out
 
 
-def render_section(figures: list[Figure], manifest: dict, git_ok: bool) -> str:
+def render_section(figures: list[Figure], manifest: dict) -> str:
     by_id = {f.id: f for f in figures}
     lines = [
         "## Current figures",
@@ -307,8 +307,6 @@ def render_section(figures: list[Figure], manifest: dict, git_ok: bool) -> str:
     ]
     for name, den in manifest["denominators"].items():
         lines.append(f"- {name}: measured {den['what']}; datasheet: {den['datasheet_what']}.")
-    if not git_ok:
-        lines += ["", "(Built without git history: figures not checked for code changed since.)"]
     section = None
     for f in figures:
         if f.spec["section"] != section:
@@ -448,15 +446,14 @@ def build(manifest: dict, git_ok: bool) -> tuple[list[Figure], str, str, str]:
         mark_stale(figures, manifest)
     return (
         figures,
-        render_section(figures, manifest, git_ok),
+        render_section(figures, manifest),
         render_readme(figures, manifest),
         render_index(manifest),
     )
 
 
 def _without_staleness(text: str) -> str:
-    text = re.sub(r"measured at ([^|]*?)" + re.escape(STALE_MARK), r"\1", text)
-    return text.replace("\n(Built without git history: figures not checked for code changed since.)\n", "\n")
+    return re.sub(r"measured at ([^|]*?)" + re.escape(STALE_MARK), r"\1", text)
 
 
 def check(manifest: dict, git_ok: bool) -> list[str]:
@@ -533,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         figures, section, readme, index = build(manifest, git_ok)
         if args.write:
+            if not git_ok:
+                print("warning: no git history here: no figure marked stale", file=sys.stderr)
             BENCHMARKS_MD.write_text(
                 replace_block(BENCHMARKS_MD.read_text(), BEGIN, END, section, "BENCHMARKS.md")
             )

@@ -90,5 +90,6 @@ def load_script(relative: str):
         sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # as an import does (dataclasses look their module up there)
     spec.loader.exec_module(module)
     return module
