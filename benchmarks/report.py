@@ -399,7 +399,17 @@ KINDS = [  # file name prefix -> what it is (the index's second column)
 ]
 
 
+def history_sections() -> list[tuple[str, str]]:
+    """(heading, text) of each ``## `` section of benchmarks/HISTORY.md: the run that wrote a file."""
+    history = ROOT / "benchmarks" / "HISTORY.md"
+    if not history.exists():
+        return []
+    parts = re.split(r"^## (.+)$", history.read_text(), flags=re.M)
+    return list(zip(parts[1::2], parts[2::2], strict=True))
+
+
 def render_index(manifest: dict) -> str:
+    sections = history_sections()
     used: dict[str, list[str]] = {}
     for f in manifest["figure"]:
         used.setdefault(f["file"], []).append(f["id"])
@@ -411,15 +421,22 @@ def render_index(manifest: dict) -> str:
         "record (commit, command, device, versions, date, repeats); older ones carry what their names say (date,",
         "commit) and BENCHMARKS.md's history (`benchmarks/HISTORY.md`) gives their commands.",
         "",
-        "| file | what | figures |",
-        "|---|---|---|",
+        "| file | what | run (HISTORY.md section that cites it) | figures |",
+        "|---|---|---|---|",
     ]
     for path in sorted(p for p in RESULTS.rglob("*") if p.is_file() and p.name != "INDEX.md"):
         rel = path.relative_to(RESULTS).as_posix()
         what = next((w for prefix, w in KINDS if rel.startswith(prefix)), "")
         if path.suffix == ".png":
             what = "plot of the JSON of the same name"
-        lines.append(f"| `{rel}` | {what} | {', '.join(used.get(rel, []))} |")
+        elif path.suffix == ".log" and not rel.startswith("gpu-test"):
+            what = f"log of the run; {what}"
+        stem = path.name.split(".")[0]
+        m = COMMIT.search(path.name)
+        cited = next((h for h, text in sections if stem in text), "") or next(
+            (f"{h} (cites its commit)" for h, text in sections if m and m[1] in text), ""
+        )
+        lines.append(f"| `{rel}` | {what} | {cited} | {', '.join(used.get(rel, []))} |")
     return "\n".join(lines) + "\n"
 
 

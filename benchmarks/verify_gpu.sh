@@ -14,7 +14,7 @@
 #   served  serve.py twice (empty Triton cache: the first start is the cold-start figure): plain at 1/16/64
 #           streams, pp 512 / tg 128, pp 128 / tg 1024 and SGLang's 8K / 1K; then MTP with forced acceptance
 #           and the 32K draft vocabulary; 3 runs a row (~7-8 min)
-# Results: $OUT (the device tool's return folder) or benchmarks/results/verify/, named
+# Results: $OUT (the device tool's return folder) or out/verify/ (git-ignored), named
 # <kind>-<device>-<date>-<commit>.json, each with its provenance record; FP4MOE_COMMIT names the commit where
 # git is absent (`make gpu-verify` passes it). Then, here: point benchmarks/figures.toml's `file` lines at them
 # and run `python benchmarks/report.py --write`.
@@ -45,7 +45,7 @@ fi
 device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | awk '{print tolower($NF)}')
 device=${device:-gpu}
 date=$(date -u +%F)
-results=${OUT:-benchmarks/results/verify}
+results=${OUT:-out/verify}
 budget=${FP4MOE_STAGE_BUDGET_S:-570}
 name() { echo "$results/$1-$device-$date-$commit.json"; }
 
