@@ -260,7 +260,7 @@ def full_size(args) -> int:
                 torch.cuda.empty_cache()
     out = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), model="full-size",
                rows=rows)  # fmt: skip
-    write_result(args.out, out, repeats=args.repeats)
+    write_result(args.out, out, repeats=1)  # one run: each figure the median of --rounds timed rounds in it
     print(
         "\n| context | batch | k | draft vocabulary | round tokens | step or round ms | round / step | "
         + " | ".join(f"x at {a:.0%}" for a in ALPHAS)

@@ -84,7 +84,7 @@ stage_engine() {
     --decode-contexts 1024,32768,131072,524288 --batches 1,16,64 --decode-kv fp8 --repeats 3 \
     --out "$(name long-context)"
   run python3 benchmarks/spec_decode.py --full-size --ks 0 2 --batches 1 8 32 --draft-vocabs 0 32768 \
-    --profile --repeats 3 --out "$(name spec-decode-full)"
+    --profile --out "$(name spec-decode-full)"
 }
 
 stage_served() {
