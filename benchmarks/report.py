@@ -267,26 +267,35 @@ def fmt_measured(f: Figure) -> str:
 
 
 def acceptance_rows(manifest: dict, by_id: dict[str, Figure]) -> list[str]:
-    """What a k = 2 round must carry to reach a peer's time a token: its measured cost (the served round =
-    tokens a round ÷ tok/s), the tokens a round that cost needs, and the per-position acceptance a (1 + a + a²
-    tokens a round) and drafts-accepted rate ((a + a²) / 2) that give them."""
+    """What a k = 2 round must carry to reach a peer's time a token: the round's measured cost (served: tokens
+    a round ÷ tok/s; or a timed round read from the file), the tokens a round that cost needs, and the
+    per-position acceptance a (1 + a + a² tokens a round) and drafts-accepted rate ((a + a²) / 2) giving them."""
     out = []
     for spec in manifest.get("acceptance", []):
         f = by_id[spec["ours"]]
         data = json.loads((RESULTS / f.spec["file"]).read_text())
-        tokens = float(select(data, spec["tokens_per_round"])[0])
-        tok_s = float(select(data, f.spec["value"])[0])
-        round_ms = tokens / tok_s * 1e3
+        if "tokens_per_round" in spec:
+            tokens = float(select(data, spec["tokens_per_round"])[0])
+            round_ms = tokens / f.value * 1e3
+            how = (
+                f"a served round at this shape ({f.spec['label']}: {tokens:.2f} tokens a round at {f.value:,.1f} "
+                f"tok/s, so **{round_ms:.2f} ms a round**, measured at {f.commit})"
+            )
+        else:
+            round_ms = float(select(data, spec["round"])[0]) * spec.get("scale", 1.0)
+            how = f"{spec['what']} (**{round_ms:.2f} ms**, measured at {f.commit})"
         need = round_ms / spec["target_ms"]
         a = 0.0 if need <= 1 else (-1 + math.sqrt(4 * need - 3)) / 2
         out.append(
-            f"- To match {spec['peer']} with k = 2, a served round at this shape ({f.spec['label']}: "
-            f"{tokens:.2f} tokens a round at {tok_s:,.1f} tok/s, so **{round_ms:.2f} ms a round**, measured at "
-            f"{f.commit}) must carry **{need:.2f} tokens**: a per-position draft acceptance of **{a:.0%}** "
-            f"(1 + a + a² tokens a round), i.e. **{(a + a * a) / 2:.0%} of drafted tokens accepted**. This "
-            f"assumes a round costs the same whatever is accepted (the engine's rounds do: "
-            f"`spec_decode.py --full-size` times them by accepted count) and says nothing of the acceptance a "
-            f"head reaches on real text: ours has been measured only on random weights."
+            f"- To match {spec['peer']} with k = 2, {how} must carry **{need:.2f} tokens**: a per-position draft "
+            f"acceptance of **{a:.0%}** (1 + a + a² tokens a round), i.e. **{(a + a * a) / 2:.0%} of drafted "
+            f"tokens accepted**."
+        )
+    if out:
+        out.append(
+            "- Both assume a round costs the same whatever is accepted (the engine's rounds do: `spec_decode.py "
+            "--full-size` times them by accepted count) and say nothing of the acceptance a head reaches on real "
+            "text: ours has been measured only on random weights, with acceptance forced."
         )
     return out
 
@@ -340,7 +349,7 @@ def render_section(figures: list[Figure], manifest: dict) -> str:
                 x = float(select(json.loads((RESULTS / v["file"]).read_text()), v["select"])[0])
                 peer += f"; {v['label']} {v.get('fmt', '{:,.0f}').format(x)} (`{v['file']}`)"
             lines.append(
-                f"| {f.spec['label']}, {f.spec['section'].split(' (')[0].split(':')[0]} | {fmt_value(f)}{also}, "
+                f"| {f.spec['section'].split(' (')[0].split(':')[0]}: {f.spec['label']} | {fmt_value(f)}{also}, "
                 f"{fmt_measured(f)} | {peer} | {'; '.join(c['differences'])} |"
             )
         lines += [""] + acceptance_rows(manifest, by_id)
