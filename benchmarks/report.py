@@ -95,6 +95,18 @@ def runs_beside(parent: dict | None, key: str | None) -> list[float] | None:
     return None
 
 
+def recorded_runs(parent: dict | None) -> int | None:
+    """How many runs a recorded median is of, where the row says: ``runs`` (long_context.py's prefill rows,
+    quantize.py's medians) or a served row's requests over its concurrency (``--runs`` rounds of it)."""
+    if not parent:
+        return None
+    if isinstance(parent.get("runs"), int) and not isinstance(parent.get("runs"), bool):
+        return parent["runs"]
+    if isinstance(parent.get("requests"), int) and parent.get("concurrency"):
+        return parent["requests"] // parent["concurrency"]
+    return None
+
+
 # ---- figures --------------------------------------------------------------------------------------------------
 
 
@@ -149,7 +161,9 @@ def load_figure(spec: dict, manifest: dict) -> Figure:
         value = statistics.median(runs)
     value = _transform(value, spec)
     runs = [_transform(x, spec) for x in runs] if runs else None
-    run_count = len(runs) if runs else int(spec.get("runs") or prov.get("repeats") or 1)
+    run_count = (
+        len(runs) if runs else int(recorded_runs(parent) or prov.get("repeats") or spec.get("runs") or 1)
+    )
     share = datasheet = measured = None
     if "share" in spec:
         s, sparent, skey = select(data, spec["share"])
