@@ -81,6 +81,11 @@ def test_runs_give_the_median_and_spread(tmp_path, monkeypatch):
     assert report.fmt_runs(f) == "2 runs: 4, 6"
     f = _figure(tmp_path, monkeypatch, {"rows": [{"b": 1, "t": 5.0}]}, value="rows[b=1]/t", runs=3)
     assert report.fmt_runs(f) == "median of 3, spread not recorded"
+    served = {"served": {"off": [{"concurrency": 16, "requests": 48, "aggregate_tps_median": 5.0}]}}
+    f = _figure(
+        tmp_path, monkeypatch, served, value="served/off[concurrency=16]/aggregate_tps_median", runs=9
+    )
+    assert report.fmt_runs(f) == "median of 3, spread not recorded"  # the row's own count: 48 requests / 16
     prov = {"commit": "abcdef0", "dirty": True, "date": "2027-01-02T03:04:05+00:00", "repeats": 1}
     f = _figure(tmp_path, monkeypatch, {"t": 4.0, "provenance": prov}, value="t", reciprocal=1000)
     assert f.value == 250.0 and report.fmt_runs(f) == "1 run"
