@@ -220,7 +220,10 @@ def git(*args: str) -> str | None:
 
 
 def git_available() -> bool:
-    return git("rev-parse", "--verify", "-q", "HEAD") is not None
+    """A clone with its whole history (a shallow one cannot tell when code last changed)."""
+    return git("rev-parse", "--verify", "-q", "HEAD") is not None and git(
+        "rev-parse", "--is-shallow-repository"
+    ) in ("false", None)
 
 
 def mark_stale(figures: list[Figure], manifest: dict) -> None:
@@ -554,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.stale:
             if not git_ok:
-                print("--stale needs git history (a clone with .git; in CI a full clone): not available here",
+                print("--stale needs git history (a clone with .git, not shallow): not available here",
                       file=sys.stderr)  # fmt: skip
                 return 2
             figures, *_ = build(manifest, git_ok)
