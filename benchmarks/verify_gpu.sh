@@ -7,7 +7,8 @@
 # One stage per device call, each held under 9.5 minutes by a time budget (FP4MOE_STAGE_BUDGET_S, default 570 s:
 # each command runs under `timeout` with what is left of it; the scripts save as they go, so a cut run keeps
 # its rows); about 25 minutes in all:
-#   tests   scripts/gpu_test.sh -n 4: the GPU tests (~5-9 min: 4-5 min per half, run one after the other)
+#   tests   JOBS=8 scripts/gpu_test.sh: the GPU tests (serially ~8-10 min in the last runs; the kernel and layer
+#           tests in 8 processes, the engine-sizing ones one at a time, to bring it under the budget)
 #   engine  long_context.py: decode at 1K/32K/128K/512K x batch 1/16/64, fp8 KV, prefill 8K/32K/128K, each 3
 #           runs (~5 min); spec_decode.py --full-size: rounds against plain steps at batch 1/8/32 with and
 #           without the 32K draft vocabulary, under the profiler (~2-3 min)
@@ -16,7 +17,7 @@
 #           and the 32K draft vocabulary; 3 runs a row (~7-8 min)
 # Results: $OUT (the device tool's return folder) or out/verify/ (git-ignored), named
 # <kind>-<device>-<date>-<commit>.json, each with its provenance record; FP4MOE_COMMIT names the commit where
-# git is absent (`make gpu-verify` passes it). Then, here: point benchmarks/figures.toml's `file` lines at them
+# git is absent (set it in the device call: FP4MOE_COMMIT=<commit> benchmarks/verify_gpu.sh engine). Then, here: point benchmarks/figures.toml's `file` lines at them
 # and run `python benchmarks/report.py --write`.
 # --dry-run prints the commands without running anything (no GPU needed; CI tests it).
 set -uo pipefail
@@ -29,7 +30,7 @@ for a in "$@"; do
     --dry-run) dry=1 ;;
     tests | engine | served) stages+=("$a") ;;
     all) stages+=(tests engine served) ;;
-    -h | --help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown stage or option: $a (tests, engine, served, all; --dry-run)" >&2; exit 2 ;;
   esac
 done
@@ -75,8 +76,8 @@ setup() {
   python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"' || exit 2
 }
 
-stage_tests() {
-  run scripts/gpu_test.sh -n 4
+stage_tests() {  # kernel and layer tests in JOBS processes (scripts/gpu_test.sh), the engine-sizing ones alone
+  run env JOBS="${JOBS:-8}" scripts/gpu_test.sh
 }
 
 stage_engine() {
@@ -99,6 +100,7 @@ stage_served() {
   run cp "$results/serve-mtp/serve.json" "$(name serve-spec)"
 }
 
+[ "$commit" = unknown ] && echo "warning: no git and no FP4MOE_COMMIT: results will not say their commit" >&2
 echo "verify_gpu: stages ${stages[*]}; commit $FP4MOE_COMMIT; results in $results; ${budget} s a stage"
 setup
 status=0
