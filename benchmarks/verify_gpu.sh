@@ -17,8 +17,8 @@
 #           and the 32K draft vocabulary; 3 runs a row (~7-8 min)
 # Results: $OUT (the device tool's return folder) or out/verify/ (git-ignored), named
 # <kind>-<device>-<date>-<commit>.json, each with its provenance record; FP4MOE_COMMIT names the commit where
-# git is absent (set it in the device call: FP4MOE_COMMIT=<commit> benchmarks/verify_gpu.sh engine). Then, here: point benchmarks/figures.toml's `file` lines at them
-# and run `python benchmarks/report.py --write`.
+# git is absent (set it in the device call: FP4MOE_COMMIT=<commit> benchmarks/verify_gpu.sh engine). Then,
+# here: point benchmarks/figures.toml's `file` lines at them and run `python benchmarks/report.py --write`.
 # --dry-run prints the commands without running anything (no GPU needed; CI tests it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
