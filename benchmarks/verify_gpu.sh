@@ -30,7 +30,7 @@ for a in "$@"; do
     --dry-run) dry=1 ;;
     tests | engine | served) stages+=("$a") ;;
     all) stages+=(tests engine served) ;;
-    -h | --help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown stage or option: $a (tests, engine, served, all; --dry-run)" >&2; exit 2 ;;
   esac
 done
