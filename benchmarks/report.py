@@ -123,7 +123,7 @@ class Figure:
     commit: str | None
     date: str | None
     device: str | None
-    stale: str | None = None  # None: current or unknown; else the latest commit that changed its code
+    stale: str | None = None  # None: current or unknown; else the commits that changed its code since
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -227,17 +227,17 @@ def git_available() -> bool:
 
 
 def mark_stale(figures: list[Figure], manifest: dict) -> None:
-    """Set ``stale`` (the latest commit that changed the figure's code after its commit) or a note when its
-    commit is not in this clone's history."""
+    """Set ``stale`` (how many commits changed the figure's code after its commit, and the first) or a note
+    when its commit is not in this clone's history."""
     for f in figures:
         commit = (f.commit or "").removesuffix("-dirty")
         if not commit or git("cat-file", "-e", f"{commit}^{{commit}}") is None:
             f.notes.append("commit not in this clone's history")
             continue
         paths = manifest["code"][f.spec["code"]]
-        latest = git("log", "-1", "--format=%h", f"{commit}..HEAD", "--", *paths)
-        if latest:
-            f.stale = latest
+        changes = (git("log", "--format=%h", f"{commit}..HEAD", "--", *paths) or "").split()
+        if changes:  # the first change after the measurement, and how many since
+            f.stale = f"{len(changes)} commit{'s' * (len(changes) > 1)}, the first {changes[-1]}"
 
 
 # ---- rendering ------------------------------------------------------------------------------------------------
@@ -563,9 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             figures, *_ = build(manifest, git_ok)
             for f in figures:
                 if f.stale:
-                    print(
-                        f"{f.id}: measured at {f.commit}; {f.spec['code']} code changed since (latest {f.stale})"
-                    )
+                    print(f"{f.id}: measured at {f.commit}; {f.spec['code']} code changed since ({f.stale})")
                 elif f.notes:
                     print(f"{f.id}: {f.commit}: {'; '.join(f.notes)}")
             n = sum(bool(f.stale) for f in figures)
