@@ -70,9 +70,11 @@ def select(data, selector: str):
         m = re.fullmatch(r"([^\[\]]+)(?:\[([^\]]*)\])?", part)
         if not m:
             raise ManifestError(f"bad selector part {part!r} in {selector!r}")
-        name, cond = m.groups()
-        if not isinstance(node, dict) or name not in node:
-            raise ManifestError(f"{selector!r}: no key {name!r}")
+        names, cond = m.groups()
+        # a|b: the first of the keys the file has (a run's mode renamed since)
+        name = next((n for n in names.split("|") if isinstance(node, dict) and n in node), None)
+        if name is None:
+            raise ManifestError(f"{selector!r}: no key {names!r}")
         parent, key, node = node, name, node[name]
         if cond is not None:
             conditions = dict(c.split("=", 1) for c in cond.split(",") if c)

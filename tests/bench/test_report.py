@@ -55,6 +55,10 @@ def test_selectors():
     assert report.select(data, "rows[k=2,batch=1]/x")[0] == 2.0
     assert report.select(data, "rows[k=0,v?=0]/x")[0] == 1.0  # absent key: matches
     assert report.select({"a": {"0.8": 3}}, "a/0.8")[0] == 3
+    assert (
+        report.select({"off": 1, "old": 2}, "old|off")[0] == 2
+        and report.select({"off": 1}, "old|off")[0] == 1
+    )
     assert report.select({"m": [{"on": True, "s": 1}, {"on": False, "s": 2}]}, "m[on=true]/s")[0] == 1
     with pytest.raises(report.ManifestError, match="matches 2"):
         report.select(data, "rows[k=2]/x")
