@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(VENV)/bin/pip check
 	touch $@
 
-.PHONY: setup demo test lint lock gpu-test
+.PHONY: setup demo test lint lock gpu-test gpu-verify
 setup: $(VENV)/.installed
 
 demo: setup
@@ -35,3 +35,9 @@ lock:
 # on the GPU machine (no network): the carried wheels (scripts/gpu_wheels.sh) and every GPU test
 gpu-test:
 	scripts/gpu_test.sh
+
+# on the GPU machine: the GPU tests and every benchmark behind BENCHMARKS.md's current table, one stage per
+# device call (STAGES: tests, engine, served or all; each under 9.5 min), results with provenance in $OUT
+STAGES ?= all
+gpu-verify:
+	benchmarks/verify_gpu.sh $(STAGES)

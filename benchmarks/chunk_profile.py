@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import statistics
 import time
 
 import torch
 from common import _kernel_table, build_model, log
+from provenance import write_result
 
 
 def chunk_runner(model, max_len: int, kv: str):
@@ -156,8 +156,7 @@ def main() -> None:
             log(f"  {r['self_cpu_us'] / 1e3:8.2f} ms x{r['calls']:5d}  {r['op']}")
         log(p["cprofile"])
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(rows=rows, profile=p, kv=args.kv), f, indent=1)
+        write_result(args.out, dict(rows=rows, profile=p, kv=args.kv), repeats=args.repeats, indent=1)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import statistics
 import time
 
 import torch
+from provenance import provenance, write_result  # noqa: F401 (every script writes its results through these)
 
 from fp4moe.engine.dummy import fill_random
 from fp4moe.models.qwen3_5_moe import REAL_TEXT_CONFIG

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from common import build_model, copy_bandwidth, decode_row, kernel_breakdown, log, matmul_peak, time_prefill
+from provenance import write_result
 
 # ---- 1. correctness gate ------------------------------------------------------------------------------
 
@@ -209,7 +209,7 @@ def main() -> int:
         del model
         torch.cuda.empty_cache()
     out["decode"] = rows
-    Path(args.out).write_text(json.dumps(out, indent=2, default=float))
+    write_result(args.out, out)
     log(
         "\n| model | kv | batch | context | tok/s (engine) | tok/s (graph) | GB/s | roofline tok/s | % roofline |"
     )

@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+from provenance import write_result
 
 
 def main() -> None:
@@ -86,8 +87,7 @@ def main() -> None:
         print(profile.get("cuda", ""))
     llm.runner.first_drafts.use_graphs = True
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_result(args.out, results, repeats=args.runs, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,13 @@ N). This is the cost that the decode step's ~400 launches pay per kernel boundar
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
 import triton
 import triton.language as tl
 from common import event_seconds
+from provenance import write_result
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
@@ -70,8 +70,7 @@ def main() -> None:
             print(f"grid {grid:4d} PDL {pdl!s:5} early trigger {early!s:5}: {us / n:5.2f} us per kernel, "
                   f"ordered {ordered}", flush=True)  # fmt: skip
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), kernels=n, rows=rows), f, indent=1)
+        write_result(args.out, dict(device=torch.cuda.get_device_name(), kernels=n, rows=rows), indent=1)
 
 
 if __name__ == "__main__":

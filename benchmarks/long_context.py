@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 from functools import partial
 from pathlib import Path
 
 import torch
+from provenance import write_result
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
@@ -154,7 +154,8 @@ def chunked_prefill(model, tokens: int, chunk: int, kv_dtype: str, peak: float, 
     runner.kv.free(0)
     return dict(kind="prefill", kv=kv_dtype, tokens=tokens, chunk=chunk, seconds=t, tokens_per_s=tokens / t,
                 tflops=flops / t / 1e12, pct_peak=flops / t / peak, first_chunk_s=middle[0], last_chunk_s=middle[-1],
-                chunks=len(middle), runs=repeats)  # fmt: skip
+                chunks=len(middle), runs=repeats,
+                tokens_per_s_runs=[tokens / sum(r) for r in runs], pct_peak_runs=[flops / sum(r) / peak for r in runs])  # fmt: skip
 
 
 # ---- 3./4. decode and capacity ------------------------------------------------------------------------
@@ -203,7 +204,15 @@ def main() -> int:
     )
     ap.add_argument("--decode-contexts", default="1024,32768,131072,262144,524288", help="decode contexts")
     ap.add_argument("--batches", default="1,16,64", help="decode batch sizes (plus the largest that fits)")
+    ap.add_argument(
+        "--decode-kv", default="both", help="KV cache dtypes for the decode rows (fp8, auto or both)"
+    )
     ap.add_argument("--skip", default="", help="parts to skip: kernel, prefill, decode, capacity")
+    ap.add_argument(
+        "--repeats", type=int, default=3,
+        help="timed runs per prefill (prompts up to 128K; longer ones run once) and per decode row (each a fresh "
+        "runner and graph): the median is reported, every run kept beside it (*_runs)",
+    )  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -216,7 +225,7 @@ def main() -> int:
     out.update(copy_bandwidth=bw, matmul_peak=peak)
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
     rows = []
-    save = lambda: Path(args.out).write_text(json.dumps(out | {"rows": rows}, indent=2, default=float))  # noqa: E731
+    save = lambda: write_result(args.out, out | {"rows": rows}, repeats=args.repeats)  # noqa: E731
     if "kernel" not in skip:
         tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles.split(";") if t]
         rows += kernel_rows(args.chunk, ints(args.kernel_prefixes), peak, tiles)
@@ -227,7 +236,9 @@ def main() -> int:
         kvs = ("fp8", "auto") if args.prefill_kv == "both" else (args.prefill_kv,)
         for kv in kvs:
             for tokens in ints(args.prefill):
-                r = chunked_prefill(model, tokens, args.chunk, kv, peak, 3 if tokens <= 32768 else 1)
+                r = chunked_prefill(
+                    model, tokens, args.chunk, kv, peak, args.repeats if tokens <= 131072 else 1
+                )
                 rows.append(r)
                 log(f"prefill {tokens:7d} kv={kv}: {r['tokens_per_s']:8.0f} tok/s, {r['tflops']:6.1f} TFLOP/s = "
                     f"{r['pct_peak']:.1%} of peak; chunk 1 {r['first_chunk_s'] * 1e3:.0f} ms, chunk "
@@ -237,7 +248,7 @@ def main() -> int:
         from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
 
         for ctx in ints(args.decode_contexts):
-            for kv in ("fp8", "auto"):
+            for kv in ("fp8", "auto") if args.decode_kv == "both" else (args.decode_kv,):
                 free = torch.cuda.mem_get_info()[0] - (6 << 30)  # activations, graphs, the split buffers
                 fits = [b for b in GRAPH_BATCH_SIZES if b * seq_bytes(model, ctx, kv) <= free]
                 if not fits:
@@ -245,7 +256,17 @@ def main() -> int:
                     continue
                 batches = sorted({b for b in ints(args.batches) if b <= fits[-1]} | {fits[-1]})
                 for b in batches:
-                    r = common.decode_row(model, "nvfp4", b, ctx, kv, bw)
+                    runs = sorted(
+                        (
+                            common.decode_row(model, "nvfp4", b, ctx, kv, bw)
+                            for _ in range(max(1, args.repeats))
+                        ),
+                        key=lambda r: r["replay_s"],
+                    )
+                    r = runs[len(runs) // 2]  # the median run, every run's rates beside it
+                    for key in ("tok_s", "tok_s_replay", "pct_roofline"):
+                        r[f"{key}_runs"] = [x[key] for x in runs]
+                    r["runs"] = len(runs)
                     r["largest_that_fits"] = b == fits[-1]
                     rows.append(r)
                     log(f"decode kv={kv:4s} B={b:3d} ctx={ctx:7d}: {r['tok_s']:8.1f} tok/s engine, "

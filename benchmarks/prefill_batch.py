@@ -17,13 +17,13 @@ ops by self host time and the kernels by device time.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from provenance import write_result
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -137,7 +137,7 @@ def main() -> int:
         for r in result["kernels"]:
             print(f"  {r['us'] / 1e3:8.2f} ms  {r['calls']:6d}  {r['kernel']}")
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
     return 0
 
 

@@ -9,10 +9,10 @@ torch ops (with their input shapes) whose own kernels took it.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from common import build_model, matmul_peak, time_prefill
+from provenance import write_result
 
 
 def main() -> None:
@@ -34,8 +34,7 @@ def main() -> None:
     for r in p["ops"][: args.top]:
         print(f"{r['us'] / 1e3:8.2f} ms  x{r['calls']:4d}  {r['op']}  {r['shapes']}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(p, f, indent=1, default=float)
+        write_result(args.out, p, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,13 @@ weights, and our engine runs NVFP4 weight-only, so the calibration seed changes 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+from provenance import write_result
 
 
 def heldout_slices(count: int) -> list[str]:
@@ -98,9 +99,7 @@ def main() -> None:
                 kl = [s["kl_mean"] for s in rows[-1]["slices"]]
                 print(f"{mix} {method} seed {seed}: KL per slice {', '.join(f'{x:.5f}' for x in kl)} "
                       f"({seconds:.0f} s to quantize, {size / 1e6:.1f} MB)", flush=True)  # fmt: skip
-    Path(args.out).write_text(
-        json.dumps(dict(reference=args.reference, slices=args.slices, bf16=base, runs=rows), indent=2) + "\n"
-    )
+    write_result(args.out, dict(reference=args.reference, slices=args.slices, bf16=base, runs=rows))
     print(table(base, rows))
 
 

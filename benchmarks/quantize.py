@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import write_result
 
 from fp4moe.formats.checkpoint import ShardedWriter
 from fp4moe.models.qwen3_5_moe import REAL_TEXT_CONFIG
@@ -245,7 +246,7 @@ def main() -> None:
     for row in summary:
         print(json.dumps(row), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"runs": results, "medians": summary}, indent=2) + "\n")
+        write_result(args.out, {"runs": results, "medians": summary}, repeats=args.repeats)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,13 @@ head dim x n^2 / 2 (QK^T and PV, causal half). Differences are against flash att
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 from common import event_seconds, log
+from provenance import write_result
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HEADS, KV_HEADS, DIM = 16, 2, 256
@@ -73,8 +73,7 @@ def main() -> None:
                 log(f"n = {n} {name:9s} gqa={gqa}: {t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s, "
                     f"max |diff| {diff:.1e}")  # fmt: skip
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+        write_result(args.out, dict(device=torch.cuda.get_device_name(), rows=rows), indent=1)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import collections
 import datetime
-import json
 import os
 import random
 import signal
@@ -49,6 +48,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from provenance import write_result
 
 HERE = Path(__file__).parent
 DECODE_SHAPE = (128, 1024)  # the decode-dominated target shape (pp, tg)
@@ -337,7 +337,7 @@ def main() -> int:
     p.add_argument("--pp", type=int, default=512, help="prompt tokens of the sweep (default 512)")
     p.add_argument("--tg", type=int, default=128, help="generated tokens of the sweep (default 128)")
     p.add_argument("--long-pp", type=int, default=8192, help="the single-stream long-prompt row (0: none)")
-    p.add_argument("--sglang", action="store_true", help="also pp 8192 / tg 1024 at concurrency 1 and 16")
+    p.add_argument("--sglang", action="store_true", help="also pp 8192 / tg 1024 at concurrency 1 and 16 (--runs runs each)")
     p.add_argument(
         "--decode-rows", action="store_true",
         help="also the decode-dominated shape (pp 128, tg 1024) at every --concurrency; --profile then samples "
@@ -435,7 +435,7 @@ def main() -> int:
                 runs = max(3, args.runs)
                 rows += bench(port, args.long_pp, args.tg, [1], runs, None, proc.pid, args.out)[0]
             if args.sglang:
-                rows += bench(port, 8192, 1024, [1, 16], 1, None, proc.pid, args.out)[0]
+                rows += bench(port, 8192, 1024, [1, 16], args.runs, None, proc.pid, args.out)[0]
             counters = server_counters(port) if args.engine == "fp4moe" else {"compiles_after_warmup": {}}
         finally:
             stop_server(proc)
@@ -446,7 +446,7 @@ def main() -> int:
         log(f"  kernels compiled after the warm-up: {compiled or 'none'}; engine steps: {counters}")
         if profile:
             result["profile"][spec] = profile
-        (args.out / "serve.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out / "serve.json", result, repeats=args.runs)
     if args.engine_rate:
         log("engine decode step")
         result["engine_rate"] = engine_rates(args.concurrency, args.pp + args.tg // 2)
@@ -455,7 +455,7 @@ def main() -> int:
         result["offline"] = offline(model, args.concurrency, args.pp, args.tg, args)
     if args.step_trace:
         result["step_trace"] = step_traces(result, args.out)
-    (args.out / "serve.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out / "serve.json", result, repeats=args.runs)
     table(result)
     return 0
 

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import write_result
 
 
 def prompts_from_heldout(tokenizer, count: int, length: int) -> list[list[int]]:
@@ -158,7 +159,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     out = dict(date=datetime.date.today().isoformat(), device=_device_name(device), model=args.model,
                context=args.context, max_tokens=args.max_tokens, rows=rows)  # fmt: skip
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, out, repeats=args.repeats)
     print(
         "\n| k | batch | decode tok/s | speedup vs k=0 | acceptance | per position | mean accepted length | lossless |"
     )
@@ -259,7 +260,7 @@ def full_size(args) -> int:
                 torch.cuda.empty_cache()
     out = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), model="full-size",
                rows=rows)  # fmt: skip
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, out, repeats=1)  # one run: each figure the median of --rounds timed rounds in it
     print(
         "\n| context | batch | k | draft vocabulary | round tokens | step or round ms | round / step | "
         + " | ".join(f"x at {a:.0%}" for a in ALPHAS)

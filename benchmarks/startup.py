@@ -14,9 +14,10 @@ Prints the load time, the phases (``LLM.warmup_phases``) and the slowest calls; 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
+
+from provenance import write_result
 
 
 def main() -> int:
@@ -134,20 +135,15 @@ def main() -> int:
         path = autotune_seeds.write(data, args.record_autotune)
         print(f"recorded {sum(map(len, data['kernels'].values()))} autotuning results to {path}")
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "startup.json").write_text(
-            json.dumps(
-                dict(
-                    load_s=load,
-                    warmup_s=warm,
-                    phases=phases,
-                    prefill_graphs=graphs,
-                    direct_captures=direct,
-                    calls=calls,
-                ),
-                indent=1,
-            )
+        result = dict(
+            load_s=load,
+            warmup_s=warm,
+            phases=phases,
+            prefill_graphs=graphs,
+            direct_captures=direct,
+            calls=calls,
         )
+        write_result(args.out / "startup.json", result, indent=1)
     return 0
 
 

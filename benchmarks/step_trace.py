@@ -14,13 +14,16 @@ run and the offline run of the same requests, side by side, show where serving l
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
 
 
 def read(path: Path, start: float = float("-inf"), end: float = float("inf")) -> list[dict]:
     """The trace's steps that started within [start, end)."""
-    steps = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    path = Path(path)  # the traces kept in benchmarks/results/ are gzipped
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    steps = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [s for s in steps if start <= s["t"] < end]
 
 

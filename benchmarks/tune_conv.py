@@ -13,10 +13,10 @@ then say False for a bf16 step on a few elements).
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from common import event_seconds
+from provenance import write_result
 
 from fp4moe.kernels import causal_conv
 
@@ -60,8 +60,7 @@ def main() -> None:
     sweep("window", WINDOW_CANDIDATES, "WINDOW_TILE")
     causal_conv.WINDOW = False
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), tokens=n, rows=out), f, indent=1)
+        write_result(args.out, dict(device=torch.cuda.get_device_name(), tokens=n, rows=out), indent=1)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
-from pathlib import Path
 from unittest import mock
 
 import torch
 from common import build_model, event_seconds, kernel_breakdown, log, random_runner
+from provenance import write_result
 
 from fp4moe import kernels
 from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
@@ -195,7 +194,7 @@ def main() -> int:
         for r in profiles[b][:14]:
             log(f"B={b:3d} {r['us']:9.1f} us  x{r['calls']:3d}  {r['kernel']}")
     out = dict(device=torch.cuda.get_device_name(), rows=rows, profiles=profiles)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_result(args.out, out)
     return 0
 
 

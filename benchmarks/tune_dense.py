@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
 
 import torch
 from common import LAYERS, graph_time
+from provenance import write_result
 
 from fp4moe.kernels import nvfp4_gemm as gemm
 from fp4moe.kernels import nvfp4_gemv as gemv
@@ -100,8 +100,7 @@ def main() -> None:
                 flush=True,
             )
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_result(args.out, results, indent=1)
 
 
 if __name__ == "__main__":

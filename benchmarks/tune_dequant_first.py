@@ -16,13 +16,13 @@ bf16 GEMM saves (BENCHMARKS.md). The kernel is kept here, not in the package.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
 import triton
 import triton.language as tl
 from common import E, H, I, K, event_seconds, graph_time, log, weights
+from provenance import write_result
 
 from fp4moe.kernels import moe_routing as mr
 from fp4moe.kernels import nvfp4_gemm as gemm
@@ -145,8 +145,7 @@ def main() -> None:
             log(f"  torch._grouped_mm: {row['grouped_mm_ms']}")
         res["rows"].append(row)
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=1)
+            write_result(args.out, res, indent=1)
 
 
 if __name__ == "__main__":

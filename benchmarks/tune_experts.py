@@ -23,6 +23,7 @@ import time
 
 import torch
 from common import DN_BYTES, GU_BYTES, LAYERS, E, H, I, K, graph_time, weights
+from provenance import write_result
 
 from fp4moe.kernels import moe_routing as mr
 from fp4moe.kernels import nvfp4_dequant as dq
@@ -241,8 +242,7 @@ def main() -> None:
                 gbs=(gu_bytes + dn_bytes) / total / 1e9,
             )  # fmt: skip
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_result(args.out, results, indent=1)
     print("\nbest per token count:")
     for t, b in results["best"].items():
         print(

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from common import E, H, I, event_seconds, weights
 from common import K as TOPK
+from provenance import write_result
 
 from fp4moe.formats import nvfp4
 from fp4moe.kernels import moe_routing as mr
@@ -215,8 +216,7 @@ def main() -> None:
     if args.tiles:
         res = dict(device=torch.cuda.get_device_name(), tiles=tiles(args.tokens, dev))
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=1)
+            write_result(args.out, res, indent=1)
         return
     res = dict(device=torch.cuda.get_device_name(), experts=experts(args.tokens, dev))
     print(json.dumps(res["experts"], indent=1), flush=True)
@@ -226,8 +226,7 @@ def main() -> None:
     except ImportError as exc:
         print(f"no fla: {exc}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_result(args.out, res, indent=1)
 
 
 if __name__ == "__main__":

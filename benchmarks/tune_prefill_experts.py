@@ -16,11 +16,11 @@ reference activations in the kernel's order.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 from common import E, H, I, K, graph_time, weights
+from provenance import write_result
 
 from fp4moe.kernels import moe_routing as mr
 from fp4moe.kernels import nvfp4_gemm as gemm
@@ -108,8 +108,7 @@ def main() -> None:
             _time_wgmma(row, ws, routing, x, ref_act, ref_y, topw, t, tile)
         out["rows"].append(row)
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
+            write_result(args.out, out, indent=1)
 
 
 def _time_wgmma(row, ws, routing, x, ref_act, ref_y, topw, t, tile) -> None:

@@ -51,6 +51,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import write_result
+
 VARIANTS = {  # name -> fp4moe quantize options (QuantizeOptions fields); "converted" is made from "default"
     "bf16": None,  # the source itself: each engine's bf16 noise against the fp32 reference, the yardstick
     "default": {},
@@ -276,7 +278,7 @@ def cmd_ours(args) -> None:
             for r in res
         ]
         del llm
-        (path / "ours.json").write_text(json.dumps(out))
+        write_result(path / "ours.json", out, indent=None)
         log(f"{name}: transformers and fp4moe done")
 
 
@@ -321,7 +323,7 @@ def cmd_vllm_one(args) -> None:
         [[t, d[t].logprob] for t, d in zip(r.outputs[0].token_ids, r.outputs[0].logprobs, strict=True)]
         for r in g
     ]
-    (path / "vllm.json").write_text(json.dumps(out))
+    write_result(path / "vllm.json", out, indent=None)
     log(f"{path.name}: vLLM loaded in {out['load_s']:.1f} s and answered")
 
 
@@ -504,7 +506,7 @@ def cmd_recipe(args) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
         logf.close()
-        (ckpt / "recipe.json").write_text(json.dumps(out, indent=2, default=str))
+        write_result(ckpt / "recipe.json", out)
 
 
 def _diffs(a: list[list[float]], b: list[list[float]]) -> list[float]:
@@ -608,7 +610,7 @@ def cmd_mtp_vllm(args) -> None:
         if "spec_decode" in m.name:
             counters[m.name] = getattr(m, "values", None) or getattr(m, "value", None)
     out = {"prompts": prompts, "generated": [list(r.outputs[0].token_ids) for r in res], "counters": counters}
-    (path / "mtp-vllm.json").write_text(json.dumps(out))
+    write_result(path / "mtp-vllm.json", out, indent=None)
     log(f"vLLM MTP counters: {counters}")
 
 
@@ -663,7 +665,7 @@ def cmd_mtp_ours(args) -> None:
         "slack": MTP_SLACK,
         "ok": vllm_rate is not None and abs(vllm_rate - predicted) <= MTP_SLACK,
     }
-    (path / "mtp.json").write_text(json.dumps(out, indent=2))
+    write_result(path / "mtp.json", out)
     log(json.dumps(out))
 
 
@@ -718,7 +720,7 @@ def cmd_report(args) -> dict:
             "near_tie": TIE,
         },
     }
-    (root / "matrix.json").write_text(json.dumps(result, indent=2))
+    write_result(root / "matrix.json", result)
     log(
         "| checkpoint | vLLM loads | vLLM vs transformers: median / p99 abs dlogprob, top-1, greedy tokens equal | fp4moe vs transformers: same |"
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -85,7 +86,10 @@ class FuzzReport(UserWarning):
 def load_script(relative: str):
     """A script of the repository (``scripts/...``, ``benchmarks/...``) imported as a module, for its tests."""
     path = Path(__file__).resolve().parents[1] / relative
+    if str(path.parent) not in sys.path:  # as running it does: its folder's modules importable
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # as an import does (dataclasses look their module up there)
     spec.loader.exec_module(module)
     return module

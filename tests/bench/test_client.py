@@ -34,3 +34,19 @@ def test_steady_decode_counts_only_the_window_where_every_request_decodes():
     row = summarize([RoundResult(8, 20, 0, 2, [a, b], 3.0), RoundResult(8, 20, 0, 2, [a, late], 3.0)])[0]
     assert row["decode_steady_tps_median"] == rate and row["steady_window_s_median"] == window
     assert "chunk_times" not in rounds_json([RoundResult(8, 20, 0, 1, [a], 3.0)])[0]["requests"][0]
+
+
+def test_each_round_keeps_its_own_medians():
+    """``per_run``: one median per timed round beside the medians over every request (the runs' spread)."""
+    from fp4moe.bench.client import RequestResult, RoundResult, summarize
+
+    def req(tps, ttft):
+        return RequestResult(ok=True, completion_tokens=9, ttft=ttft, e2e=1.0, decode_tps=tps)
+
+    rounds = [RoundResult(8, 10, 0, 2, [req(a, t), req(b, t)], w) for a, b, t, w in
+              [(10.0, 12.0, 0.1, 2.0), (20.0, 22.0, 0.3, 1.0), (30.0, 1.0, 0.2, 3.0)]]  # fmt: skip
+    row = summarize(rounds)[0]
+    assert row["per_run"]["decode_tps_per_request"] == [11.0, 21.0, 15.5]
+    assert row["per_run"]["ttft_s"] == [0.1, 0.3, 0.2]
+    assert row["per_run"]["aggregate_tps"] == [9.0, 18.0, 6.0]
+    assert row["decode_tps_per_request_median"] == 16.0  # over all six requests

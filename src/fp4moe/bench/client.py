@@ -266,6 +266,12 @@ def summarize(rounds: list[RoundResult]) -> list[dict]:
             "e2e_s_p50": _pct([q.e2e for q in reqs], 0.5),
             "e2e_s_p90": _pct([q.e2e for q in reqs], 0.9),
             "e2e_s_p99": _pct([q.e2e for q in reqs], 0.99),
+            # each timed round's own median: the spread between runs beside the medians above
+            "per_run": {
+                "decode_tps_per_request": [_median([q.decode_tps for q in r.requests if q.ok]) for r in rs],
+                "ttft_s": [_median([q.ttft for q in r.requests if q.ok]) for r in rs],
+                "aggregate_tps": aggregate,
+            },
         }
         if spec["drafts"] > 0:
             row["spec_acceptance_rate"] = spec["accepted"] / max(spec["draft_tokens"], 1)
@@ -282,6 +288,10 @@ def summarize(rounds: list[RoundResult]) -> list[dict]:
                 row[f"spec_{key}"] = int(spec[key])
         rows.append(row)
     return rows
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
 
 
 def rounds_json(rounds: list[RoundResult]) -> list[dict]:
