@@ -19,6 +19,7 @@ import pstats
 import statistics
 import time
 
+import common
 import torch
 from common import _kernel_table, build_model, log
 from provenance import write_result
@@ -27,10 +28,12 @@ from provenance import write_result
 def chunk_runner(model, max_len: int, kv: str):
     from fp4moe.engine.cuda_runner import CudaModelRunner
 
-    return CudaModelRunner(
+    runner = CudaModelRunner(
         model, None, model.embed_tokens.device, kv, max_num_seqs=1, max_model_len=max_len + 64,
         num_pages=max_len // 64 + 4, cuda_graphs=True,
     )  # fmt: skip
+    common.set_kv_scales(runner, model)
+    return runner
 
 
 def graph_step(runner, model, ids, start: int, n: int):
@@ -60,10 +63,9 @@ def step(runner, model, ids, start: int, n: int):
 def measure(runner, model, ids, prefix: int, chunk: int, repeats: int, graph: bool) -> dict:
     dev = ids.device
     device_s, enqueue_s, done_s = [], [], []
-    for _ in range(repeats + 1):  # the first compiles (and, for a fresh prompt, sets an fp8 cache's scales)
+    for _ in range(repeats + 1):  # the first compiles
         runner.kv.free(0)
-        if prefix:  # (a fresh prompt keeps the scales: the prefill graphs need them set)
-            runner.reset_kv_scales()
+        if prefix:
             step(runner, model, ids, 0, prefix)
         if graph:
             run = graph_step(runner, model, ids.cpu(), prefix, chunk)
@@ -91,7 +93,6 @@ def profiles(runner, model, ids, prefix: int, chunk: int, top: int) -> dict:
 
     dev = ids.device
     runner.kv.free(0)
-    runner.reset_kv_scales()
     step(runner, model, ids, 0, prefix)
     torch.cuda.synchronize(dev)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -105,7 +106,6 @@ def profiles(runner, model, ids, prefix: int, chunk: int, top: int) -> dict:
     kernels = _kernel_table(prof, None)
     # cProfile: the same chunk again, over a fresh prefill of the same prefix
     runner.kv.free(0)
-    runner.reset_kv_scales()
     step(runner, model, ids, 0, prefix)
     torch.cuda.synchronize(dev)
     pr = cProfile.Profile()

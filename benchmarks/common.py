@@ -113,6 +113,19 @@ def step_bytes(model, b: int, ctx: int, kv_elem: int) -> dict:
     )
 
 
+def set_kv_scales(runner, model) -> None:
+    """An fp8 runner's cache scales as the engine fixes them at start-up (``engine.kv_scales``: the
+    checkpoint's, else calibrated on the packaged text), calibrated once per model."""
+    from fp4moe.engine import kv_scales
+
+    if not runner.kv.fp8:
+        return
+    if getattr(model, "_bench_kv_scales", None) is None:
+        kv_scales.setup(runner, model, None, model.embed_tokens.device)
+        model._bench_kv_scales = dict(runner.kv.scales)
+    runner.set_kv_scales(model._bench_kv_scales)
+
+
 def random_runner(model, b: int, ctx: int, kv_dtype: str, steps: int, spec_tokens: int = 0):
     """A GPU runner for ``b`` sequences at context ``ctx`` (room for ``steps`` more tokens, speculative
     rounds included), caches filled with random data."""
@@ -125,6 +138,7 @@ def random_runner(model, b: int, ctx: int, kv_dtype: str, steps: int, spec_token
         model, None, dev, kv_dtype, max_num_seqs=b, max_model_len=room + 64, num_pages=b * -(-room // page) + 1,
         page_size=page, spec_tokens=spec_tokens,
     )  # fmt: skip
+    set_kv_scales(runner, model)
     kv, st = runner.kv, runner.states
     if kv.fp8:
         kv.k.view(torch.uint8).random_(0, 0x70)

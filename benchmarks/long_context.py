@@ -121,11 +121,11 @@ def chunked_prefill(model, tokens: int, chunk: int, kv_dtype: str, peak: float, 
         model, None, dev, kv_dtype, max_num_seqs=1, max_model_len=tokens + 64, num_pages=tokens // 64 + 4,
         cuda_graphs=False,
     )  # fmt: skip
+    common.set_kv_scales(runner, model)
     ids = torch.randint(0, a.vocab_size, (tokens,), device=dev)
 
     def once() -> list[float]:
         runner.kv.free(0)
-        runner.reset_kv_scales()
         times = []
         for start in range(0, tokens, chunk):
             n = min(chunk, tokens - start)

@@ -33,10 +33,13 @@ def _all_pages_back(runner) -> bool:
 
 def _fused(llm: LLM, kv_cache_dtype: str = "auto", spec_tokens: int = 0, **sizes) -> None:
     sizes = {"max_num_seqs": 4, "max_model_len": 256, **sizes}
+    scales = llm.runner.kv_scales  # the CPU runner's, fixed when the LLM started (engine.kv_scales)
     llm.runner = CudaModelRunner(
         llm.model, None, llm.device, kv_cache_dtype, num_pages=20, page_size=16, cuda_graphs=DEV == "cuda",
         spec_tokens=spec_tokens, **sizes,
     )  # fmt: skip
+    if kv_cache_dtype == "fp8":
+        llm.runner.set_kv_scales(scales)
     # prompts through the modules, so the CPU's exact comparisons see the fused decode step alone (the fused
     # prefill sums the experts in fp32, the modules in bf16: test_fused_decode_... checks it on its own)
     llm.runner.fused_prefill = False

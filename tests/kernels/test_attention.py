@@ -26,6 +26,12 @@ def _attention_layer(gen, h=4, hkv=2, d=32, hidden=64):
     return layer.to(DEV)
 
 
+def _scales(*layers: int, k: float = 0.012, v: float = 0.009) -> dict:
+    """Fixed fp8 k/v scales (an fp8 cache's are set before its first write: ``engine.kv_scales``); about
+    the amax / 448 of these tests' unit-normal keys and values."""
+    return {i: (torch.tensor(k, device=DEV), torch.tensor(v, device=DEV)) for i in layers}
+
+
 def _by_bits(kv_dtype: str, monkeypatch) -> str:
     """kv_dtype "fp8-bits": an fp8 cache with e4m3 converted by bits (Ampere's path, ``gpu_arch``)."""
     if kv_dtype == "fp8-bits":
@@ -44,7 +50,7 @@ def test_paged_attention_matches_the_layer(kv_dtype, max_len, monkeypatch):
     h, hkv, d, page = 4, 2, 32, 16
     rope = Rotary(RopeConfig(head_dim=d, mrope_section=(2, 1, 1)), DEV)
     lengths = [1, 37, 80]  # prompt lengths; then one decode step each
-    kv = KVCache(kv_dtype)
+    kv = KVCache(kv_dtype, _scales(0, k=0.02, v=0.03))  # this layer's values reach ~6
     states = DeltaNetStates(8, 4, 1, 4, 4, BF16, DEV)
     cache_dtype = torch.float8_e4m3fn if kv_dtype == "fp8" else BF16
     pages = 24
@@ -114,11 +120,13 @@ def test_paged_attention_matches_the_layer(kv_dtype, max_len, monkeypatch):
 def test_paged_append_step_is_append_per_sequence(dtype):
     """A step's keys/values stored at once (one scatter, the step's device layout) against ``append`` one
     sequence at a time: the same pages, lengths and returned k/v (exact: copies, and the same fp8 rounding
-    with the scale from the first sequence's rows), fresh prompts and continuing chunks mixed."""
+    with the layer's fixed scales), fresh prompts and continuing chunks mixed."""
     from fp4moe.engine.paged_cache import PagedKVCache
 
     gen = torch.Generator().manual_seed(15)
     caches = [PagedKVCache([3], 64, 4, 2, 8, 6, 64, dtype, BF16, DEV) for _ in range(2)]
+    for cache in caches:
+        cache.set_scales(_scales(3))
     history = {5: 6, 1: 3}  # slot -> tokens already cached (the rest are fresh)
     for slot, n in history.items():
         k, v = (torch.randn(n, 2, 8, generator=gen).to(BF16).to(DEV) for _ in range(2))
@@ -154,7 +162,8 @@ def test_paged_prefill_attention_is_attend_over_each_whole_cache(dtype, monkeypa
     gen = torch.Generator().manual_seed(16)
     h, hkv, d = 8, 2, 32
     paged = PagedKVCache([3], 256, 4, hkv, d, 6, 512, dtype, BF16, DEV)
-    cpu = KVCache(dtype)
+    paged.set_scales(_scales(3))
+    cpu = KVCache(dtype, _scales(3))
     history = {5: 130, 1: 3, 4: 70}  # slot -> tokens already cached
     for slot, n in history.items():
         k, v = (torch.randn(n, hkv, d, generator=gen).to(BF16) for _ in range(2))

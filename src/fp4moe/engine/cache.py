@@ -12,28 +12,29 @@ from fp4moe.formats import fp8
 from fp4moe.layers.attention import attend_each
 
 
-def fp8_scale(x: torch.Tensor) -> torch.Tensor:
-    """Per-tensor fp8 KV scale from the first values written: amax with 2x headroom, over e4m3's 448."""
-    return fp8.scale_from_amax(x.abs().amax(), KVCache.HEADROOM, floor=1e-8)
+def layer_scales(scales: dict, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 cache's (k, v) scales of ``layer``, which must have been set before its first write."""
+    if layer not in scales:
+        raise RuntimeError(f"fp8 KV cache: no scales for layer {layer} (engine.kv_scales sets them at start)")
+    return scales[layer]
 
 
 class KVCache:
-    """``dtype="fp8"`` stores keys and values as float8-e4m3 with one scale per layer and tensor (k, v),
-    set from the first tokens written to that layer with 2x headroom (later values beyond it saturate)."""
+    """``dtype="fp8"`` stores keys and values as float8-e4m3 with one scale per layer and tensor (k, v):
+    ``scales`` {layer: (k scale, v scale)}, fixed before the first token is written (``engine.kv_scales``:
+    the checkpoint's, else calibrated at start-up), so no request's answer depends on the ones before it."""
 
-    HEADROOM = 2.0
-
-    def __init__(self, dtype: str = "auto"):
+    def __init__(
+        self, dtype: str = "auto", scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    ):
         if dtype not in ("auto", "fp8"):
             raise ValueError(f"kv cache dtype must be 'auto' or 'fp8', got {dtype!r}")
         self.fp8 = dtype == "fp8"
-        self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = dict(scales or {})
         self._kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer not in self.scales:
-            self.scales[layer] = (fp8_scale(k), fp8_scale(v))
-        ks, vs = self.scales[layer]
+        ks, vs = layer_scales(self.scales, layer)
         return fp8.encode(k, ks), fp8.encode(v, vs)
 
     def append(

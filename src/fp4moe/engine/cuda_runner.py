@@ -134,9 +134,9 @@ class CudaModelRunner(ModelRunner):
     def new_caches(self):
         return self.kv, self.states
 
-    def reset_kv_scales(self) -> None:
-        if self.kv.fp8:
-            self.kv.scales.clear()  # graphs read the scale tensor, which the first real prefill fills in place
+    def set_kv_scales(self, scales) -> None:
+        """An fp8 cache's scales {layer: (k, v)} (``engine.kv_scales``): into the tensor the graphs read."""
+        self.kv.set_scales(scales)
 
     def capacity_tokens(self) -> int:
         """Tokens the scheduler may reserve: every page but the scratch one, less a partly filled last
@@ -151,7 +151,7 @@ class CudaModelRunner(ModelRunner):
         decode = all(n == 1 and 0 < s.num_cached == s.num_tokens - 1 for s, n in batch)
         decode = decode and len(batch) <= self.max_num_seqs
         decode = decode and all(s.image_embeds is None or s.num_cached >= len(s.prompt_ids) for s, _ in batch)
-        # an fp8 cache's scales are set by the first prefill that writes each layer (the module path)
+        # an fp8 cache's scales are set at start-up (engine.kv_scales), before any step: this holds from then on
         decode = decode and (not kv.fp8 or all(layer in kv.scales for layer in self.attn_ids))
         return decode and kv is self.kv
 

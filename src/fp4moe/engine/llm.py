@@ -123,6 +123,11 @@ class LLM:
             )  # fmt: skip
         else:
             self.runner = ModelRunner(self.model, image_token, self.device, config.kv_cache_dtype)
+        self.kv_scales_source: str | None = None  # where an fp8 cache's scales came from (printed at start)
+        if config.kv_cache_dtype == "fp8":
+            from fp4moe.engine import kv_scales
+
+            self.kv_scales_source = kv_scales.setup(self.runner, self.model, self.tokenizer, self.device)
         self.speculator = None
         if k:
             from fp4moe.engine.spec_decode import MTPSpeculator
@@ -338,7 +343,6 @@ class LLM:
         stamps.append(("prefill graphs", time.perf_counter()))
         self._warm_tokens = max_batch_tokens
         self.warm_thread()
-        self.runner.reset_kv_scales()
         if self.speculator is not None:  # the warm-up's drafts are not the server's: neither in its counts
             self.speculator.forget()  # nor in the rounds that judge whether new requests start drafting
         compiles.mark()  # from here on, a compile is a request waiting for the compiler: warned and counted

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from fp4moe.formats import kv_scales
 from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
 from fp4moe.formats.layouts import SUFFIXES, OutputFormat, detect_format
 from fp4moe.models import qwen3_5_moe as arch
@@ -160,6 +161,11 @@ def load_model(
             reader.get(f"{ckpt_module}.weight_scale").float().reshape(()).to(device)
         )
         skip.update(f"{ckpt_module}.{sfx}" for sfx in ("weight", "weight_scale", "input_scale"))
+    model.kv_scales = {}  # calibrated fp8 KV-cache scales (quantize --kv-cache-dtype fp8), by layer
+    for layer, found in kv_scales.find(reader.names(), arch.layer_of).items():
+        if set(found) == {"k", "v"}:
+            model.kv_scales[layer] = tuple(reader.get(found[kind]).float().reshape(()) for kind in "kv")
+        skip.update(found.values())
     for name in reader.names():
         role = arch.classify(name)
         if role is arch.Role.MTP and has_mtp:

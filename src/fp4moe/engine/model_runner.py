@@ -19,7 +19,7 @@ class ModelRunner:
     tokens its caches hold, None = unbounded), ``spec_tokens`` (drafts its fused round verifies, 0 = no
     fused round), ``fusable_decode`` (whether a batch can take its fused decode step), ``capture`` and
     ``capture_prompts`` (its CUDA graphs of the decode step and of fresh prompts), ``whole_prompts`` (its
-    fresh prompts are cheaper unsplit) and ``reset_kv_scales`` (an fp8 cache's scales, which the first real prefill sets)."""
+    fresh prompts are cheaper unsplit) and ``set_kv_scales`` (an fp8 cache's scales, fixed at start-up)."""
 
     max_num_seqs: int | None = None
     spec_tokens: int = 0
@@ -49,14 +49,16 @@ class ModelRunner:
         """Whether the scheduler should keep fresh prompts whole (``SchedulerConfig.whole_prompts``)."""
         return False
 
-    def reset_kv_scales(self) -> None:
-        """The CPU's caches keep no scales between requests."""
+    def set_kv_scales(self, scales: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """An fp8 cache's scales {layer: (k, v)} (``engine.kv_scales``), for every cache made from now on."""
+        self.kv_scales = dict(scales)
 
     def __init__(self, model, image_token_id: int | None, device: torch.device, kv_cache_dtype: str = "auto"):
         self.model, self.image_token_id, self.device = model, image_token_id, device
         if kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv cache dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
         self.kv_cache_dtype = kv_cache_dtype
+        self.kv_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def new_caches(self) -> tuple[KVCache, DeltaNetStates]:
         a = self.model.args
@@ -69,7 +71,7 @@ class ModelRunner:
             self.model.embed_tokens.dtype,
             self.device,
         )
-        return KVCache(self.kv_cache_dtype), states
+        return KVCache(self.kv_cache_dtype, self.kv_scales), states
 
     def _embeds(self, ids: torch.Tensor, batch: list[tuple[Sequence, int]], spans) -> torch.Tensor | None:
         with_images = [

@@ -3,7 +3,7 @@
 Both speak the interface of the CPU caches (``engine.cache``), so the module forward (prefill, chunked
 prefill, speculative verification) runs on them unchanged, and add the device tensors the fused decode
 kernels read: per attention layer k/v pages [pages, page_size, Hkv, D] (bf16, or fp8-e4m3 with one scale per
-layer and tensor, set from the first keys/values written as in the CPU cache) and a block table
+layer and tensor, fixed before the first request: ``engine.kv_scales``) and a block table
 [slots, max_pages]; per Gated DeltaNet layer a conv-input ring [slots, R, C] indexed by position mod R (R = K,
 the conv width, or K + k with k speculative tokens, so a verification's rejected inputs never overwrite
 ones still needed) and an fp32 recurrent state [slots, Hv, Dk, Dv]. A slot's ring and state are valid up to its position; position
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fp4moe.engine.cache import fp8_scale
+from fp4moe.engine.cache import layer_scales
 from fp4moe.engine.transfer import to_device
 from fp4moe.formats import fp8
 from fp4moe.layers.attention import attend, attend_each
@@ -79,11 +79,17 @@ class PagedKVCache:
         pos = torch.arange(start, end, device=self.device)
         return self.block_table[slot, pos // self.page_size].long() * self.page_size + pos % self.page_size
 
-    def _set_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if layer not in self.scales:
-            scales = (fp8_scale(k), fp8_scale(v))
-            self.scales[layer] = scales
-            self.scale_t[self.index[layer]] = torch.stack(scales)
+    def set_scales(self, scales: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """An fp8 cache's scales {layer: (k, v)}, fixed before the first token is written (``engine.kv_scales``);
+        written in place into ``scale_t``, the tensor the kernels and CUDA graphs read."""
+        missing = sorted(set(self.index) - set(scales))
+        if self.fp8 and missing:
+            raise ValueError(f"fp8 KV cache: no scales for layers {missing}")
+        for layer, i in self.index.items():
+            if layer in scales:
+                ks, vs = (x.float().reshape(()).to(self.device) for x in scales[layer])
+                self.scales[layer] = (ks, vs)
+                self.scale_t[i] = torch.stack([ks, vs])
 
     def append(
         self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor
@@ -95,8 +101,7 @@ class PagedKVCache:
         i = self.index[layer]
         kc, vc = self.k[i].view(-1, *k.shape[1:]), self.v[i].view(-1, *k.shape[1:])
         if self.fp8:
-            self._set_scales(layer, k, v)
-            ks, vs = self.scales[layer]
+            ks, vs = layer_scales(self.scales, layer)
             kc[self.rows(slot, start, end)], vc[self.rows(slot, start, end)] = (
                 fp8.encode(k, ks),
                 fp8.encode(v, vs),
@@ -151,8 +156,7 @@ class PagedKVCache:
         pos = t.cached[seq] + torch.arange(k.shape[0], device=self.device) - t.starts[seq]
         rows = self.block_table[t.slots[seq], pos // page].long() * page + pos % page
         if self.fp8:
-            a, b = ctx.spans()[0]
-            self._set_scales(layer, k[a:b], v[a:b])  # from the first sequence's rows, as append sets them
+            layer_scales(self.scales, layer)  # set at start: store reads them from scale_t
         return self.store(layer, rows, k, v)
 
     def attend_step(self, layer: int, ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -181,7 +185,7 @@ class PagedKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k/v [n, Hkv, D] at flat page rows (page * page_size + offset) of a layer -> the k/v as
         stored (through fp8 and back for an fp8 cache, with the layer's scales read from ``scale_t``, which
-        ``_set_scales`` fills in place: the tensor CUDA graphs read). Device work only."""
+        ``set_scales`` fills in place: the tensor CUDA graphs read). Device work only."""
         i = self.index[layer]
         kc, vc = self.k[i].view(-1, *k.shape[1:]), self.v[i].view(-1, *k.shape[1:])
         if not self.fp8:

@@ -79,6 +79,8 @@ def start_engine(spec: EngineSpec):
         file=sys.stderr,
         flush=True,
     )
+    if llm.kv_scales_source:
+        print(llm.kv_scales_source, file=sys.stderr, flush=True)
     prefix = PrefixCache(*spec.prefix_cache) if spec.prefix_cache else None
     return llm, llm.new_core(spec.max_waiting, prefix)
 

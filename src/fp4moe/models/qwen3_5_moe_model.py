@@ -66,6 +66,8 @@ class Qwen3_5MoeModel(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size)
         self.rotary: Rotary | None = None
         self.mtp = None  # an MTPHead when the checkpoint has mtp.* tensors (set by the loader)
+        # the checkpoint's fp8 KV-cache scales by layer, (k, v) float32 0-D (set by the loader; engine.kv_scales)
+        self.kv_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens[input_ids]
