@@ -20,14 +20,21 @@ PROMPT = {"prompt_token_ids": [(7 * i + 3) % 200 + 5 for i in range(120)]}
 
 
 def _answer(llm, before: list[list[int]]):
-    """The test prompt's tokens and logprobs after the engine served ``before`` (each its own request)."""
+    """The test prompt's tokens and logprobs after the engine served ``before``, each request in turn on
+    one engine core, as a server runs them (``LLM.generate`` makes a core, and caches, per call)."""
+    core = llm.new_core()
+
+    def serve(prompt, params):
+        (seq,) = core.make_sequences(prompt, params)
+        core.add([seq])
+        while core.has_work():
+            core.step()
+        return seq
+
     for ids in before:
-        llm.generate(
-            [{"prompt_token_ids": ids}], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        )
-    (out,) = llm.generate([PROMPT], GREEDY)
-    done = out.outputs[0]
-    return done.token_ids, [(r.token_id, r.logprob, r.top_logprobs) for r in done.logprobs]
+        serve({"prompt_token_ids": ids}, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    seq = serve(PROMPT, GREEDY)
+    return seq.output_ids, [(r.token_id, r.logprob, r.top_logprobs) for r in seq.logprobs]
 
 
 def _engine(path, fused: bool):
