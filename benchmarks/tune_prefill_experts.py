@@ -113,6 +113,7 @@ def main() -> None:
 
 def _time_wgmma(row, ws, routing, x, ref_act, ref_y, topw, t, tile) -> None:
     """``nvfp4_wgmma``'s launches over the same layers' experts (rows ``wgmma_gate_up`` / ``wgmma_down``)."""
+    from fp4moe.kernels import k_order
     from fp4moe.kernels import nvfp4_wgmma as wg
 
     x_perm = wg.permute_k(x)
@@ -130,7 +131,7 @@ def _time_wgmma(row, ws, routing, x, ref_act, ref_y, topw, t, tile) -> None:
             if kind == "wgmma_gate_up":
                 sec = graph_time(lambda: [wg.wgmma_gate_up(x_perm, *w["gu"], r, K, out=act, tile=tile, stages=stages, rows=wrows)
                                            for w, r in zip(ws, rs, strict=True)], 15, LAYERS)  # fmt: skip
-                got = wg.unpermute_k(
+                got = k_order.unpermute_k(
                     wg.wgmma_gate_up(x_perm, *ws[0]["gu"], rs[0], K, tile=tile, stages=stages, rows=wrows)
                 )
                 ref = ref_act

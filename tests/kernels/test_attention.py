@@ -163,7 +163,7 @@ def test_paged_prefill_attention_is_attend_over_each_whole_cache(dtype, monkeypa
     h, hkv, d = 8, 2, 32
     paged = PagedKVCache([3], 256, 4, hkv, d, 6, 512, dtype, BF16, DEV)
     paged.set_scales(_scales(3))
-    cpu = KVCache(dtype, _scales(3))
+    cpu = KVCache(dtype, {3: tuple(s.cpu() for s in _scales(3)[3])})
     history = {5: 130, 1: 3, 4: 70}  # slot -> tokens already cached
     for slot, n in history.items():
         k, v = (torch.randn(n, hkv, d, generator=gen).to(BF16) for _ in range(2))

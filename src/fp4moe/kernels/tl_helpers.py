@@ -4,22 +4,17 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from fp4moe.kernels import INTERPRET
-
-_ON_BITS = tl.constexpr(INTERPRET)
-
 
 @triton.jit
 def round_bf16(x):
     """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32: mirrors where the CPU path holds a
-    bf16 intermediate. On the GPU a conversion there and back (cvt.rn: 2 instructions on sm90; NaN stays NaN,
-    as in torch); under Triton's interpreter, whose casts truncate, on the bits (4; the same values for every
-    non-NaN x -- the bit formula turns some NaN payloads, the GPU's canonical one among them, into -0 or inf)."""
-    if _ON_BITS:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    return x.to(tl.bfloat16).to(tl.float32)
+    bf16 intermediate. On the bits, on the GPU as under Triton's interpreter (whose casts truncate); NaN
+    passes through as NaN, as in torch (the bit formula alone turns the GPU's canonical NaN into -0). A
+    conversion there and back (cvt.rn, 2 instructions on sm90 against 4 and a select) broke the q/k norm +
+    rotary's bit-exactness against torch on an H100: ``tests/kernels/test_fused_ops.py``."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
 
 
 @triton.jit
