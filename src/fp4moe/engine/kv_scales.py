@@ -59,9 +59,10 @@ def calibration_ids(tokenizer, vocab_size: int, num_tokens: int = CALIBRATION_TO
 
 
 @torch.no_grad()
-def calibrate(model, ids: list[int], device: torch.device) -> Scales:
-    """Scales of every attention layer (and the MTP head's) from one forward of ``ids`` through the model's
-    modules with a bf16 cache: each layer's amax of what it writes, times ``HEADROOM``, over 448."""
+def calibrate(model, ids: list[int], device: torch.device, headroom: float = HEADROOM) -> Scales:
+    """Scales of every attention layer (and the MTP head's, given 2 tokens or more) from one forward of
+    ``ids`` through the model's modules with a bf16 cache: each layer's amax of what it writes, times
+    ``headroom``, over 448."""
     a = model.args
     kv = _RecordingCache()
     states = DeltaNetStates(
@@ -72,11 +73,13 @@ def calibrate(model, ids: list[int], device: torch.device) -> Scales:
     tokens = torch.tensor(ids, dtype=torch.long, device=device)
     positions = torch.arange(n, device=device).expand(3, -1)
     hidden = model(tokens, positions, StepContext([n], [0], [0], kv, states))
-    if model.mtp is not None:  # its layer sees the target's states and the next tokens, as it drafts
+    if (
+        model.mtp is not None and n > 1
+    ):  # its layer sees the target's states and the next tokens, as it drafts
         ctx = StepContext([n - 1], [0], [0], kv, states)  # its own layer id: no clash with the target's
         model.mtp(model, tokens[1:], hidden[:-1], positions[:, : n - 1], ctx)
     return {
-        layer: tuple(fp8.scale_from_amax(m, HEADROOM, floor=1e-8).reshape(()) for m in amax)
+        layer: tuple(fp8.scale_from_amax(m, headroom, floor=1e-8).reshape(()) for m in amax)
         for layer, amax in sorted(kv.amax.items())
     }
 
