@@ -2,13 +2,15 @@
 # Re-measure every figure of BENCHMARKS.md's current table on one GPU (the device tool's H200: no network, Python
 # 3.12 with torch/triton; the rest from the wheels carried in .whl/, as scripts/gpu_test.sh installs them).
 #
-#   benchmarks/verify_gpu.sh [--dry-run] STAGE...      STAGE: tests | engine | served | all (= the three)
+#   benchmarks/verify_gpu.sh [--dry-run] STAGE...   STAGE: kernels | tests | engine | served | all (= the four)
 #
 # One stage per device call, each held under 9.5 minutes by a time budget (FP4MOE_STAGE_BUDGET_S, default 570 s:
 # each command runs under `timeout` with what is left of it; the scripts save as they go, so a cut run keeps
-# its rows); about 25 minutes in all:
-#   tests   JOBS=8 scripts/gpu_test.sh: the GPU tests (serially ~8-10 min in the last runs; the kernel and layer
-#           tests in 8 processes, the engine-sizing ones one at a time, to bring it under the budget)
+# its rows); about 30 minutes in all, a session's whole device time: run the stages that the change needs:
+#   kernels PARTS=kernels scripts/gpu_test.sh: the kernel and layer tests in JOBS (14) processes (in 8 on an
+#           H100 they ran past 465 s, most of it Triton compiling)
+#   tests   PARTS=engine scripts/gpu_test.sh: the runner, speculation, server and other gpu-marked tests, one
+#           process at a time (each engine sizes its KV cache from the GPU memory left free)
 #   engine  long_context.py: decode at 1K/32K/128K/512K x batch 1/16/64, fp8 KV, prefill 8K/32K/128K, each 3
 #           runs (~5 min); spec_decode.py --full-size: rounds against plain steps at batch 1/8/32 with and
 #           without the 32K draft vocabulary, under the profiler (~2-3 min)
@@ -28,13 +30,13 @@ stages=()
 for a in "$@"; do
   case "$a" in
     --dry-run) dry=1 ;;
-    tests | engine | served) stages+=("$a") ;;
-    all) stages+=(tests engine served) ;;
-    -h | --help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "unknown stage or option: $a (tests, engine, served, all; --dry-run)" >&2; exit 2 ;;
+    kernels | tests | engine | served) stages+=("$a") ;;
+    all) stages+=(kernels tests engine served) ;;
+    -h | --help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "unknown stage or option: $a (kernels, tests, engine, served, all; --dry-run)" >&2; exit 2 ;;
   esac
 done
-[ ${#stages[@]} -gt 0 ] || { echo "usage: $0 [--dry-run] tests|engine|served|all ..." >&2; exit 2; }
+[ ${#stages[@]} -gt 0 ] || { echo "usage: $0 [--dry-run] kernels|tests|engine|served|all ..." >&2; exit 2; }
 
 commit=${FP4MOE_COMMIT:-$(git rev-parse --short=7 HEAD 2>/dev/null || echo unknown)}
 commit=${commit%-dirty}
@@ -76,8 +78,12 @@ setup() {
   python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"' || exit 2
 }
 
-stage_tests() {  # kernel and layer tests in JOBS processes (scripts/gpu_test.sh), the engine-sizing ones alone
-  run env JOBS="${JOBS:-8}" scripts/gpu_test.sh
+stage_kernels() {  # the kernel and layer tests in JOBS processes (scripts/gpu_test.sh)
+  run env JOBS="${JOBS:-14}" PARTS=kernels scripts/gpu_test.sh
+}
+
+stage_tests() {  # the rest of the GPU tests, one process at a time
+  run env PARTS=engine scripts/gpu_test.sh
 }
 
 stage_engine() {

@@ -5,11 +5,14 @@
 # time (each engine sizes its KV cache from the GPU memory left free), the other gpu-marked tests and the
 # runner, speculative-sampling and server tests. Logs go to $OUT (the device tool's return folder) when set,
 # else /tmp.
-# Usage: [JOBS=8] scripts/gpu_test.sh [extra pytest arguments]
+# Usage: [JOBS=8] [PARTS="kernels engine"] scripts/gpu_test.sh [extra pytest arguments]
+# PARTS: kernels (the kernel and layer tests: ~9 min on an H100 in 8 processes, most of it compiling), engine
+# (the rest); both by default. One part fits one device call of 10 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${OUT:-/tmp}/gpu-test.log
 jobs=${JOBS:-1}
+parts=" ${PARTS:-kernels engine} "
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl/*.whl || { echo "installing the carried wheels failed (run scripts/gpu_wheels.sh here first)"; exit 2; }
 export PYTHONPATH=/tmp/site:src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -22,8 +25,11 @@ pytest=(python3 -m pytest -q -p no:cacheprovider -rfEs)
 parallel=()
 [ "$jobs" -gt 1 ] && parallel=(-n "$jobs" --dist loadfile)
 status=0
-echo "== kernels and layers ($jobs processes)" | tee -a "$log"
-"${pytest[@]}" "${parallel[@]}" tests/kernels tests/layers "$@" 2>&1 | tee -a "$log" || status=1
+if [[ $parts == *" kernels "* ]]; then
+  echo "== kernels and layers ($jobs processes)" | tee -a "$log"
+  "${pytest[@]}" "${parallel[@]}" tests/kernels tests/layers "$@" 2>&1 | tee -a "$log" || status=1
+fi
+[[ $parts == *" engine "* ]] || exit $status
 echo "== the other gpu-marked tests" | tee -a "$log"
 "${pytest[@]}" -m gpu tests --ignore=tests/kernels --ignore=tests/layers "$@" 2>&1 | tee -a "$log" || status=1
 echo "== runner, speculative sampling, server" | tee -a "$log"

@@ -171,6 +171,7 @@ def test_verify_gpu_dry_run():
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert [x for x in out.stdout.splitlines() if x.startswith("== ")] == [
+        "== kernels",
         "== tests",
         "== engine",
         "== served",
