@@ -14,7 +14,12 @@ The scale rules:
 - ``startup``: the engine's rule for a checkpoint without scales (``engine.kv_scales``: the packaged text,
   amax x 1.25 / 448); ``startup-1.0``: the same without headroom;
 - ``unit``: 1.0, vLLM's fallback when a checkpoint has no scales;
-- ``first-request``: fp4moe's former rule after a one-token first request (that token's k/v amax x 2 / 448).
+- ``first-request``: fp4moe's former rule after a one-token first request (that token's k/v amax x 2 / 448);
+- ``checkpoint-2x``, ``startup-2.0``: the checkpoint's scales doubled, start-up calibration with 2x headroom
+  (whether headroom over the calibration amax pays on text the calibration did not see).
+
+``--rules`` picks some; ``--scales-from`` takes the ``checkpoint`` scales from an earlier result file instead of
+quantizing again.
 
 The cache arithmetic is vLLM's: per-tensor e4m3, the scale divides on write (saturating at 448) and
 multiplies on read.
@@ -23,6 +28,7 @@ multiplies on read.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -30,6 +36,8 @@ from pathlib import Path
 
 import torch
 from provenance import write_result
+
+RULES = ["checkpoint", "startup", "startup-1.0", "unit", "first-request", "checkpoint-2x", "startup-2.0"]
 
 
 def _windows(tokenizer, lengths: list[int], per_length: int) -> dict[int, list[list[int]]]:
@@ -71,6 +79,12 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=2, help="windows of each length (default 2)")
     ap.add_argument("--num-samples", type=int, default=128, help="quantize's calibration samples (128)")
     ap.add_argument("--seq-len", type=int, default=512, help="quantize's calibration length (512)")
+    ap.add_argument(
+        "--rules", nargs="+", choices=RULES, default=RULES[:5], help="scale rules (default: the first 5)"
+    )
+    ap.add_argument(
+        "--scales-from", type=Path, help="an earlier result file: its checkpoint scales, not a new quantize"
+    )
     ap.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
     args = ap.parse_args()
 
@@ -87,13 +101,21 @@ def main() -> None:
     calib = kv_scales.calibration_ids(fp8.tokenizer, model.args.vocab_size)
     layers = sorted(fp8.runner.kv_scales)
     startup = kv_scales.calibrate(model, calib, cpu)
-    rules = {
-        "checkpoint": checkpoint_scales(args.model, args.num_samples, args.seq_len),
-        "startup": startup,
-        "startup-1.0": kv_scales.calibrate(model, calib, cpu, headroom=1.0),
-        "unit": {i: (torch.tensor(1.0), torch.tensor(1.0)) for i in layers},
-        "first-request": kv_scales.calibrate(model, one, cpu, headroom=2.0),
+    if args.scales_from:
+        saved = json.loads(args.scales_from.read_text())["scales"]["checkpoint"]
+        ckpt = {int(i): tuple(torch.tensor(x) for x in kv) for i, kv in saved.items()}
+    elif {"checkpoint", "checkpoint-2x"} & set(args.rules):
+        ckpt = checkpoint_scales(args.model, args.num_samples, args.seq_len)
+    make = {
+        "checkpoint": lambda: ckpt,
+        "startup": lambda: startup,
+        "startup-1.0": lambda: kv_scales.calibrate(model, calib, cpu, headroom=1.0),
+        "unit": lambda: {i: (torch.tensor(1.0), torch.tensor(1.0)) for i in layers},
+        "first-request": lambda: kv_scales.calibrate(model, one, cpu, headroom=2.0),
+        "checkpoint-2x": lambda: {i: (2 * k, 2 * v) for i, (k, v) in ckpt.items()},
+        "startup-2.0": lambda: kv_scales.calibrate(model, calib, cpu, headroom=2.0),
     }
+    rules = {name: make[name]() for name in args.rules}
     for name, scales in rules.items():  # quantize does not run the MTP head: its layer as at start-up
         rules[name] = {i: scales.get(i, startup[i]) for i in layers}
     windows = _windows(fp8.tokenizer, args.lengths, args.windows)
