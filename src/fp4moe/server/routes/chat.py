@@ -154,8 +154,8 @@ def _chat_stream(srv: Serving, chunk: ChatCompletionChunk, req, seqs, queue, mak
 
 
 def _finish_reason(seq, called: bool) -> str:
-    """"length" when the output was cut off (a call it held is content, never a call), else "tool_calls"
-    when a complete call was made; the same for streamed and whole answers."""
+    """The finish reason: "length" when the output was cut off (a call it held is content),
+    else "tool_calls" when a complete call was made; the same for streamed and whole answers."""
     if seq.finish_reason.value == "length" or not called:
         return seq.finish_reason.value
     return "tool_calls"
