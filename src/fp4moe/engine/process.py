@@ -11,7 +11,7 @@ Messages over one duplex ``multiprocessing`` pipe, both ends ours (pickle, as ``
 
 - front -> engine: ("add", [Sequence]), ("abort", [seq_id]), ("stop_strings", [seq_id]), ("snapshot", None),
   ("stop", seconds)
-- engine -> front: ("ready", info), ("out", [(seq_id, ids, results, finish_reason, error)]),
+- engine -> front: ("ready", info), ("refused_to_start", message), ("out", [(seq_id, ids, results, finish_reason, error)]),
   ("refused", ([seq_id], error)), ("snapshot", dict), ("failed", error)
 
 ``EngineProcess`` has ``AsyncEngine``'s interface (``submit``, ``abort``, ``snapshot``, ``alive``,
@@ -37,8 +37,13 @@ from fp4moe.engine.prompts import Prompts
 from fp4moe.engine.sampler import SampleResult, SamplingParams
 from fp4moe.engine.scheduler import QueueFullError, SchedulerConfig, check_fits
 from fp4moe.engine.sequence import FinishReason, Sequence
+from fp4moe.errors import USER_ERRORS, UserError
 
 log = logging.getLogger("fp4moe")
+
+
+class EngineStartError(UserError):
+    """The engine process refused its model or settings (a bad checkpoint): reported in one line."""
 
 
 @dataclass
@@ -92,6 +97,9 @@ def _engine_main(spec: EngineSpec, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front shuts the engine down (a terminal's ^C)
     try:
         llm, core = start_engine(spec)
+    except USER_ERRORS as e:  # a bad checkpoint or setting: the front reports it in one line
+        conn.send(("refused_to_start", str(e)))
+        return
     except BaseException as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         raise
@@ -198,6 +206,9 @@ class EngineProcess:
             kind, info = self._conn.recv()  # loading and warm-up: minutes for a full-size model
         except EOFError:
             kind, info = "failed", f"the engine process exited (code {self._process.exitcode})"
+        if kind == "refused_to_start":
+            self._process.join(5)
+            raise EngineStartError(info)
         if kind != "ready":
             self._process.join(5)
             raise RuntimeError(f"the engine process did not start: {info}")
