@@ -293,5 +293,8 @@ def run(args) -> int:
             max_request_bytes=args.max_request_bytes,
         ),
     )
-    serve(app, args.host, args.port, args.timeout_graceful_shutdown)
+    failure = serve(app, args.host, args.port, args.timeout_graceful_shutdown)
+    if failure is not None:
+        print(f"fp4moe serve: error: the engine stopped ({failure}); exiting", file=sys.stderr, flush=True)
+        return 1
     return 0

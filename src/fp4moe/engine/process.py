@@ -118,8 +118,14 @@ def _engine_main(spec: EngineSpec, conn) -> None:
             ),
         )
     )
-    with contextlib.suppress(EOFError, BrokenPipeError):  # the front is gone
+    try:
         _EngineLoop(core, conn).run()
+    except (EOFError, BrokenPipeError):  # the front is gone
+        return
+    except BaseException as e:  # tell the front why, then die with the traceback on stderr
+        with contextlib.suppress(OSError, ValueError):
+            conn.send(("failed", f"{type(e).__name__}: {e}"))
+        raise
 
 
 class _EngineLoop:
@@ -227,6 +233,7 @@ class EngineProcess:
         self._unstarted: set[int] = set()  # submitted, no token yet: an upper bound on the engine's waiting
         self._snapshots: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._failed = False
+        self.failure: str | None = None  # why the engine died, when it did outside a shutdown
         self._stopping = False  # shutdown began: the engine's end is expected
         self._reader = threading.Thread(target=self._read, name="fp4moe-engine-reader", daemon=True)
         self._reader.start()
@@ -314,15 +321,30 @@ class EngineProcess:
                 elif kind == "stopped":
                     return
         except BaseException as e:  # the engine died: no request may wait for it forever
-            if not self._stopping:
-                log.error("the engine process stopped: %s", e)
+            reason = self._death_reason(e)
             with self._registry:
                 self._failed = True
                 ids = list(self._queues)
                 snapshots, self._snapshots = self._snapshots, []
-            self._fail(ids, f"the engine stopped ({type(e).__name__}: {e})")
+            self._fail(ids, f"the engine stopped ({reason})")
             for loop, future in snapshots:
                 loop.call_soon_threadsafe(_fail_future, future)
+            if not self._stopping:
+                log.error("the engine process stopped: %s", reason)
+                self.failure = reason  # the server's watchdog exits on it (``server.supervision``)
+
+    def _death_reason(self, e: BaseException) -> str:
+        """Why the engine ended: its own message, else how its process exited (a signal, an exit code)."""
+        if isinstance(e, RuntimeError) and e.args:
+            return str(e)  # the engine's "failed" message
+        self._process.join(2)
+        code = self._process.exitcode
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                return f"the engine process was killed by {signal.Signals(-code).name}"
+        if code is not None:
+            return f"the engine process exited with code {code}"
+        return f"the pipe to the engine process broke ({type(e).__name__}: {e})"
 
     def _fail(self, ids: list[int], error: str) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
