@@ -55,6 +55,7 @@ def build_app(engine: AsyncEngine | EngineProcess, config: ServerConfig) -> Fast
     @app.on_event("shutdown")
     async def _shutdown():
         app.state.watchdog.cancel()
+        srv.images.shutdown()
         await asyncio.to_thread(engine.shutdown)
 
     app.state.serving, app.state.end_streams = srv, srv.end_streams

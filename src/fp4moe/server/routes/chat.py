@@ -70,7 +70,7 @@ async def chat(req: ChatCompletionRequest, request: Request):
     except Exception as e:  # template errors are the caller's messages
         raise APIError(400, f"cannot apply the chat template: {clip(str(e), 300)}") from None
     srv.check_prompt_chars(text, "messages")
-    images = await fetch_images(images, srv.config.max_image_bytes)
+    images = await srv.images.decode(await fetch_images(images, srv.config.max_image_bytes))
     opened_think = text.rstrip().endswith("<think>")
     forced = ""  # a named tool_choice starts the call in the prompt; the model writes its parameters
     if req.tool_choice is not None and not isinstance(req.tool_choice, str) and srv.config.tool_call_parser:
