@@ -105,6 +105,9 @@ def main() -> int:
     result: dict = {"clients": args.clients, "rounds": []}
     try:
         text_request()
+        small = "data:image/png;base64," + base64.b64encode(big_png(96)).decode()
+        warm = [{"type": "image_url", "image_url": {"url": small}}, {"type": "text", "text": "?"}]
+        httpx.post(root, json={"messages": [{"role": "user", "content": warm}], "max_tokens": 2}, timeout=300)
         result["text_latency_idle_s"] = statistics.median(text_request() for _ in range(5))
         for spec in args.rounds:
             side, n_images = (int(x) for x in spec.split("x"))

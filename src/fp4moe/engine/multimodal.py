@@ -13,6 +13,7 @@ import contextlib
 import io
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,24 +36,15 @@ def open_image(source):
     from PIL import Image, UnidentifiedImageError
 
     Image.MAX_IMAGE_PIXELS = MAX_PIXELS  # PIL warns past this (refused below) and raises past twice this
+    with contextlib.suppress(AttributeError):
+        # Pillow allocates pixels in 16 MB blocks, which glibc keeps cached in the heap once freed (the front
+        # stayed ~1 GB larger after a burst of large images); blocks past glibc's 32 MB mmap threshold are
+        # mapped and go back to the system the moment an image is freed
+        Image.core.set_block_size(64 << 20)
     try:
-        if isinstance(source, Image.Image):
-            img = source
-        elif isinstance(source, bytes):
-            img = Image.open(io.BytesIO(source))
-        elif isinstance(source, str) and source.startswith("data:"):
-            header, _, payload = source.partition(",")
-            if ";base64" not in header:
-                raise ImageError("only base64 data: URLs are supported")
-            img = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
-        elif isinstance(source, str) and source.startswith(("http://", "https://")):
-            raise ImageError(f"remote image URLs are not fetched: {source[:80]}")
-        elif isinstance(source, (str, Path)):
-            if not Path(source).is_file():
-                raise ImageError(f"image file {str(source)[:200]} does not exist")
-            img = Image.open(source)
-        else:
-            raise ImageError(f"unsupported image input of type {type(source).__name__}")
+        with warnings.catch_warnings():  # an image past the limit is refused below, in its own words
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = _open(source)
     except Image.DecompressionBombError:
         raise ImageError(f"image has too many pixels (more than {MAX_PIXELS})") from None
     except (UnidentifiedImageError, OSError, ValueError) as e:
@@ -65,6 +57,27 @@ def open_image(source):
     if width * height == 0:
         raise ImageError("image has no pixels")
     return img
+
+
+def _open(source):
+    from PIL import Image
+
+    if isinstance(source, Image.Image):
+        return source
+    if isinstance(source, bytes):
+        return Image.open(io.BytesIO(source))
+    if isinstance(source, str) and source.startswith("data:"):
+        header, _, payload = source.partition(",")
+        if ";base64" not in header:
+            raise ImageError("only base64 data: URLs are supported")
+        return Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+    if isinstance(source, str) and source.startswith(("http://", "https://")):
+        raise ImageError(f"remote image URLs are not fetched: {source[:80]}")
+    if isinstance(source, (str, Path)):
+        if not Path(source).is_file():
+            raise ImageError(f"image file {str(source)[:200]} does not exist")
+        return Image.open(source)
+    raise ImageError(f"unsupported image input of type {type(source).__name__}")
 
 
 def _plain(e: Exception) -> str:
@@ -112,7 +125,15 @@ def decode_image(img, max_pixels: int | None = None) -> np.ndarray:
 def load_image(source, max_pixels: int | None = None) -> np.ndarray:
     """An RGB uint8 array [H, W, 3] from a path, bytes, ``data:`` URL, PIL image or array, shrunk to at
     most ``max_pixels`` while decoding (``decode_image``)."""
-    arr = source if isinstance(source, np.ndarray) else decode_image(open_image(source), max_pixels)
+    if isinstance(source, np.ndarray):
+        arr = source
+    else:
+        img = open_image(source)
+        try:
+            arr = decode_image(img, max_pixels)
+        finally:
+            if img is not source:  # ours: its full-size pixels freed now, not when it is collected
+                img.close()
     if arr.ndim != 3 or arr.shape[-1] != 3:
         raise ImageError(f"expected an RGB image [H, W, 3], got shape {arr.shape}")
     return arr

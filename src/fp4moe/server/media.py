@@ -28,7 +28,7 @@ class ImageDecoder:
     together at most ``request_pixels`` (else a 400), the images being decoded at once across the server at
     most ``server_pixels`` (others wait)."""
 
-    def __init__(self, max_pixels: int | None, request_pixels: int, server_pixels: int, workers: int = 2):
+    def __init__(self, max_pixels: int | None, request_pixels: int, server_pixels: int, workers: int = 1):
         self.max_pixels = max_pixels  # the processor's size: nothing larger is decoded into memory to stay
         self.request_pixels, self.server_pixels = request_pixels, server_pixels
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="fp4moe-image")
@@ -56,12 +56,16 @@ class ImageDecoder:
         )
         loop = asyncio.get_running_loop()
         out = []
-        for img, pixels in zip(opened, sizes, strict=True):
-            async with self._reserve(pixels):
-                try:
+        try:
+            for img, pixels in zip(opened, sizes, strict=True):
+                async with self._reserve(pixels):
                     out.append(await loop.run_in_executor(self.pool, decode_image, img, self.max_pixels))
-                except ImageError as e:
-                    raise APIError(400, str(e), param="messages") from None
+                img.close()  # its full-size pixels freed now, not when the request ends
+        except ImageError as e:
+            raise APIError(400, str(e), param="messages") from None
+        finally:
+            for img in opened:
+                img.close()
         return out
 
     @contextlib.asynccontextmanager
