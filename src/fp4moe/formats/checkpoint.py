@@ -255,6 +255,27 @@ def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
+def check_destination(dst: str | os.PathLike, overwrite: bool = False) -> None:
+    """Refuse, before any work, a destination that cannot be written: its folder missing, not a folder or
+    not writable (read-only, no permission), or DST present without ``overwrite``."""
+    dst = Path(dst).absolute()
+    parent = dst.parent
+    if not parent.exists():
+        raise CheckpointError(f"the destination's folder {parent} does not exist; create it first")
+    if not parent.is_dir():
+        raise CheckpointError(f"the destination's folder {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(
+            f"cannot write in {parent} (read-only or no permission); choose another destination"
+        )
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst} already exists; pass --overwrite to replace it")
+    if dst.is_dir() and not os.access(dst, os.W_OK | os.X_OK):
+        raise CheckpointError(
+            f"cannot replace {dst} (read-only or no permission); choose another destination"
+        )
+
+
 @contextlib.contextmanager
 def atomic_output_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``dst``; on success it replaces ``dst`` in one rename.
@@ -282,7 +303,15 @@ def atomic_output_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterat
         os.replace(dst, old)
     os.replace(tmp, dst)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Delete a folder or a file (--overwrite may replace either)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def recover_interrupted_output(dst: Path) -> None:
@@ -296,7 +325,7 @@ def recover_interrupted_output(dst: Path) -> None:
         if m[1] == "old" and not dst.exists():
             os.replace(p, dst)
         else:
-            shutil.rmtree(p, ignore_errors=True)
+            _remove(p)
 
 
 def _pid_alive(pid: int) -> bool:
