@@ -45,13 +45,13 @@ def request(root: str, i: int, image: str) -> str:
     rng = random.Random(i)
     kind = rng.choice(["chat", "chat", "completion", "image"])
     stream = rng.random() < 0.5
-    body: dict = {"max_tokens": rng.randint(1, 48), "stream": stream, "ignore_eos": rng.random() < 0.5}
+    body: dict = {"max_tokens": rng.randint(1, 24), "stream": stream, "ignore_eos": rng.random() < 0.5}
     if rng.random() < 0.2:
         body["n"] = 2
     if rng.random() < 0.2:
         body["stop"] = ["the", "\n\n"]
     words = " ".join(
-        rng.choice(["alpha", "beta", "gamma", "delta", "x", "42"]) for _ in range(rng.randint(1, 200))
+        rng.choice(["alpha", "beta", "gamma", "delta", "x", "42"]) for _ in range(rng.randint(1, 40))
     )
     if kind == "completion":
         path, body["prompt"] = "/v1/completions", words
