@@ -1,5 +1,6 @@
 """Bad input gets a clear error and nothing is half-written: DST absent (or the old one), no temp dir left."""
 
+import dataclasses
 import errno
 import json
 import os
@@ -315,3 +316,51 @@ def test_resave_without_mtp_tensors_quantizes_with_a_warning(checkpoints, tmp_pa
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["text_config"]["mtp_num_hidden_layers"] == 0
     assert inspect_checkpoint(tmp_path / "out").ok
+
+
+def _set_text_config(path, **values):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"].update(values)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("num_experts a string", "num_experts must be a positive integer, got '8'"),
+        ("top-k past the experts", "num_experts_per_tok (9) exceeds num_experts (8)"),
+        ("parent missing", "does not exist; create it first"),
+        ("parent a file", "is not a folder"),
+        ("parent read-only", "read-only or no permission"),
+        ("dst read-only", "cannot replace"),
+    ],
+)
+def test_bad_config_or_destination_is_one_line_exit_2(src, tmp_path, capsys, monkeypatch, case, message):
+    dst = tmp_path / "out"
+    if case == "num_experts a string":
+        _set_text_config(src, num_experts="8")
+    elif case == "top-k past the experts":
+        _set_text_config(src, num_experts_per_tok=9)
+    elif case == "parent missing":
+        dst = tmp_path / "absent" / "out"
+    elif case == "parent a file":
+        (tmp_path / "file").write_text("x")
+        dst = tmp_path / "file" / "out"
+    else:  # tests run as root, whom chmod does not stop: the permission check is what is exercised
+        blocked = tmp_path if case == "parent read-only" else dst
+        dst.mkdir()
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and str(p) != str(blocked))
+    argv = ["quantize", str(src), str(dst), "--no-progress", "--num-samples", "2", "--seq-len", "32"]
+    assert main(argv + (["--overwrite"] if case == "dst read-only" else [])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fp4moe quantize: error: ") and message in err, err
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_overwrite_of_a_file_leaves_nothing_aside(checkpoints, tmp_path):
+    dst = tmp_path / "out"
+    dst.write_text("an old file in the way")
+    quantize(checkpoints.bf16(), dst, dataclasses.replace(FAST, overwrite=True))
+    assert dst.is_dir() and (dst / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no .out.old-PID

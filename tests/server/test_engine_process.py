@@ -6,6 +6,7 @@ time, so their outputs are equal exactly."""
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -117,24 +118,36 @@ def test_a_client_that_leaves_aborts_its_request_in_the_engine(process_server):
     assert _metric(process_server, "fp4moe:num_requests_running") == 0
 
 
-def test_an_engine_process_that_dies_fails_its_requests_and_health(checkpoints):
-    """Killed mid-stream: the stream ends with an error event and [DONE], /health and new requests
-    answer 503 (no request waits for a dead engine)."""
+def test_an_engine_process_that_dies_fails_its_requests_then_the_server_exits(checkpoints):
+    """Killed mid-request: a stream ends with an error event and [DONE], a non-stream request gets an
+    OpenAI-shaped error, then the server exits 1 with the engine's reason logged (vLLM's supervision: a
+    supervisor restarts it, rather than a front answering 503 forever)."""
     proc, root = start_cli_server(checkpoints.bf16(), *PROCESS)
     try:
         pid = _engine_pid(proc)
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 5000, "stream": True, "ignore_eos": True}
+        whole: list[httpx.Response] = []
+        waiter = threading.Thread(
+            target=lambda: whole.append(
+                httpx.post(f"{root}/v1/completions", json={**body, "stream": False}, timeout=120)
+            )
+        )
         lines = []
         with httpx.stream("POST", f"{root}/v1/completions", json=body, timeout=60) as r:
             for i, line in enumerate(r.iter_lines()):
                 lines.append(line)
-                if i == 4:
+                if i == 2:
+                    waiter.start()
+                if i == 40:
                     os.kill(pid, signal.SIGKILL)
         events = [line for line in lines if line]
         assert events[-1] == "data: [DONE]" and '"error"' in events[-2]
-        assert httpx.get(f"{root}/health").status_code == 503
-        r = httpx.post(f"{root}/v1/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=60)
-        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        waiter.join(60)
+        assert whole[0].status_code == 500 and "the engine stopped" in whole[0].json()["error"]["message"]
+        assert proc.wait(60) == 1
+        err = proc.stderr.read().decode()
+        assert "the engine process was killed by SIGKILL" in err and "the server exits" in err
+        assert "Traceback" not in err
     finally:
         proc.kill()
         proc.wait(10)

@@ -653,6 +653,26 @@ def test_named_tool_choice_is_forced(client, scripted):
     assert name == "get_weather" and json.loads(args) == {"city": "Rome"}
 
 
+@pytest.mark.parametrize("forced", [True, False])
+def test_a_call_cut_off_by_max_tokens_is_content_and_length(client, scripted, forced):
+    scripted(
+        ("" if forced else "</think>\n\n<tool_call>\n<function=get_weather>\n")
+        + "<parameter=city>\nRome\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    choice = {"type": "function", "function": {"name": "get_weather"}} if forced else "auto"
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice=choice)
+    r = client.chat.completions.create(**kwargs, max_tokens=6)
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+    assert "<tool_call>" in r.choices[0].message.content
+    content, finishes = "", []
+    for chunk in client.chat.completions.create(**kwargs, max_tokens=6, stream=True):
+        for c in chunk.choices:
+            assert not c.delta.tool_calls
+            content += c.delta.content or ""
+            finishes += [c.finish_reason] if c.finish_reason else []
+    assert finishes == ["length"] and content == r.choices[0].message.content
+
+
 @pytest.mark.parametrize(
     ("path", "body", "fragment"),
     [

@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         if e.errno == errno.ENOSPC:
             print(f"fp4moe {args.command}: error: {e.strerror or e}; nothing was written", file=sys.stderr)
             return EXIT_ERROR
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # a folder that is read-only or not ours
+            where = f": {e.filename}" if e.filename else ""
+            print(f"fp4moe {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+            return EXIT_ERROR
         raise
     except KeyboardInterrupt:
         print(f"fp4moe {args.command}: interrupted; nothing was written", file=sys.stderr)

@@ -90,6 +90,20 @@ def add(sub) -> None:
         "(default: 8 x --max-model-len)",
     )
     p.add_argument(
+        "--max-image-pixels-per-request",
+        type=positive,
+        default=None,
+        help="pixels a request's images may decode to together, counted from their headers before decoding "
+        "(a JPEG at its reduced decoding scale); more is a 400 (default: 64 Mi, two of the largest images)",
+    )
+    p.add_argument(
+        "--max-image-pixels-in-flight",
+        type=positive,
+        default=None,
+        help="pixels being decoded at once across the server (about 4 bytes each); more images wait "
+        "(default: 64 Mi)",
+    )
+    p.add_argument(
         "--max-request-bytes",
         type=positive,
         default=None,
@@ -291,7 +305,18 @@ def run(args) -> int:
             max_n_sequences=args.max_n_sequences,
             max_prompt_chars=args.max_prompt_chars,
             max_request_bytes=args.max_request_bytes,
+            **{
+                k: v
+                for k, v in (
+                    ("max_image_pixels_per_request", args.max_image_pixels_per_request),
+                    ("max_image_pixels_in_flight", args.max_image_pixels_in_flight),
+                )
+                if v is not None
+            },
         ),
     )
-    serve(app, args.host, args.port, args.timeout_graceful_shutdown)
+    failure = serve(app, args.host, args.port, args.timeout_graceful_shutdown)
+    if failure is not None:
+        print(f"fp4moe serve: error: the engine stopped ({failure}); exiting", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -31,6 +31,7 @@ class AsyncEngine:
         self._inbox: deque = deque()  # ("add" | "abort", sequences), appended by the event loop
         self._registry = threading.Lock()  # submit's registration vs a dying thread's _fail_all
         self._failed = False
+        self.failure: str | None = None  # why the engine thread died, when it did
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="fp4moe-engine", daemon=True)
         self._thread.start()
@@ -104,6 +105,8 @@ class AsyncEngine:
         except BaseException as e:  # the thread dies: no request may wait for it forever
             logging.getLogger("fp4moe").exception("the engine thread stopped")
             self._fail_all(f"the engine stopped ({type(e).__name__}: {e})")
+            if not self._stop:
+                self.failure = f"{type(e).__name__}: {e}"  # the server's watchdog exits on it
             raise
 
     def _fail_all(self, error: str) -> None:

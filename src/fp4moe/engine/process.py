@@ -11,7 +11,7 @@ Messages over one duplex ``multiprocessing`` pipe, both ends ours (pickle, as ``
 
 - front -> engine: ("add", [Sequence]), ("abort", [seq_id]), ("stop_strings", [seq_id]), ("snapshot", None),
   ("stop", seconds)
-- engine -> front: ("ready", info), ("out", [(seq_id, ids, results, finish_reason, error)]),
+- engine -> front: ("ready", info), ("refused_to_start", message), ("out", [(seq_id, ids, results, finish_reason, error)]),
   ("refused", ([seq_id], error)), ("snapshot", dict), ("failed", error)
 
 ``EngineProcess`` has ``AsyncEngine``'s interface (``submit``, ``abort``, ``snapshot``, ``alive``,
@@ -37,8 +37,13 @@ from fp4moe.engine.prompts import Prompts
 from fp4moe.engine.sampler import SampleResult, SamplingParams
 from fp4moe.engine.scheduler import QueueFullError, SchedulerConfig, check_fits
 from fp4moe.engine.sequence import FinishReason, Sequence
+from fp4moe.errors import USER_ERRORS, UserError
 
 log = logging.getLogger("fp4moe")
+
+
+class EngineStartError(UserError):
+    """The engine process refused its model or settings (a bad checkpoint): reported in one line."""
 
 
 @dataclass
@@ -94,6 +99,9 @@ def _engine_main(spec: EngineSpec, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front shuts the engine down (a terminal's ^C)
     try:
         llm, core = start_engine(spec)
+    except USER_ERRORS as e:  # a bad checkpoint or setting: the front reports it in one line
+        conn.send(("refused_to_start", str(e)))
+        return
     except BaseException as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         raise
@@ -112,8 +120,14 @@ def _engine_main(spec: EngineSpec, conn) -> None:
             ),
         )
     )
-    with contextlib.suppress(EOFError, BrokenPipeError):  # the front is gone
+    try:
         _EngineLoop(core, conn).run()
+    except (EOFError, BrokenPipeError):  # the front is gone
+        return
+    except BaseException as e:  # tell the front why, then die with the traceback on stderr
+        with contextlib.suppress(OSError, ValueError):
+            conn.send(("failed", f"{type(e).__name__}: {e}"))
+        raise
 
 
 class _EngineLoop:
@@ -200,6 +214,9 @@ class EngineProcess:
             kind, info = self._conn.recv()  # loading and warm-up: minutes for a full-size model
         except EOFError:
             kind, info = "failed", f"the engine process exited (code {self._process.exitcode})"
+        if kind == "refused_to_start":
+            self._process.join(5)
+            raise EngineStartError(info)
         if kind != "ready":
             self._process.join(5)
             raise RuntimeError(f"the engine process did not start: {info}")
@@ -218,6 +235,7 @@ class EngineProcess:
         self._unstarted: set[int] = set()  # submitted, no token yet: an upper bound on the engine's waiting
         self._snapshots: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._failed = False
+        self.failure: str | None = None  # why the engine died, when it did outside a shutdown
         self._stopping = False  # shutdown began: the engine's end is expected
         self._reader = threading.Thread(target=self._read, name="fp4moe-engine-reader", daemon=True)
         self._reader.start()
@@ -305,15 +323,30 @@ class EngineProcess:
                 elif kind == "stopped":
                     return
         except BaseException as e:  # the engine died: no request may wait for it forever
-            if not self._stopping:
-                log.error("the engine process stopped: %s", e)
+            reason = self._death_reason(e)
             with self._registry:
                 self._failed = True
                 ids = list(self._queues)
                 snapshots, self._snapshots = self._snapshots, []
-            self._fail(ids, f"the engine stopped ({type(e).__name__}: {e})")
+            self._fail(ids, f"the engine stopped ({reason})")
             for loop, future in snapshots:
                 loop.call_soon_threadsafe(_fail_future, future)
+            if not self._stopping:
+                log.error("the engine process stopped: %s", reason)
+                self.failure = reason  # the server's watchdog exits on it (``server.supervision``)
+
+    def _death_reason(self, e: BaseException) -> str:
+        """Why the engine ended: its own message, else how its process exited (a signal, an exit code)."""
+        if isinstance(e, RuntimeError) and e.args:
+            return str(e)  # the engine's "failed" message
+        self._process.join(2)
+        code = self._process.exitcode
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                return f"the engine process was killed by {signal.Signals(-code).name}"
+        if code is not None:
+            return f"the engine process exited with code {code}"
+        return f"the pipe to the engine process broke ({type(e).__name__}: {e})"
 
     def _fail(self, ids: list[int], error: str) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

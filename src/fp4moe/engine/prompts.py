@@ -101,6 +101,18 @@ class Prompts:
             self._processor = ImageProcessor(self.path)
         return self._processor
 
+    def load_image_processor(self) -> int | None:
+        """Load the image processor now (a server's start-up, not its first image request: a model folder
+        it cannot read fails the start) -> the pixels an image is shrunk to (None: no images, or no limit)."""
+        from fp4moe.engine.multimodal import ImageError
+
+        try:
+            return self._image_processor().max_pixels
+        except ImageError:  # a text-only model: image requests get this error as a 400
+            return None
+        except (OSError, ValueError) as e:
+            raise PromptError(f"cannot load the image processor of {self.path}: {str(e)[:300]}") from None
+
     def attach_images(self, seq: Sequence, images: list) -> None:
         """Expand the prompt's image placeholders, set its 3-D positions and the images' pixels
         (``seq.pixel_values``, ``seq.image_grid``), which the engine's vision tower encodes

@@ -18,31 +18,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fp4moe.errors import UserError
+from fp4moe.formats.safetensors_header import HeaderError, parse_header, parse_index
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-
-# safetensors dtype strings -> bytes per element
-_DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "U16": 2,
-    "U32": 4,
-    "U64": 8,
-    "F8_E8M0": 1,
-    "F4": 1,
-}
-
 
 TORCH_DTYPES = {
     "F64": torch.float64,
@@ -75,14 +54,12 @@ class TensorInfo:
 
     @property
     def num_bytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * _DTYPE_BYTES.get(self.dtype, 1)
+        return self.length  # the header validator checked it is shape x element size
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse one safetensors file's header and check the file holds all the bytes it promises."""
+    """Parse and validate one safetensors file's header (see ``safetensors_header``): the file holds
+    exactly the bytes its tensors promise."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -93,27 +70,15 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(
                 f"{path}: truncated or corrupt safetensors header (claims {header_len} bytes)"
             )
-        try:
-            header = json.loads(f.read(header_len))
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
-    header.pop("__metadata__", None)
-    data_end = max((v["data_offsets"][1] for v in header.values()), default=0)
-    if 8 + header_len + data_end > size:
-        raise CheckpointError(
-            f"{path}: truncated: tensors need {8 + header_len + data_end} bytes, file has {size}"
-        )
+        raw = f.read(header_len)
+    try:
+        entries = parse_header(raw, size - 8 - header_len, str(path))
+    except HeaderError as e:
+        raise CheckpointError(str(e)) from None
     base = 8 + header_len
     return {
-        name: TensorInfo(
-            name,
-            path.name,
-            v["dtype"],
-            tuple(v["shape"]),
-            offset=base + v["data_offsets"][0],
-            length=v["data_offsets"][1] - v["data_offsets"][0],
-        )
-        for name, v in header.items()
+        name: TensorInfo(name, path.name, e.dtype, e.shape, offset=base + e.start, length=e.end - e.start)
+        for name, e in entries.items()
     }
 
 
@@ -147,9 +112,9 @@ class CheckpointReader:
 
     def _read_index(self, index: Path) -> None:
         try:
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+            weight_map = parse_index(index.read_text(errors="replace"), index)
+        except HeaderError as e:
+            raise CheckpointError(str(e)) from None
         for file in sorted(set(weight_map.values())):
             if not (self.path / file).exists():
                 names = [n for n, f in weight_map.items() if f == file]
@@ -290,6 +255,27 @@ def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
+def check_destination(dst: str | os.PathLike, overwrite: bool = False) -> None:
+    """Refuse, before any work, a destination that cannot be written: its folder missing, not a folder or
+    not writable (read-only, no permission), or DST present without ``overwrite``."""
+    dst = Path(dst).absolute()
+    parent = dst.parent
+    if not parent.exists():
+        raise CheckpointError(f"the destination's folder {parent} does not exist; create it first")
+    if not parent.is_dir():
+        raise CheckpointError(f"the destination's folder {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(
+            f"cannot write in {parent} (read-only or no permission); choose another destination"
+        )
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst} already exists; pass --overwrite to replace it")
+    if dst.is_dir() and not os.access(dst, os.W_OK | os.X_OK):
+        raise CheckpointError(
+            f"cannot replace {dst} (read-only or no permission); choose another destination"
+        )
+
+
 @contextlib.contextmanager
 def atomic_output_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``dst``; on success it replaces ``dst`` in one rename.
@@ -317,7 +303,15 @@ def atomic_output_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterat
         os.replace(dst, old)
     os.replace(tmp, dst)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Delete a folder or a file (--overwrite may replace either)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def recover_interrupted_output(dst: Path) -> None:
@@ -331,7 +325,7 @@ def recover_interrupted_output(dst: Path) -> None:
         if m[1] == "old" and not dst.exists():
             os.replace(p, dst)
         else:
-            shutil.rmtree(p, ignore_errors=True)
+            _remove(p)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -134,6 +134,14 @@ class ModelArgs:
 
     @classmethod
     def from_text_config(cls, text: dict) -> ModelArgs:
+        for key in _COUNTS:  # "8" or 8.5 would pass int() here and break a library that reads the dict
+            value = text.get(key)
+            if key in text and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"{key} must be a positive integer, got {str(value)[:40]!r}")
+        if int(text["num_experts_per_tok"]) > int(text["num_experts"]):
+            raise ValueError(
+                f"num_experts_per_tok ({text['num_experts_per_tok']}) exceeds num_experts ({text['num_experts']})"
+            )
         n = int(text["num_hidden_layers"])
         types = layer_types_of(text)
         return cls(
@@ -158,6 +166,14 @@ class ModelArgs:
             max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
             mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
         )
+
+
+# text-config fields that must be positive JSON integers
+_COUNTS = (
+    "num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+)  # fmt: skip
 
 
 @dataclass

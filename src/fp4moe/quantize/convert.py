@@ -28,6 +28,7 @@ from fp4moe.formats.checkpoint import (
     CheckpointReader,
     ShardedWriter,
     atomic_output_dir,
+    check_destination,
     copy_side_files,
     parse_size,
     recover_interrupted_output,
@@ -149,8 +150,9 @@ def convert(
 
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
+    check_destination(dst, overwrite)
     recover_interrupted_output(dst.resolve())
-    if dst.exists() and not overwrite:
+    if dst.exists() and not overwrite:  # an old DST put back by recovery
         raise FileExistsError(f"{dst} already exists; pass --overwrite to replace it")
     cfg = arch.ModelConfig.from_dir(src)
     qc = cfg.raw.get("quantization_config") or {}

@@ -467,9 +467,9 @@ def inspect_checkpoint(
     path = Path(path)
     report = InspectReport(path=str(path))
     problems = _Problems(report)
+    reader = CheckpointReader(path)  # files safetensors would refuse: an error (exit 2), never a report
     try:
         cfg = arch.ModelConfig.from_dir(path)
-        reader = CheckpointReader(path)
         prefix = arch.text_prefix(reader)
     except (CheckpointError, arch.UnsupportedModelError) as e:
         report.problems.append(str(e))

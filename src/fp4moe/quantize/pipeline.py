@@ -29,6 +29,7 @@ from fp4moe.formats.checkpoint import (
     CheckpointReader,
     ShardedWriter,
     atomic_output_dir,
+    check_destination,
     copy_side_files,
     recover_interrupted_output,
     write_json,
@@ -393,6 +394,7 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
     options = options or QuantizeOptions()
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
+    check_destination(dst, options.overwrite)
     recover_interrupted_output(dst.resolve())
     if dst.exists() and not options.overwrite:
         raise FileExistsError(f"{dst} already exists; pass --overwrite to replace it")

@@ -6,7 +6,8 @@ request body too large, 429 full queue, 503 engine stopped or server shutting do
 connection cleanly (``Connection: close``). A client that disconnects has its request aborted and its cache
 slots freed, streaming or not, running or still queued; a non-stream one is logged with status 499 (nginx's
 "client closed request"). On shutdown, streams that cannot finish within the grace period end with an error
-event and ``[DONE]``. ``/health`` answers ``{"status": "ok"}`` (200) or ``{"status": "engine stopped"}`` (503).
+event and ``[DONE]``. ``/health`` answers ``{"status": "ok"}`` (200) or ``{"status": "engine stopped"}`` (503); under ``fp4moe serve`` a
+dead engine ends the server (exit 1, the reason logged: ``server.supervision``).
 
 Limits (``ServerConfig``): ``n`` ≤ ``max_n_sequences`` (vLLM's default, 16384) and ≤ the waiting queue; the
 body ≤ ``max_request_bytes``; a prompt's characters ≤ ``max_prompt_chars`` before it is tokenized (default 8 per
@@ -27,6 +28,7 @@ from fp4moe.server.errors import install_handlers
 from fp4moe.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, InternalErrorMiddleware
 from fp4moe.server.routes import chat, completions, health, models
 from fp4moe.server.serving import Serving
+from fp4moe.server.supervision import watch_engine
 
 
 def build_app(engine: AsyncEngine | EngineProcess, config: ServerConfig) -> FastAPI:
@@ -45,8 +47,15 @@ def build_app(engine: AsyncEngine | EngineProcess, config: ServerConfig) -> Fast
     for routes in (health, models, chat, completions):
         app.include_router(routes.router)
 
+    @app.on_event("startup")
+    async def _watch():
+        on_failure = getattr(app.state, "on_engine_failure", None)  # set by ``serve``
+        app.state.watchdog = asyncio.create_task(watch_engine(engine, on_failure))
+
     @app.on_event("shutdown")
     async def _shutdown():
+        app.state.watchdog.cancel()
+        srv.images.shutdown()
         await asyncio.to_thread(engine.shutdown)
 
     app.state.serving, app.state.end_streams = srv, srv.end_streams

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 PROMPT_CHARS_PER_TOKEN = 8  # default --max-prompt-chars = this x max_model_len (English averages ~4)
 
@@ -19,6 +20,12 @@ class ServerConfig:
     max_n_sequences: int = 16384  # `n` at most (vLLM's VLLM_MAX_N_SEQUENCES default)
     max_prompt_chars: int | None = None  # None: PROMPT_CHARS_PER_TOKEN x max_model_len
     max_request_bytes: int | None = None  # None: room for max_prompt_chars of text and the images allowed
+    # decoded image pixels: a request's images together (a 400 past it; two of the 32 Mi-pixel largest), and
+    # the images being decoded at once across the server (~4 bytes a pixel: ~256 MB; more wait)
+    max_image_pixels_per_request: int = 64 << 20
+    max_image_pixels_in_flight: int = 64 << 20
+    # threads decoding images: a quarter of the cores, 1 to 4 (on 2 cores more starve a CPU engine's steps)
+    image_decode_workers: int = field(default_factory=lambda: max(1, min(4, (os.cpu_count() or 2) // 4)))
 
     def prompt_chars(self, max_model_len: int) -> int:
         if self.max_prompt_chars is not None:

@@ -24,12 +24,14 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = Headers(scope=scope).get("authorization", "")
-            if not hmac.compare_digest(given.encode(), self._expected):
+            scheme, _, given = Headers(scope=scope).get("authorization", "").partition(" ")
+            # the scheme is case-insensitive (RFC 9110; vLLM accepts "bearer" too), the key is not
+            valid = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._expected)
+            if not valid:
                 response = JSONResponse(
                     error_body("invalid API key", "authentication_error", 401), status_code=401
                 )

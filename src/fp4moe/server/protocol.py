@@ -16,7 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from fp4moe.engine.sampler import SamplingParams
 
-MAX_STOP_STRINGS = 32  # `stop` entries per request (OpenAI allows 4; vLLM sets no limit)
+# `stop` entries per request (OpenAI allows 4; vLLM sets no limit): each is looked for in the text after every
+# token, so a request's cost in the server's front grows with their count
+MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOOLS = 512
@@ -229,6 +231,22 @@ class _Sampling(_Strict):
             raise ValueError(problem)
         return data
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _count_stop_strings(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop has {len(v)} strings; this server takes at most {MAX_STOP_STRINGS} (each is looked for "
+                "after every token)"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:  # vLLM's rule
+            raise ValueError("stream_options can only be given with stream: true")
+        return self
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError with the offending field for bad values."""
         return SamplingParams(
@@ -269,6 +287,12 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
         return v
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:  # vLLM's and OpenAI's rule
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
     @property
     def requested_max_tokens(self) -> int | None:
         return next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None), None)
@@ -293,6 +317,16 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = None  # absent: 16 (OpenAI's default), or less if the context leaves less room
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False
+    best_of: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"best_of {self.best_of} with n {self.n}: best_of must be at least n (vLLM's rule), and more "
+                "than n is not supported (no ranking by log probability); leave it out or set it to n"
+            )
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -15,6 +15,7 @@ from fp4moe.engine.prompts import PromptError
 from fp4moe.engine.scheduler import QueueFullError
 from fp4moe.server.config import PROMPT_CHARS_PER_TOKEN, ServerConfig
 from fp4moe.server.errors import APIError, check
+from fp4moe.server.media import ImageDecoder
 from fp4moe.server.metrics import Metrics
 from fp4moe.server.protocol import clip
 from fp4moe.server.streaming import SHUTDOWN_MESSAGE, SHUTTING_DOWN, drain
@@ -28,6 +29,12 @@ class Serving:
         self.max_prompt_chars = config.prompt_chars(self.llm.max_model_len)
         self.live: set[asyncio.Queue] = set()  # the output queues of requests in flight (told at shutdown)
         self.stopping = threading.Event()  # set when the shutdown grace period ends: new requests get a 503
+        self.images = ImageDecoder(
+            self.llm.load_image_processor(),  # at start-up: a processor that cannot load fails the start
+            config.max_image_pixels_per_request,
+            config.max_image_pixels_in_flight,
+            config.image_decode_workers,
+        )
 
     def check_model(self, name: str | None) -> None:
         if name and name != self.config.served_model_name:

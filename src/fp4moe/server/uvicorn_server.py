@@ -28,8 +28,18 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(app, host: str, port: int, timeout_graceful_shutdown: float, log_level: str = "info") -> None:
+def serve(app, host: str, port: int, timeout_graceful_shutdown: float, log_level: str = "info") -> str | None:
+    """Run until a signal or the engine's death -> the engine's failure (None after a normal shutdown)."""
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=timeout_graceful_shutdown
     )
-    Server(config).run()
+    server = Server(config)
+    failures: list[str] = []
+
+    def on_engine_failure(reason: str) -> None:
+        failures.append(reason)
+        server.should_exit = True
+
+    app.state.on_engine_failure = on_engine_failure
+    server.run()
+    return failures[0] if failures else None

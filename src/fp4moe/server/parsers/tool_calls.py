@@ -9,14 +9,16 @@
     </tool_call>
 
 Argument values are typed by the tool's JSON schema (integer, number, boolean, object/array as JSON,
-string otherwise; one newline either side of a value is dropped). Streaming emits the call's id and name
-as soon as ``<function=NAME>`` is complete, then the JSON arguments a parameter at a time, so clients that
-concatenate ``arguments`` fragments get valid JSON at the end. Text outside tool calls is content.
+string otherwise; one newline either side of a value is dropped). A call is emitted only once its
+``</tool_call>`` has arrived, whole (id, name and arguments in one delta): a call cut off by ``max_tokens``
+or the end of the output is never a call but content, streamed or not, and every ``arguments`` string is
+valid JSON (non-finite numbers stay strings). Text outside tool calls is content.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -51,10 +53,29 @@ def _schema_types(tools: list[dict] | None) -> dict[str, dict[str, str]]:
     return types
 
 
+def _strict_json(text: str):
+    """``json.loads`` without NaN/Infinity, which are not JSON."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def convert_value(raw: str, kind: str | list | None):
-    """A parameter's text as the JSON type its schema declares."""
+    """A parameter's text as the JSON type its schema declares; the text itself where it does not convert
+    to a value JSON can carry (NaN, infinities, too deep)."""
     value = raw[1:] if raw.startswith("\n") else raw
     value = value[:-1] if value.endswith("\n") else value
+    converted = _convert(value, kind)
+    try:
+        json.dumps(converted, allow_nan=False)
+    except (ValueError, RecursionError):
+        return value
+    return converted
+
+
+def _convert(value: str, kind: str | list | None):
     kinds = kind if isinstance(kind, list) else [kind]
     for k in kinds:
         try:
@@ -62,6 +83,8 @@ def convert_value(raw: str, kind: str | list | None):
                 return int(value.strip())
             if k == "number":
                 number = float(value.strip())
+                if not math.isfinite(number):
+                    continue
                 return (
                     int(number)
                     if number.is_integer() and "." not in value and "e" not in value.lower()
@@ -70,14 +93,14 @@ def convert_value(raw: str, kind: str | list | None):
             if k == "boolean" and value.strip().lower() in ("true", "false"):
                 return value.strip().lower() == "true"
             if k in ("object", "array"):
-                return json.loads(value)
+                return _strict_json(value)
             if k == "null" and value.strip().lower() in ("null", "none"):
                 return None
         except (ValueError, RecursionError):  # JSONDecodeError, a number past 4,300 digits, deep nesting
             continue
     if kind is None:  # unknown parameter: JSON if it parses, else the string
         try:
-            return json.loads(value)
+            return _strict_json(value)
         except (ValueError, RecursionError):
             return value
     return value
@@ -88,9 +111,6 @@ class ToolCallParser:
         self.types = _schema_types(tools)
         self._buffer = ""
         self._in_call = False
-        self._index = -1
-        self._name: str | None = None
-        self._params_done = 0
         self.calls: list[dict] = []  # completed calls: {"id", "name", "arguments"}
 
     def feed(self, delta: str) -> ParsedDelta:
@@ -106,46 +126,39 @@ class ToolCallParser:
                     return out
                 out.content += self._buffer[:i]
                 self._buffer = self._buffer[i + len(START) :]
-                self._in_call, self._name, self._params_done = True, None, 0
-                self._index += 1
-                self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": None, "arguments": {}})
-            call = self.calls[-1]
-            if self._name is None:
-                m = _FUNCTION.search(self._buffer)
-                if m is None:
-                    return out
-                self._name = call["name"] = m.group(1).strip()
-                out.tool_calls.append(ToolCallDelta(self._index, id=call["id"], name=self._name))
-            types = self.types.get(self._name, {})
-            params = list(_PARAMETER.finditer(self._buffer))
-            for m in params[self._params_done :]:
-                key = m.group(1).strip()
-                value = convert_value(m.group(2), types.get(key))
-                call["arguments"][key] = value
-                prefix = "{" if self._params_done == 0 else ", "
-                out.tool_calls.append(
-                    ToolCallDelta(
-                        self._index,
-                        arguments=f"{prefix}{json.dumps(key)}: {json.dumps(value, ensure_ascii=False)}",
-                    )
-                )
-                self._params_done += 1
+                self._in_call = True
             j = self._buffer.find(END)
-            if j < 0:
+            if j < 0:  # held back until the call is complete: a cut-off call must never look finished
                 return out
-            out.tool_calls.append(ToolCallDelta(self._index, arguments="}" if self._params_done else "{}"))
-            self._buffer = self._buffer[j + len(END) :].lstrip("\n")
+            block, self._buffer = self._buffer[:j], self._buffer[j + len(END) :]
             self._in_call = False
+            call = self._parse_call(block)
+            if call is None:  # no <function=NAME>: not a call, the markup stays text
+                out.content += START + block + END
+                continue
+            self._buffer = self._buffer.lstrip("\n")
+            self.calls.append(call)
+            arguments = json.dumps(call["arguments"], ensure_ascii=False, allow_nan=False)
+            out.tool_calls.append(
+                ToolCallDelta(len(self.calls) - 1, id=call["id"], name=call["name"], arguments=arguments)
+            )
+
+    def _parse_call(self, block: str) -> dict | None:
+        m = _FUNCTION.search(block)
+        if m is None or not m.group(1).strip():
+            return None
+        name = m.group(1).strip()
+        types = self.types.get(name, {})
+        arguments = {}
+        for p in _PARAMETER.finditer(block, m.end()):
+            key = p.group(1).strip()
+            arguments[key] = convert_value(p.group(2), types.get(key))
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": arguments}
 
     def finish(self) -> ParsedDelta:
         """Flush held-back text; an unterminated call is returned as plain content."""
-        out = ParsedDelta()
-        if self._in_call:
-            self.calls.pop()
-            out.content = START + self._buffer
-        else:
-            out.content = self._buffer
-        self._buffer = ""
+        out = ParsedDelta(content=(START if self._in_call else "") + self._buffer)
+        self._buffer, self._in_call = "", False
         return out
 
 
@@ -163,7 +176,10 @@ def openai_tool_calls(calls: list[dict]) -> list[dict]:
         {
             "id": c["id"],
             "type": "function",
-            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
+            "function": {
+                "name": c["name"],
+                "arguments": json.dumps(c["arguments"], ensure_ascii=False, allow_nan=False),
+            },
         }
         for c in calls
     ]

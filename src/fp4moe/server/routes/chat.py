@@ -70,7 +70,7 @@ async def chat(req: ChatCompletionRequest, request: Request):
     except Exception as e:  # template errors are the caller's messages
         raise APIError(400, f"cannot apply the chat template: {clip(str(e), 300)}") from None
     srv.check_prompt_chars(text, "messages")
-    images = await fetch_images(images, srv.config.max_image_bytes)
+    images = await srv.images.decode(await fetch_images(images, srv.config.max_image_bytes))
     opened_think = text.rstrip().endswith("<think>")
     forced = ""  # a named tool_choice starts the call in the prompt; the model writes its parameters
     if req.tool_choice is not None and not isinstance(req.tool_choice, str) and srv.config.tool_call_parser:
@@ -109,7 +109,7 @@ async def chat(req: ChatCompletionRequest, request: Request):
         logprobs = None
         if req.logprobs:
             logprobs = ChatLogprobs(content=[_chat_logprob(tokenizer, r) for r in seq.logprobs])
-        finish = "tool_calls" if calls else seq.finish_reason.value
+        finish = _finish_reason(seq, bool(calls))
         choices.append(ChatChoice(index=i, message=message, finish_reason=finish, logprobs=logprobs))
     return ChatCompletionResponse(**head, choices=choices, usage=usage(seqs))
 
@@ -143,7 +143,7 @@ def _chat_stream(srv: Serving, chunk: ChatCompletionChunk, req, seqs, queue, mak
             if delta or lp:
                 yield event(i, delta, logprobs=lp)
         if out.finished:
-            yield event(i, {}, "tool_calls" if called[i] else out.seq.finish_reason.value)
+            yield event(i, {}, _finish_reason(out.seq, called[i]))
 
     def closing():
         return chunk.model_copy(update={"usage": usage(seqs)})
@@ -151,6 +151,14 @@ def _chat_stream(srv: Serving, chunk: ChatCompletionChunk, req, seqs, queue, mak
     want_usage = req.stream_options and req.stream_options.include_usage
     opening = [event(i, {"role": "assistant", "content": ""}) for i in range(len(seqs))]
     return event_stream(srv, seqs, queue, events, opening, closing if want_usage else None)
+
+
+def _finish_reason(seq, called: bool) -> str:
+    """The finish reason: "length" when the output was cut off (a call it held is content),
+    else "tool_calls" when a complete call was made; the same for streamed and whole answers."""
+    if seq.finish_reason.value == "length" or not called:
+        return seq.finish_reason.value
+    return "tool_calls"
 
 
 def _tools_for(req: ChatCompletionRequest, config: ServerConfig) -> list[dict] | None:
