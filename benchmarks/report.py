@@ -423,7 +423,12 @@ KINDS = [  # file name prefix -> what it is (the index's second column)
     ("profiler-effect", "timings with and without a profiler session"),
     ("test-suite", "the CPU test suite's durations"),
     ("vllm/", "`benchmarks/vllm_side_by_side.py`: our checkpoints in stock vLLM"),
-    ("reference-model/", "the trained 30M reference model's config and training log"),
+    ("reference-model", "a trained 30M reference model's config and training log"),
+    ("gpu-train-tune", "a device call's log: the reference model's training and kernel sweeps"),
+    ("kv-cache-quality", "`benchmarks/kv_cache_quality.py`: KL of an fp8 KV cache by scale rule"),
+    ("engine-rss", "`benchmarks/engine_rss.py`: the engine's memory over a long mixed run"),
+    ("image-load", "`benchmarks/image_load.py`: image requests under load, text latency, memory"),
+    ("lm-eval", "`benchmarks/lm_eval_quality.py`: lm-eval accuracy and perplexity by recipe"),
 ]
 
 
