@@ -152,3 +152,20 @@ def test_local_chat_completions_generates(served, tmp_path):
     assert len(samples["fp4moe_gen"]) == 4 and all(
         isinstance(s["resps"][0][0], str) for s in samples["fp4moe_gen"]
     )
+
+
+def test_fp4moe_eval_tasks_puts_bf16_and_nvfp4_side_by_side(checkpoints, tmp_path, monkeypatch, capsys):
+    from fp4moe.cli import main
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "ds"))
+    bf16, nvfp4 = checkpoints.bf16(), checkpoints.quantized()
+    args = ["eval", str(nvfp4), "--ref", str(bf16), "--tasks", "fp4moe_mc", "--include-path", str(TASKS)]
+    assert main([*args, "--dtype", "float32", "--json", str(tmp_path / "r.json")]) == 0
+    table = capsys.readouterr().out
+    print(table)
+    rows = {line.split("|")[2].strip(): line for line in table.splitlines() if line.startswith("| fp4moe_mc")}
+    assert set(rows) == {"acc", "acc_norm"} and all(" ± " in r for r in rows.values())
+    saved = json.loads((tmp_path / "r.json").read_text())
+    ref, mod = (saved[k]["results"]["fp4moe_mc"]["acc,none"] for k in ("reference", "model"))
+    assert f"{mod - ref:+.4f}" in rows["acc"]
