@@ -177,3 +177,23 @@ def limited(checkpoints):
     )
     yield srv
     srv.stop()
+
+
+def test_a_prefix_cache_does_not_skip_prompt_logprobs(checkpoints):
+    """A cached prefix is not run again, so it could not be scored: requests for prompt logprobs bypass the
+    prefix cache (as vLLM's do) and get every prompt token's."""
+    from conftest import start_server
+    from fp4moe.engine.prefix_cache import PrefixCache
+
+    ids = _prompts(4, (40,))[0]
+    body = {"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0, **GREEDY}
+    srv = start_server(checkpoints.bf16(), prefix_cache=PrefixCache(block_size=16))
+    try:
+        _post(srv, "/completions", {"prompt": ids, "max_tokens": 1, **GREEDY})  # caches the prefix
+        scored = _post(srv, "/completions", body).json()["choices"][0]["logprobs"]["token_logprobs"]
+    finally:
+        srv.stop()
+    plain = _post(_server := start_server(checkpoints.bf16()), "/completions", body).json()
+    _server.stop()
+    assert len(scored) == 41 and scored[0] is None and None not in scored[1:]
+    assert scored == pytest.approx(plain["choices"][0]["logprobs"]["token_logprobs"], abs=1e-5)
