@@ -100,8 +100,6 @@ async def completions(req: CompletionRequest, request: Request):
             if req.logprobs is not None and records:
                 logprobs = _logprobs(tokenizer, records, offset)
             finish = seq.finish_reason.value if out.finished else None
-            if not text and logprobs is None and finish is None:
-                return
             choice = CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=logprobs)
             yield response.model_copy(update={"choices": [choice]})
 
