@@ -155,10 +155,11 @@ def main() -> None:
 
         def score(name: str, path: str | Path, kl: dict | None) -> None:
             start = time.perf_counter()
-            results = run_tasks(path, config, ["heldout_next_line", "heldout_rolling"], str(tasks))
-            rows.append(
-                dict(name=name, lm_eval=results["results"], kl=kl, seconds=time.perf_counter() - start)
-            )
+            task_names = ["heldout_next_line", "heldout_rolling"]
+            results = run_tasks(path, config, task_names, str(tasks), log_samples=True)
+            docs = sorted(results["samples"]["heldout_next_line"], key=lambda d: d["doc_id"])
+            rows.append(dict(name=name, lm_eval=results["results"], answers=[_answer(d) for d in docs], kl=kl,
+                             seconds=time.perf_counter() - start))  # fmt: skip
             print(name, {f"{t}/{m}": v for (t, m), v in metrics(results).items()}, flush=True)
 
         score("bf16", args.reference, None)
@@ -176,16 +177,26 @@ def main() -> None:
     print(table(rows))
 
 
+def _answer(doc: dict) -> int:
+    """The choice a multiple-choice sample's loglikelihoods pick (lm-eval's acc: the largest)."""
+    scores = [float(r[0]) for r in doc["filtered_resps"]]
+    return max(range(len(scores)), key=scores.__getitem__)
+
+
 def table(rows: list[dict]) -> str:
     """Markdown: accuracy ± stderr, perplexities, KL and top-1 agreement per variant."""
     lines = [
-        "| model | next-line acc (± stderr) | acc_norm | word perplexity | byte perplexity | KL mean | top-1 agreement |",
-        "|---|---|---|---|---|---|---|",
+        "| model | next-line acc (± stderr) | acc_norm | answers unlike bf16's | word perplexity | byte perplexity "
+        "| KL mean | top-1 agreement |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    base = rows[0]["answers"]
     for r in rows:
+        flips = sum(a != b for a, b in zip(r["answers"], base, strict=True))
         mc, roll, kl = r["lm_eval"]["heldout_next_line"], r["lm_eval"]["heldout_rolling"], r["kl"]
         lines.append(
             f"| {r['name']} | {mc['acc,none']:.4f} ± {mc['acc_stderr,none']:.4f} | {mc['acc_norm,none']:.4f} | "
+            f"{flips} of {len(base)} | "
             f"{roll['word_perplexity,none']:.3f} | {roll['byte_perplexity,none']:.4f} | "
             + (f"{kl['kl_mean']:.5f} | {kl['top1_agreement']:.2%} |" if kl else "0 | 100% |")
         )

@@ -56,8 +56,10 @@ def run_tasks(
     limit: int | float | None = None,
     num_fewshot: int | None = None,
     batch_size: int = 8,
+    log_samples: bool = False,
 ) -> dict:
-    """lm-eval's results dict (``simple_evaluate``) of ``tasks`` on ``model`` served by our engine."""
+    """lm-eval's results (``simple_evaluate``) of ``tasks`` on ``model`` served by our engine: "results",
+    "config" and with ``log_samples`` "samples" (per task, each document's scored requests)."""
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
@@ -82,11 +84,12 @@ def run_tasks(
             limit=limit,
             num_fewshot=num_fewshot,
             batch_size=batch_size,
+            log_samples=log_samples,
         )
-    return {
-        "results": results["results"],
-        "config": json.loads(json.dumps(results.get("config", {}), default=str)),
-    }
+    out = {k: json.loads(json.dumps(results.get(k, {}), default=str)) for k in ("results", "config")}
+    if log_samples:
+        out["samples"] = json.loads(json.dumps(results["samples"], default=str))
+    return out
 
 
 def metrics(results: dict) -> dict[tuple[str, str], tuple[float, float | None]]:
