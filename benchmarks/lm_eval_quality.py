@@ -97,13 +97,14 @@ def text_docs(text: str, count: int) -> list[dict]:
     return docs
 
 
-def write_tasks(folder: Path, items: int, docs: int) -> None:
+def write_tasks(folder: Path, items: int, docs: int, rolling_fraction: float) -> None:
     from fp4moe.data import corpus_text
 
     text = corpus_text("heldout")
+    rolled = text[: int(len(text) * rolling_fraction)]
     for name, rows, yaml in (
         ("heldout_next_line", next_line_items(text, items), MC_YAML),
-        ("heldout_rolling", text_docs(text, docs), ROLLING_YAML),
+        ("heldout_rolling", text_docs(rolled, docs), ROLLING_YAML),
     ):
         data = folder / f"{name}.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -134,7 +135,13 @@ def main() -> None:
     ap.add_argument("reference", help="the bf16 reference checkpoint (scripts/train_reference.py)")
     ap.add_argument("--out", default="lm-eval-quality.json", help="JSON results")
     ap.add_argument("--items", type=int, default=500, help="multiple-choice items from the held-out text")
-    ap.add_argument("--docs", type=int, default=16, help="documents the held-out text is cut into")
+    ap.add_argument("--docs", type=int, default=16, help="documents the rolled text is cut into")
+    ap.add_argument(
+        "--rolling-fraction",
+        type=float,
+        default=1.0,
+        help="share of the held-out text, from its start, rolled",
+    )
     ap.add_argument("--kl-limit", type=int, default=16384, help="held-out tokens of the KL eval")
     ap.add_argument("--num-samples", type=int, default=128, help="calibration sequences")
     ap.add_argument("--max-model-len", type=int, default=512, help="served context, lm-eval's max_length")
@@ -151,7 +158,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tasks = Path(tmp) / "tasks"
         tasks.mkdir()
-        write_tasks(tasks, args.items, args.docs)
+        write_tasks(tasks, args.items, args.docs, args.rolling_fraction)
 
         def score(name: str, path: str | Path, kl: dict | None) -> None:
             start = time.perf_counter()
@@ -161,6 +168,11 @@ def main() -> None:
             rows.append(dict(name=name, lm_eval=results["results"], answers=[_answer(d) for d in docs], kl=kl,
                              seconds=time.perf_counter() - start))  # fmt: skip
             print(name, {f"{t}/{m}": v for (t, m), v in metrics(results).items()}, flush=True)
+            record = dict(command=" ".join(sys.argv), **versions(), items=args.items, docs=args.docs,
+                          rolling_fraction=args.rolling_fraction, rows=rows)  # fmt: skip
+            Path(args.out).write_text(
+                json.dumps(record, indent=2) + "\n"
+            )  # after each model: a partial run counts
 
         score("bf16", args.reference, None)
         for name, method, gptq, mix in VARIANTS:
@@ -172,8 +184,6 @@ def main() -> None:
                 evaluate(dst, args.reference, seq_len=args.max_model_len, limit=args.kl_limit, progress=False)
             )
             score(name, dst, kl)
-    record = dict(command=" ".join(sys.argv), **versions(), items=args.items, docs=args.docs, rows=rows)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(table(rows))
 
 
