@@ -187,3 +187,14 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_echoed_prompt_logprobs_cross_from_the_engine_process(process_server, server):
+    body = {"prompt": [[5, 9, 2, 7], [3, 1]], "max_tokens": 2, "echo": True, "logprobs": 1}
+    body |= {"temperature": 0, "ignore_eos": True}
+    answers = [
+        httpx.post(f"{root}/completions", json=body, timeout=60).json()
+        for root in (f"{process_server}/v1", server.base_url)
+    ]
+    assert answers[0]["choices"] == answers[1]["choices"]
+    assert answers[0]["choices"][1]["logprobs"]["token_logprobs"][0] is None

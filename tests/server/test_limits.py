@@ -109,7 +109,7 @@ def _assert_error(r, status: int, fragment: str) -> dict:
         ("/completions", {"prompt": "x", "n": 0}, "n"),
         ("/completions", {"prompt": "x", "max_tokens": -3}, "max_tokens must be at least 1"),
         ("/chat/completions", {"messages": MSG, "max_completion_tokens": 0}, "max_tokens must be at least 1"),
-        ("/completions", {"prompt": [1, 2**70]}, "less than or equal to 2147483647"),
+        ("/completions", {"prompt": [1, 2**70]}, "integers in [0, 2147483647]"),
         ("/completions", {"prompt": "x", "top_k": 2**70}, "top_k"),
         ("/completions", {"prompt": "x", "stop_token_ids": [2**70]}, "stop_token_ids"),
         (

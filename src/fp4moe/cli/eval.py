@@ -1,4 +1,5 @@
-"""``fp4moe eval``: perplexity, KL and top-1 agreement against bf16."""
+"""``fp4moe eval``: perplexity, KL and top-1 agreement against bf16; or lm-evaluation-harness tasks on both
+models, side by side (``--tasks``)."""
 
 from __future__ import annotations
 
@@ -34,9 +35,31 @@ def add(sub) -> None:
         "--dtype", default="auto", help="compute dtype: auto (the checkpoint's), bfloat16, float32"
     )
     p.add_argument("--json", help="also write the results as JSON to this file")
+    g = p.add_argument_group(
+        "lm-evaluation-harness tasks",
+        "With --tasks: each model is served by fp4moe's engine on 127.0.0.1 and lm-eval's local-completions "
+        "client scores the tasks (needs pip install 'lm-eval[api]'); prints REF and MODEL side by side with "
+        "the delta and lm-eval's stderr, instead of the perplexity/KL report.",
+    )
+    g.add_argument("--tasks", help="comma-separated lm-eval task names (any task lm-eval knows)")
+    g.add_argument("--include-path", help="a directory of more lm-eval task YAMLs (lm-eval's --include_path)")
+    g.add_argument("--num-fewshot", type=int, help="few-shot examples per task (lm-eval's --num_fewshot)")
+    g.add_argument(
+        "--task-limit",
+        type=float,
+        help="documents per task: a count, or a fraction below 1 (lm-eval's --limit)",
+    )
+    g.add_argument("--batch-size", type=int, default=8, help="prompts per request to the server (default 8)")
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        help="the served engine's context, lm-eval's max_length (default: the model's)",
+    )
 
 
 def run(args) -> int:
+    if args.tasks:
+        return run_tasks(args)
     from fp4moe.eval.quality import evaluate
 
     text = Path(args.text_file).read_text(encoding="utf-8") if args.text_file else None
@@ -53,5 +76,31 @@ def run(args) -> int:
     if args.json:
         tmp = Path(args.json).with_suffix(".tmp-json")
         tmp.write_text(result.to_json() + "\n")
+        tmp.replace(args.json)
+    return 0
+
+
+def run_tasks(args) -> int:
+    """lm-eval's tasks on REF, then on MODEL (one model in memory at a time); the side-by-side table."""
+    import json
+
+    from fp4moe.engine.config import EngineConfig
+    from fp4moe.eval.harness import run_tasks as harness_tasks
+    from fp4moe.eval.harness import side_by_side
+
+    config = EngineConfig(
+        dtype=args.dtype, device=resolve_device(args.device), max_model_len=args.max_model_len
+    )
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    limit = args.task_limit if args.task_limit is None or args.task_limit < 1 else int(args.task_limit)
+    results = {}
+    for name, path in (("reference", args.ref), ("model", args.model)):
+        results[name] = harness_tasks(
+            path, config, tasks, args.include_path, limit, args.num_fewshot, args.batch_size
+        )
+    print(side_by_side(results["reference"], results["model"], (f"ref {args.ref}", f"model {args.model}")))
+    if args.json:
+        tmp = Path(args.json).with_suffix(".tmp-json")
+        tmp.write_text(json.dumps({"reference": args.ref, "model": args.model, **results}, indent=2) + "\n")
         tmp.replace(args.json)
     return 0

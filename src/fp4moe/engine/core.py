@@ -153,6 +153,8 @@ class EngineCore:
         pc = self.prefix_cache
         if pc is None or seq.image_embeds is not None or seq.num_cached or seq.output_ids:
             return
+        if seq.params.prompt_logprobs is not None:  # every prompt position must run to be scored (vLLM: same)
+            return
         snap = pc.lookup(seq.prompt_ids)
         if snap is not None:
             pc.restore(snap, self.kv, self.states, seq.slot)

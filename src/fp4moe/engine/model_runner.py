@@ -10,6 +10,7 @@ import torch
 
 from fp4moe.engine.cache import DeltaNetStates, KVCache
 from fp4moe.engine.context import StepContext
+from fp4moe.engine.prompt_logprobs import score_chunk
 from fp4moe.engine.sequence import Sequence
 
 
@@ -59,6 +60,7 @@ class ModelRunner:
             raise ValueError(f"kv cache dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.vocab_size = model.args.vocab_size
 
     def new_caches(self) -> tuple[KVCache, DeltaNetStates]:
         a = self.model.args
@@ -121,7 +123,8 @@ class ModelRunner:
         self, batch: list[tuple[Sequence, int]], kv: KVCache, states: DeltaNetStates, keep=None
     ) -> list[tuple[Sequence, torch.Tensor]]:
         """Forward ``n`` uncached tokens of each (sequence, n); advances ``num_cached``; returns
-        (sequence, logits [V] on the CPU) for every sequence that now has all its tokens cached.
+        (sequence, logits [V] on the CPU) for every sequence that now has all its tokens cached. A sequence that
+        asks for prompt logprobs gets those its chunk's rows give (``prompt_logprobs.score_chunk``).
         ``keep(seq, start, rows)``: called with each sequence's final-normed hidden states of this step
         [n, H] and the position of the first (the MTP head's inputs, ``MTPSpeculator``)."""
         hidden, spans = self.forward(batch, kv, states)
@@ -129,6 +132,10 @@ class ModelRunner:
         for (seq, n), (start, end) in zip(batch, spans, strict=True):
             if keep is not None:
                 keep(seq, seq.num_cached, hidden[start:end])
+            if seq.params.prompt_logprobs is not None and seq.num_cached < len(seq.prompt_ids):
+                score_chunk(
+                    seq, seq.num_cached, n, hidden[start:end], self.model.compute_logits, self.vocab_size
+                )
             seq.num_cached += n
             if seq.num_cached == seq.num_tokens:
                 done.append((seq, end - 1))

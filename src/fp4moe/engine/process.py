@@ -190,7 +190,9 @@ class _EngineLoop:
             ids = seq.output_ids[len(seq.output_ids) - n :] if n else []
             results = seq.logprobs[len(seq.logprobs) - n :] if n and seq.params.logprobs is not None else None
             reason = seq.finish_reason.value if seq.finish_reason is not None else None
-            rows.append((seq.seq_id, ids, results, reason if out.finished else None, out.error))
+            # prompt logprobs go with the sequence's first token (the prefill is then complete)
+            prompt = seq.prompt_logprobs if seq.prompt_logprobs and len(seq.output_ids) == n else None
+            rows.append((seq.seq_id, ids, results, reason if out.finished else None, out.error, prompt))
             if out.finished:
                 self.seqs.pop(seq.seq_id, None)
         self.conn.send(("out", rows))
@@ -366,7 +368,7 @@ class EngineProcess:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         stopped = []
         tokenizer = self.prompts.tokenizer
-        for seq_id, ids, results, reason, error in rows:
+        for seq_id, ids, results, reason, error, prompt_logprobs in rows:
             with self._registry:
                 target = self._queues.get(seq_id)
                 self._unstarted.discard(seq_id)
@@ -376,6 +378,8 @@ class EngineProcess:
             if error is not None:
                 out = StepOutput(seq, -1, "", True, error=error)
             else:
+                if prompt_logprobs is not None:
+                    seq.prompt_logprobs = prompt_logprobs
                 before = len(seq.output_ids)
                 delta = seq.extend(results or [SampleResult(token) for token in ids], tokenizer)
                 n = len(seq.output_ids) - before

@@ -47,6 +47,8 @@ class SamplingParams:
         None  # number of top logprobs to return per token (the sampled one is always given)
     )
     n: int = 1
+    # top logprobs to return per prompt token, with each prompt token's own (vLLM's; None: no prompt logprobs)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if self.stop is None:
@@ -75,6 +77,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
 

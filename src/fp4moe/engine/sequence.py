@@ -26,6 +26,8 @@ class Sequence:
     eos_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[SampleResult] = field(default_factory=list)
+    # with params.prompt_logprobs: one per prompt token scored so far, the first with logprob None
+    prompt_logprobs: list[SampleResult] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None
     num_cached: int = 0

@@ -312,11 +312,22 @@ class ChatCompletionRequest(_Sampling):
         return total
 
 
+TokenId = Annotated[int, Field(ge=0, le=INT32)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[Annotated[int, Field(ge=0, le=INT32)]]
+    # OpenAI's four forms: a text, texts, token ids, lists of token ids (each prompt its own choices)
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
     max_tokens: int | None = None  # absent: 16 (OpenAI's default), or less if the context leaves less room
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: Literal[False] = False
+    # the prompt before each completion (with logprobs: the prompt tokens' too, vLLM's way)
+    echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
@@ -331,6 +342,37 @@ class CompletionRequest(_Sampling):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_form(cls, v: Any) -> Any:
+        """One of the four forms, with a message that says which part is wrong (pydantic's union error would
+        name whichever branch it tried last)."""
+        if isinstance(v, str):
+            return v
+        forms = "a string, a list of strings, a list of token ids or a list of token-id lists"
+        if not isinstance(v, list) or not v:
+            raise ValueError(f"prompt must be {forms}, not empty")
+        if all(isinstance(x, str) for x in v):
+            return v
+        for i, ids in enumerate(v if isinstance(v[0], list) else [v]):
+            where = f"prompt[{i}]" if isinstance(v[0], list) else "prompt"
+            if not isinstance(ids, list) or not ids:
+                raise ValueError(f"{where} must be a non-empty list of token ids (prompt must be {forms})")
+            bad = next(
+                (t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT32), None
+            )
+            if bad is not None:
+                raise ValueError(f"{where} holds {clip(bad, 40)}: token ids are integers in [0, {INT32}]")
+        return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, one per element of a list form."""
+        p = self.prompt
+        if isinstance(p, str) or isinstance(p[0], int):
+            return [p]
+        return list(p)
 
 
 class HealthStatus(BaseModel):
@@ -471,9 +513,12 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs: per token its text, logprob, the top ones there (with its own) and where its
+    text starts; an echoed prompt's first token has no logprob (null, as vLLM answers)."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

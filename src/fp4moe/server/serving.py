@@ -45,14 +45,17 @@ class Serving:
                 "model",
             )
 
-    def check_n(self, n: int) -> None:
+    def check_n(self, n: int, num_prompts: int = 1) -> None:
+        """The request's sequences (``n`` of each prompt) within ``--max-n-sequences`` and the queue."""
+        total = n * num_prompts
+        what = f"n is {n}" if num_prompts == 1 else f"n x prompts is {n} x {num_prompts} = {total}"
         check(
-            n <= self.config.max_n_sequences,
-            f"n is {n}; this server allows at most {self.config.max_n_sequences} (--max-n-sequences)",
+            total <= self.config.max_n_sequences,
+            f"{what}; this server allows at most {self.config.max_n_sequences} (--max-n-sequences)",
             "n",
         )
         waiting = self.engine.max_waiting
-        check(n <= waiting, f"n is {n}; the waiting queue holds at most {waiting} (--max-waiting)", "n")
+        check(total <= waiting, f"{what}; the waiting queue holds at most {waiting} (--max-waiting)", "n")
 
     def check_prompt_chars(self, text: str, param: str) -> None:
         check(
@@ -78,22 +81,37 @@ class Serving:
     async def start(self, prompt, params, requested: int | None, default: int | None, param: str):
         """Tokenize, size ``max_tokens`` to the context's room (a request for more than the room is a 400;
         ``default`` None = all of it) and queue the sequences."""
+        seqs = (await self.prepare([prompt], params, requested, default, param))[0]
+        return seqs, self.submit(seqs)
+
+    async def prepare(self, prompts: list, params, requested: int | None, default: int | None, param: str):
+        """Each prompt's ``params.n`` sequences (tokenized on a worker thread), ``max_tokens`` sized as
+        ``start`` says; nothing is queued, so a bad prompt refuses the whole request."""
         self.check_running()
+
+        def make():
+            return [self.engine.make_sequences(p, params) for p in prompts]
+
         try:
-            seqs = await asyncio.to_thread(self.engine.make_sequences, prompt, params)
+            groups = await asyncio.to_thread(make)
         except (PromptError, ImageError, ValueError) as e:
             raise APIError(400, str(e)) from None
-        room = self.llm.max_model_len - len(seqs[0].prompt_ids)
-        if requested is not None and requested > room:
-            raise APIError(
-                400,
-                f"{param} is {requested}, more than the {room} tokens the context leaves after the prompt's "
-                f"{len(seqs[0].prompt_ids)} (--max-model-len {self.llm.max_model_len})",
-                param=param,
-            )
-        max_tokens = requested if requested is not None else min(default or room, room)
-        for seq in seqs:
-            seq.params = dataclasses.replace(seq.params, max_tokens=max_tokens)
+        for seqs in groups:
+            room = self.llm.max_model_len - len(seqs[0].prompt_ids)
+            if requested is not None and requested > room:
+                raise APIError(
+                    400,
+                    f"{param} is {requested}, more than the {room} tokens the context leaves after the prompt's "
+                    f"{len(seqs[0].prompt_ids)} (--max-model-len {self.llm.max_model_len})",
+                    param=param,
+                )
+            max_tokens = requested if requested is not None else min(default or room, room)
+            for seq in seqs:
+                seq.params = dataclasses.replace(seq.params, max_tokens=max_tokens)
+        return groups
+
+    def submit(self, seqs) -> asyncio.Queue:
+        """Queue sequences (all or none); their outputs arrive on the queue returned."""
         try:
             queue = self.engine.submit(seqs)
         except QueueFullError as e:
@@ -105,7 +123,7 @@ class Serving:
         self.live.add(queue)
         if self.stopping.is_set():  # the shutdown notice went out while this request was being tokenized
             queue.put_nowait(SHUTTING_DOWN)
-        return seqs, queue
+        return queue
 
     async def collect(self, seqs, queue, request) -> None:
         """Wait until a non-streamed request's sequences finish (``drain``: a client that leaves stops them),
