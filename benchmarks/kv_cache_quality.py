@@ -146,7 +146,7 @@ def main() -> None:
     write_result(
         args.out,
         dict(model=str(args.model), lengths=args.lengths, rows=rows, kl_mean_by_rule=summary, scales=scales),
-        repeats=args.windows,
+        repeats=1,  # each figure is one run: a mean over every position of the windows
     )
     print(f"wrote {args.out}")
 

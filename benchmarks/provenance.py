@@ -75,11 +75,14 @@ def device() -> dict:
     return dict(name="cpu", processor=platform.processor() or platform.machine(), cores=os.cpu_count())
 
 
+_AT_START = commit()  # the tree a run measured is the one it started on: a long run may outlast a commit
+
+
 def provenance(repeats: int | None) -> dict:
-    """The record stamped into a result. ``repeats``: the timed runs each figure in it is the median of
-    (None where the script has no such notion)."""
+    """The record stamped into a result: the commit as the run started, and the rest. ``repeats``: the timed
+    runs each figure in it is the median of (None where the script has no such notion)."""
     return dict(
-        **commit(),
+        **_AT_START,
         command=[Path(sys.argv[0]).name if sys.argv else "", *sys.argv[1:]],
         device=device(),
         versions={"python": platform.python_version()} | {n: _version(n) for n in LIBRARIES},

@@ -145,6 +145,8 @@ def test_stale_without_git_says_so(monkeypatch, capsys):
 def test_provenance_falls_back_to_the_environment(monkeypatch, tmp_path):
     monkeypatch.setattr(provenance, "_git", lambda *a: None)
     monkeypatch.setenv("FP4MOE_COMMIT", "abc1234-dirty")
+    monkeypatch.setattr(provenance, "_AT_START", provenance.commit())  # as taken when the run starts
+    monkeypatch.setenv("FP4MOE_COMMIT", "fffffff")  # a commit made while it ran is not the one it measured
     path = provenance.write_result(tmp_path / "r.json", {"x": 1}, repeats=3)
     p = json.loads(path.read_text())["provenance"]
     assert p["commit"] == "abc1234" and p["dirty"] is True and p["source"] == "FP4MOE_COMMIT"
