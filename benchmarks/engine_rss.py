@@ -80,11 +80,11 @@ def request(root: str, i: int, image: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=1500)
-    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=1500, help="mixed requests in all (default 1500)")
+    ap.add_argument("--clients", type=int, default=8, help="clients sending at once (default 8)")
     ap.add_argument("--every", type=int, default=100, help="sample RSS every this many requests")
-    ap.add_argument("--port", type=int, default=18470)
-    ap.add_argument("--out")
+    ap.add_argument("--port", type=int, default=18470, help="the server's local port (default 18470)")
+    ap.add_argument("--out", help="write the RSS samples as JSON here")
     args = ap.parse_args()
 
     from fp4moe.models.tiny import write_tiny_checkpoint

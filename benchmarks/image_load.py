@@ -83,7 +83,7 @@ def main() -> int:
         default=["5600x4", "5600x2", "96x2"],
         help="one round per SIDExCOUNT: COUNT images of SIDE x SIDE pixels a request (96: the engine's own cost)",
     )
-    ap.add_argument("--port", type=int, default=18431)
+    ap.add_argument("--port", type=int, default=18431, help="the server's local port (default 18431)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
 

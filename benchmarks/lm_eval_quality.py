@@ -160,6 +160,7 @@ def main() -> None:
     from fp4moe.eval.quality import evaluate
     from fp4moe.quantize.options import QuantizeOptions
     from fp4moe.quantize.pipeline import quantize
+    from fp4moe.server.in_process import served
 
     config = EngineConfig(dtype="auto", device="cpu", max_model_len=args.max_model_len)
     rows = []
@@ -171,7 +172,7 @@ def main() -> None:
         def score(name: str, path: str | Path, kl: dict | None) -> None:
             start = time.perf_counter()
             task_names = ["heldout_next_line", "heldout_rolling"]
-            results = run_tasks(path, config, task_names, str(tasks), log_samples=True)
+            results = run_tasks(path, config, task_names, str(tasks), log_samples=True, serve=served)
             docs = sorted(results["samples"]["heldout_next_line"], key=lambda d: d["doc_id"])
             rows.append(dict(name=name, lm_eval=results["results"], answers=[_answer(d) for d in docs], kl=kl,
                              seconds=time.perf_counter() - start))  # fmt: skip

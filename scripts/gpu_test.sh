@@ -34,7 +34,7 @@ echo "== the other gpu-marked tests" | tee -a "$log"
 "${pytest[@]}" -m gpu tests --ignore=tests/kernels --ignore=tests/layers "$@" 2>&1 | tee -a "$log" || status=1
 echo "== runner, speculative sampling, server" | tee -a "$log"
 "${pytest[@]}" -m "not gpu" tests/engine/test_cuda_runner.py tests/engine/test_cuda_spec.py \
-  tests/engine/test_async_steps.py tests/engine/test_spec_sampling.py tests/engine/test_kv_scales.py tests/server \
+  tests/engine/test_async_steps.py tests/engine/test_spec_sampling.py tests/engine/test_kv_cache_scales.py tests/server \
   --ignore=tests/server/test_fuzz.py "$@" 2>&1 | tee -a "$log" \
   || status=1  # the fuzz suite (schemathesis, not carried) exercises the HTTP layer: the CPU's CI runs it
 exit $status

@@ -87,6 +87,7 @@ def run_tasks(args) -> int:
     from fp4moe.engine.config import EngineConfig
     from fp4moe.eval.harness import run_tasks as harness_tasks
     from fp4moe.eval.harness import side_by_side
+    from fp4moe.server.in_process import served
 
     config = EngineConfig(
         dtype=args.dtype, device=resolve_device(args.device), max_model_len=args.max_model_len
@@ -96,7 +97,7 @@ def run_tasks(args) -> int:
     results = {}
     for name, path in (("reference", args.ref), ("model", args.model)):
         results[name] = harness_tasks(
-            path, config, tasks, args.include_path, limit, args.num_fewshot, args.batch_size
+            path, config, tasks, args.include_path, limit, args.num_fewshot, args.batch_size, serve=served
         )
     print(side_by_side(results["reference"], results["model"], (f"ref {args.ref}", f"model {args.model}")))
     if args.json:

@@ -5,47 +5,10 @@ take and CI checks against transformers -- then the two models' metrics side by 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from fp4moe.engine.config import EngineConfig
-
-
-@contextlib.contextmanager
-def served(model: str | Path, config: EngineConfig) -> Iterator[tuple[str, int]]:
-    """``model`` served on a free local port for the duration -> (the ``/v1/completions`` URL, its context)."""
-    import uvicorn
-
-    from fp4moe.engine.async_engine import AsyncEngine
-    from fp4moe.engine.process import EngineSpec, start_engine
-    from fp4moe.server.app import build_app
-    from fp4moe.server.config import ServerConfig
-    from fp4moe.server.uvicorn_server import Server
-
-    llm, core = start_engine(EngineSpec(str(model), config))
-    engine = AsyncEngine(core)
-    app = build_app(engine, ServerConfig(served_model_name=Path(model).name))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError(f"the server for {model} did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}/v1/completions", llm.max_model_len
-    finally:
-        server.should_exit = True
-        thread.join(60)
 
 
 def run_tasks(
@@ -57,15 +20,20 @@ def run_tasks(
     num_fewshot: int | None = None,
     batch_size: int = 8,
     log_samples: bool = False,
+    serve=None,
 ) -> dict:
     """lm-eval's results (``simple_evaluate``) of ``tasks`` on ``model`` served by our engine: "results",
-    "config" and with ``log_samples`` "samples" (per task, each document's scored requests)."""
+    "config" and with ``log_samples`` "samples" (per task, each document's scored requests). ``serve(model,
+    config)``: a context manager serving it -> (the ``/v1/completions`` URL, its context); the default is
+    ``fp4moe.server.in_process.served`` (passed in: the server sits above this package)."""
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise RuntimeError("lm-eval tasks need lm-evaluation-harness: pip install 'lm-eval[api]'") from None
-    with served(model, config) as (url, max_model_len):
+    if serve is None:
+        raise ValueError("run_tasks needs serve= (fp4moe.server.in_process.served)")
+    with serve(model, config) as (url, max_model_len):
         model_args = {
             "model": Path(model).name,
             "base_url": url,
