@@ -32,7 +32,10 @@ def add(sub) -> None:
     )
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument(
-        "--dtype", default="auto", help="compute dtype: auto (the checkpoint's), bfloat16, float32"
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="compute dtype (auto: the checkpoint's)",
     )
     p.add_argument("--json", help="also write the results as JSON to this file")
     g = p.add_argument_group(

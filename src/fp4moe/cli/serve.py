@@ -14,6 +14,7 @@ from fp4moe.cli.options import (
     limit_mm,
     positive,
 )
+from fp4moe.errors import UserError
 
 
 def add(sub) -> None:
@@ -258,10 +259,28 @@ def vllm_env(args) -> dict[str, str]:
     return env
 
 
+def check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` and let go: a port in use (or an address not of this machine) is reported before
+    the model loads. A race with another program remains possible; uvicorn then reports it."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(
+                f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port, or stop what uses it"
+            ) from None
+
+
 def run(args) -> int:
     import os
     import shlex
+    import shutil
 
+    from fp4moe.engine.loader import load_config
     from fp4moe.models.full_size import resolve
 
     if args.tensor_parallel_size < 1:
@@ -273,6 +292,12 @@ def run(args) -> int:
         check_split(args)
         cmd, env = vllm_command(args), vllm_env(args)
         if args.exec:
+            if shutil.which(cmd[0]) is None:
+                raise UserError(
+                    "vllm is not installed here (no `vllm` on PATH): install it (pip install vllm) on the GPU "
+                    "machine, or drop --exec to print the command"
+                )
+            check_port(args.host, args.port)
             os.execvpe(cmd[0], cmd, {**os.environ, **env})
         print(shlex.join([f"{k}={v}" for k, v in env.items()] + cmd))
         return 0
@@ -283,6 +308,8 @@ def run(args) -> int:
     from fp4moe.server.uvicorn_server import serve
 
     config = engine_config(args)
+    load_config(args.model)  # a path that is no checkpoint: one line now, not a failure in the engine's start
+    check_port(args.host, args.port)  # before the model loads (minutes on a GPU), not after
     prefix = (
         (args.prefix_block_size, args.prefix_cache_entries, int(args.prefix_cache_gib * 2**30))
         if args.enable_prefix_caching

@@ -60,8 +60,11 @@ class QuantizeOptions:
         self.max_shard_bytes = parse_size(self.max_shard_size)
 
     def resolve_device(self) -> torch.device:
+        from fp4moe.kernels.gpu_arch import require_device
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        require_device(self.device)
         return torch.device(self.device)
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:

@@ -385,6 +385,19 @@ def _write_config(run: _Run, cfg, tmp: Path, src: Path, has_mtp: bool) -> None:
     copy_side_files(src, tmp, skip={"config.json", INDEX_NAME, "hf_quant_config.json"})
 
 
+def _refuse_quantized_source(src: Path, config: dict) -> None:
+    """SRC must be the bf16 checkpoint: one that is already quantized (its config's ``quantization_config``,
+    or ModelOpt's hf_quant_config.json) would be read as garbage weights."""
+    qc = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+    if qc is None and not (src / "hf_quant_config.json").exists():
+        return
+    method = (qc or {}).get("quant_method", "modelopt")
+    raise QuantizeError(
+        f"{src} is already quantized ({method}); quantize reads the bf16 source checkpoint -- pass that "
+        "(`fp4moe inspect` checks a quantized one, `fp4moe convert` changes its layout)"
+    )
+
+
 def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None = None) -> QuantizeReport:
     """Quantize the routed experts of a bf16 qwen3_5_moe checkpoint to NVFP4; everything else verbatim: one
     decoder layer at a time (``_quantize_layer``), then the rest and the config, written to a temporary
@@ -401,6 +414,8 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
     if dst.resolve() == src.resolve():
         raise QuantizeError("DST must differ from SRC")
     cfg = arch.ModelConfig.from_dir(src)
+    _refuse_quantized_source(src, cfg.raw)
+    device = options.resolve_device()
     reader = CheckpointReader(src)
     _validate_dims(cfg.text)
     prefix = arch.text_prefix(reader)
@@ -421,7 +436,6 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             "(a transformers re-save?); the output declares none"
         )
 
-    device = options.resolve_device()
     dtype = options.resolve_dtype(reader.info(f"{prefix}embed_tokens.weight").torch_dtype or torch.float32)
     timer = StageTimer()
     with timer("tokenize"):
