@@ -53,7 +53,7 @@ def require_device(device: str | torch.device) -> None:
         build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
         raise UserError(
             f"--device {device}: no CUDA GPU here ({build}); use --device cpu, or on a GPU machine install a "
-            "CUDA build of torch (docs/install.md); `fp4moe env` shows what this machine has"
+            "CUDA build of torch (README.md, Install); `fp4moe env` shows what this machine has"
         )
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise UserError(
