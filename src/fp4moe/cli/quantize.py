@@ -110,6 +110,12 @@ def add(sub) -> None:
         action="store_true",
         help="replace DST if it exists (only once the new one is complete)",
     )
+    p.add_argument(
+        "--base-model",
+        metavar="HUB_ID",
+        help="the source's Hugging Face id for the model card's base_model (default: config.json's "
+        "_name_or_path when it is one)",
+    )
     p.add_argument("--report", help="also write the report as JSON to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -137,6 +143,7 @@ def run(args) -> int:
         seed=args.seed,
         read_ahead=not args.no_read_ahead,
         progress=not args.no_progress,
+        base_model=args.base_model,
     )
     report = quantize(args.src, args.dst, options)
     print(report.summary())

@@ -161,58 +161,23 @@ def vllm_without_flashinfer() -> bool:
 
 
 def vllm_command(args) -> list[str]:
-    """The reference recipe for stock vLLM, adapted to this checkpoint."""
-
+    """The reference recipe for stock vLLM (``models.vllm_recipe``), adapted to this checkpoint and machine."""
     from fp4moe.engine.loader import load_config
-    from fp4moe.models.qwen3_5_moe import text_config_dict
+    from fp4moe.models.vllm_recipe import vllm_serve_command
 
-    config = load_config(args.model)
-    text = text_config_dict(config)
-    name = args.served_model_name or Path(args.model).name
-    rope = dict(text.get("rope_parameters") or {})
-    yarn = {
-        "text_config": {
-            "rope_parameters": {
-                **rope,
-                "rope_type": "yarn",
-                "factor": 2.0,
-                "original_max_position_embeddings": text.get("max_position_embeddings", 262144),
-            },
-            "max_position_embeddings": 2 * int(text.get("max_position_embeddings", 262144)),
-        }
-    }
-    cmd = [
-        "vllm",
-        "serve",
-        str(args.model),
-        "--served-model-name",
-        name,
-        "--host",
-        args.host,
-        "--port",
-        str(args.port),
-        "--kv-cache-dtype",
-        "fp8",
-        "--max-model-len",
-        str(args.max_model_len or yarn["text_config"]["max_position_embeddings"]),
-        "--hf-overrides",
-        json.dumps(args.hf_overrides and json.loads(args.hf_overrides) or yarn),
-        "--reasoning-parser",
-        "qwen3",
-        "--tool-call-parser",
-        "qwen3_coder",
-        "--enable-auto-tool-choice",
-        "--enable-prefix-caching",
-        "--enable-chunked-prefill",
-        "--limit-mm-per-prompt",
-        json.dumps(limit_mm(args.limit_mm_per_prompt)),
-    ]
-    if args.max_num_seqs != "auto":  # auto: vLLM's own default, bounded by its KV cache
-        cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     k = getattr(args, "num_speculative_tokens", "auto")
-    k = 2 if k == "auto" else int(k)  # the reference recipe's n = 2; 0 turns MTP off
-    if k and int(text.get("mtp_num_hidden_layers", 0) or 0) > 0:
-        cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k})]
+    cmd = vllm_serve_command(
+        args.model,
+        load_config(args.model),
+        served_model_name=args.served_model_name or Path(args.model).name,
+        host=args.host,
+        port=args.port,
+        max_model_len=args.max_model_len,
+        hf_overrides=json.loads(args.hf_overrides) if args.hf_overrides else None,
+        limit_mm_per_prompt=limit_mm(args.limit_mm_per_prompt),
+        max_num_seqs=None if args.max_num_seqs == "auto" else args.max_num_seqs,  # auto: vLLM's own default
+        num_speculative_tokens=2 if k == "auto" else int(k),  # the reference recipe's n = 2; 0 turns MTP off
+    )
     if (
         vllm_without_flashinfer()
     ):  # on Hopper vLLM's "auto" GDN prefill picks FlashInfer without checking for it

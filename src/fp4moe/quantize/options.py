@@ -39,6 +39,7 @@ class QuantizeOptions:
     read_ahead: bool = True  # the next decoder layer read on a worker thread while this one is quantized
     progress: bool = True
     quantize_extra: tuple[str, ...] = ()  # beyond the routed experts: attention, deltanet, shared, lm_head
+    base_model: str | None = None  # the source's hub id, for the model card (the bytes do not depend on it)
 
     def __post_init__(self):
         self.format = OutputFormat(self.format)
