@@ -7,6 +7,7 @@ from pathlib import Path
 
 from fp4moe.cli.options import (
     DEVICE_HELP,
+    check_device,
     resolve_device,
 )
 
@@ -66,6 +67,7 @@ def add(sub) -> None:
 
 
 def run(args) -> int:
+    check_device(resolve_device(args.device))
     if args.tasks:
         return run_tasks(args)
     from fp4moe.eval.quality import evaluate

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fp4moe.cli.options import (
     add_engine_options,
+    check_device,
     engine_config,
 )
 
@@ -81,6 +82,7 @@ def run(args) -> int:
 
     args.model = resolve(args.model, args.load_format)
     config = engine_config(args)
+    check_device(config.device)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -52,19 +52,25 @@ DEVICE_HELP = (
 def resolve_device(value: str) -> str:
     """``--device auto`` -> cuda when torch sees one the GPU engine supports (``gpu_arch.MIN_CAPABILITY``),
     else cpu."""
+    if value != "auto":
+        return value
     import torch
 
     from fp4moe.kernels import gpu_arch
 
-    if value != "auto":
-        try:
-            gpu_arch.require_device(value)
-        except RuntimeError as e:  # torch.device's own complaint about the string
-            raise ValueError(f"--device {value}: {e}; use auto, cpu, cuda or cuda:N") from None
-        return value
-
     ok = torch.cuda.is_available() and torch.cuda.get_device_capability() >= gpu_arch.MIN_CAPABILITY
     return "cuda" if ok else "cpu"
+
+
+def check_device(device: str) -> None:
+    """A one-line error where ``device`` (resolved) cannot run here: CUDA without a CUDA GPU, a GPU index
+    past the ones torch sees, a name torch does not know. Called by each command before it loads a model."""
+    from fp4moe.kernels import gpu_arch
+
+    try:
+        gpu_arch.require_device(device)
+    except RuntimeError as e:  # torch.device's own complaint about the string
+        raise ValueError(f"--device {device}: {e}; use auto, cpu, cuda or cuda:N") from None
 
 
 def add_load_format(p) -> None:

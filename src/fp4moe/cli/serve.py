@@ -10,6 +10,7 @@ from pathlib import Path
 from fp4moe.cli.options import (
     add_engine_options,
     add_split_options,
+    check_device,
     engine_config,
     limit_mm,
     positive,
@@ -273,6 +274,7 @@ def run(args) -> int:
     from fp4moe.server.uvicorn_server import serve
 
     config = engine_config(args)
+    check_device(config.device)
     load_config(args.model)  # a path that is no checkpoint: one line now, not a failure in the engine's start
     check_port(args.host, args.port)  # before the model loads (minutes on a GPU), not after
     prefix = (
