@@ -192,7 +192,27 @@ async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
         ) from None
 
 
-async def run_bench(cfg: BenchConfig, progress=None) -> list[RoundResult]:
+async def server_info(client: httpx.AsyncClient, root: str, model: str) -> dict:
+    """What the server says of itself: its /v1/models entry for ``model`` (max_model_len where it tells) and
+    /version where it has one (vLLM)."""
+    info: dict = {}
+    try:
+        entries = (await client.get("/models")).json().get("data", [])
+        info["model_entry"] = next((e for e in entries if e.get("id") == model), None)
+    except (httpx.HTTPError, ValueError, AttributeError):
+        pass
+    try:
+        r = await client.get(f"{root}/version")
+        if r.status_code == 200:
+            info["version"] = r.json().get("version")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        pass
+    return info
+
+
+async def run_bench(cfg: BenchConfig, progress=None, info: dict | None = None) -> list[RoundResult]:
+    """Every round of the sweep; ``info``, where given, gets the model measured and what the server says of
+    itself (``server_info``)."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     root = cfg.base_url.rstrip("/").removesuffix("/v1")
     rng = random.Random(cfg.seed)
@@ -202,6 +222,8 @@ async def run_bench(cfg: BenchConfig, progress=None) -> list[RoundResult]:
         base_url=cfg.base_url, headers=headers, timeout=cfg.timeout, limits=limits
     ) as client:
         model = cfg.model or await served_model(client, cfg.base_url)
+        if info is not None:
+            info.update(model=model, server={"base_url": cfg.base_url, **await server_info(client, root, model)})
         for _ in range(cfg.warmup):
             await _one(client, cfg, model, bench_prompt(cfg, 32, rng), 8)
         for pp in cfg.pp:
