@@ -25,131 +25,128 @@ def add(sub) -> None:
         description=(
             "Serve a qwen3_5_moe checkpoint over an OpenAI-compatible HTTP API with continuous batching: "
             "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. With --engine vllm, print "
-            "(or --exec) the vLLM command for the checkpoint instead -- the way past one GPU."
+            "(or --exec) the vLLM command for the checkpoint instead -- the way past one GPU. Details of every "
+            "option: docs/serve.md."
         ),
     )
     p.add_argument(
         "model",
         help="checkpoint directory; with --load-format dummy also a full-size name (qwen3.5-35b-a3b, "
-        "qwen3.6-35b-a3b, or either with -nvfp4: experts in NVFP4): config and a synthetic tokenizer are "
-        "written once under ~/.cache/fp4moe/full-size",
+        "qwen3.6-35b-a3b, either with -nvfp4)",
     )
     p.add_argument(
         "--engine",
         choices=["fp4moe", "vllm"],
         default="fp4moe",
-        help="serve with our engine or print vLLM's command",
+        help="serve with our engine (default) or print vLLM's command",
     )
-    p.add_argument(
-        "--exec", action="store_true", help="with --engine vllm: run the command instead of printing it"
-    )
-    p.add_argument(
+
+    http = p.add_argument_group("server")
+    http.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
     )
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument(
+    http.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    http.add_argument(
         "--served-model-name", default=None, help="model name clients use (default: the directory name)"
     )
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
-    p.add_argument(
+    http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
+    http.add_argument(
         "--max-waiting", type=int, default=256, help="waiting requests before answering 429 (default 256)"
     )
-    p.add_argument(
+    http.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a GPU, compile every kernel and capture every CUDA graph before serving (default on; "
+        "--no-warmup starts faster, first requests wait)",
+    )
+    http.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the engine loop in its own process, away from HTTP and tokenizing (default: on for the CPU, "
+        "off on a GPU)",
+    )
+    http.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds open requests may run on (default 30)",
+    )
+
+    chat = p.add_argument_group("reasoning and tools")
+    chat.add_argument(
+        "--reasoning-parser", choices=["qwen3"], default=None, help="split <think> into reasoning_content"
+    )
+    chat.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None, help="parse tool calls")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"')
+
+    prefix = p.add_argument_group("prefix cache")
+    prefix.add_argument(
         "--enable-prefix-caching",
         action="store_true",
-        help="reuse attention KV and Gated DeltaNet states of repeated prompt prefixes (block snapshots)",
+        help="reuse attention KV and Gated DeltaNet states of repeated prompt prefixes",
     )
-    p.add_argument(
+    prefix.add_argument(
         "--prefix-block-size", type=int, default=64, help="prefix-cache block size in tokens (default 64)"
     )
-    p.add_argument(
+    prefix.add_argument(
+        "--prefix-cache-entries", type=int, default=64, help="prefix snapshots kept, LRU (default 64)"
+    )
+    prefix.add_argument(
+        "--prefix-cache-gib",
+        type=float,
+        default=16.0,
+        help="host memory the prefix snapshots may hold, GiB, LRU (default 16)",
+    )
+
+    limits = p.add_argument_group("request limits", "each checked before the work it bounds; over it: a 4xx")
+    limits.add_argument(
         "--allowed-media-domains",
         nargs="+",
         default=[],
         help="hosts remote image URLs may be fetched from (default: none; only data: URLs)",
     )
-    p.add_argument(
-        "--prefix-cache-entries", type=int, default=64, help="prefix snapshots kept, LRU (default 64)"
-    )
-    p.add_argument(
-        "--prefix-cache-gib",
-        type=float,
-        default=16.0,
-        help="host memory the prefix snapshots may hold, GiB, LRU (default 16; a 512K-token prompt's snapshot "
-        "of the full-size model takes 5.5 GiB with an fp8 cache; a prompt whose snapshot alone is larger takes none)",
-    )
-    p.add_argument(
+    limits.add_argument(
         "--max-n-sequences",
         type=positive,
         default=16384,
-        help="largest `n` (choices per request) accepted; more is a 400 (default 16384, vLLM's)",
+        help="largest `n` (choices per request) accepted (default 16384, vLLM's)",
     )
-    p.add_argument(
+    limits.add_argument(
         "--max-prompt-chars",
         type=positive,
         default=None,
-        help="characters a prompt may have before it is tokenized; more is a 400 without tokenizing "
-        "(default: 8 x --max-model-len)",
+        help="characters a prompt may have before it is tokenized (default: 8 x --max-model-len)",
     )
-    p.add_argument(
+    limits.add_argument(
         "--max-image-pixels-per-request",
         type=positive,
         default=None,
-        help="pixels a request's images may decode to together, counted from their headers before decoding "
-        "(a JPEG at its reduced decoding scale); more is a 400 (default: 64 Mi, two of the largest images)",
+        help="pixels a request's images may decode to together, read from their headers (default: 64 Mi)",
     )
-    p.add_argument(
+    limits.add_argument(
         "--max-image-pixels-in-flight",
         type=positive,
         default=None,
-        help="pixels being decoded at once across the server (about 4 bytes each); more images wait "
-        "(default: 64 Mi)",
+        help="pixels being decoded at once across the server; more images wait (default: 64 Mi)",
     )
-    p.add_argument(
+    limits.add_argument(
         "--max-request-bytes",
         type=positive,
         default=None,
-        help="largest request body; more is a 413 before it is parsed (default: 4 bytes per prompt character "
-        "allowed, the images --limit-mm-per-prompt allows as base64 at 20 MB each, and 1 MiB)",
+        help="largest request body, refused before it is parsed (default: from the prompt and image limits)",
     )
-    p.add_argument(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="on a GPU, compile every kernel variant and capture every CUDA graph before serving, so no "
-        "request waits for them (default on; --no-warmup starts faster)",
-    )
-    p.add_argument(
-        "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run the engine loop in its own process: HTTP, tokenizing, detokenizing, stop strings, parsers "
-        "and SSE stay in this one and never take the engine's GIL (vLLM V1's engine core). Default: on for "
-        "the CPU (torch's OpenMP threads run the engine's ops ~5x slower from a secondary thread than from a "
-        "process's main thread), off on a GPU (there the GPU bounds a step: the same tokens/s as a thread, "
-        "with slower synchronous steps in the child process; BENCHMARKS.md)",
-    )
-    p.add_argument(
-        "--timeout-graceful-shutdown",
-        type=float,
-        default=30.0,
-        help="on SIGTERM/SIGINT, seconds open requests may run on; those still running 2 s before the end "
-        "are stopped (streams: an error event and [DONE]; others: 503) (default 30)",
-    )
-    p.add_argument(
-        "--reasoning-parser", choices=["qwen3"], default=None, help="split <think> into reasoning_content"
-    )
-    p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None, help="parse tool calls")
-    p.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"')
     add_engine_options(p, max_num_seqs="auto", max_num_batched_tokens="auto")
-    add_split_options(p, "with --engine vllm: GPUs to shard over", when="with --engine vllm and ")
-    p.add_argument(
+
+    vllm = p.add_argument_group("vLLM (--engine vllm)")
+    vllm.add_argument("--exec", action="store_true", help="run vLLM's command instead of printing it")
+    add_split_options(vllm, "GPUs to shard over (default 1)", when="")
+    vllm.add_argument(
         "--nvlink-multicast",
         action="store_true",
-        help="with --engine vllm and --tensor-parallel-size > 1: let NCCL, PyTorch and NVSHMEM use NVLink "
-        "multicast (NVLS). Off by default (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, "
-        "NVSHMEM_DISABLE_NVLS=1 in the command's environment): on a shared host a program using it can take "
-        "the GPUs out of service",
+        help="with --tensor-parallel-size > 1: allow NVLink multicast (NVLS; off by default: on a shared host "
+        "it can take the GPUs out of service)",
     )
 
 
