@@ -7,6 +7,7 @@ import site
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +25,9 @@ def test_wheel_installs_and_runs_the_demo(tmp_path):
     dist = tmp_path / "dist"
     _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(ROOT))
     (wheel,) = dist.glob("fp4moe-*.whl")
+    with zipfile.ZipFile(wheel) as z:  # the license pyproject declares, shipped
+        (license_file,) = [n for n in z.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+        assert z.read(license_file).decode().lstrip().startswith("Apache License\n")
 
     venv = tmp_path / "venv"
     _run(sys.executable, "-m", "venv", "--without-pip", str(venv))
