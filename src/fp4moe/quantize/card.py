@@ -61,14 +61,15 @@ def recipe(options: QuantizeOptions, calibration: str, calibration_tokens: int) 
 
 
 def command_line(src: Path, dst: Path, options: QuantizeOptions) -> str:
-    """The ``fp4moe quantize`` command that makes the same bytes (defaults left out)."""
+    """The ``fp4moe quantize`` command that makes the same bytes (defaults left out); SRC and DST by their
+    folder names, so a published card does not show this machine's paths."""
     d = QuantizeOptions()
-    args = ["fp4moe", "quantize", str(src), str(dst)]
+    args = ["fp4moe", "quantize", src.resolve().name, dst.name]
     pairs = [
         ("--format", options.format.value, d.format.value),
         ("--scale-method", options.scale_method.value, d.scale_method.value),
         ("--quantize", ",".join(["experts", *options.quantize_extra]), "experts"),
-        ("--calib-file", options.calib_file, None),
+        ("--calib-file", options.calib_file and Path(options.calib_file).name, None),
         ("--calib-dataset", options.calib_dataset, None),
         ("--num-samples", options.num_samples, d.num_samples),
         ("--seq-len", options.seq_len, d.seq_len),
