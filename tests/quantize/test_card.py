@@ -71,6 +71,7 @@ def test_eval_card_writes_the_quality_table(checkpoints, tmp_path):
     card = (model / "README.md").read_text()
     quality = card.split(QUALITY_BEGIN)[1].split(QUALITY_END)[0]
     assert "Not measured yet" not in quality and "KL(ref‖model) mean" in quality and "\n\n|" in quality
+    assert str(model) not in quality and f"model {model.name} |" in quality  # names, not this machine's paths
     assert card.split(QUALITY_BEGIN)[0] == before.split(QUALITY_BEGIN)[0]  # the rest untouched
     assert main(argv) == 0  # again: replaced, not appended
     assert (model / "README.md").read_text().count(QUALITY_BEGIN) == 1

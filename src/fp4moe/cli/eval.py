@@ -109,6 +109,8 @@ def write_card_quality(args, table: str) -> None:
         else f"{args.limit} tokens of {Path(args.text_file).name if args.text_file else 'the packaged held-out text'} "
         f"in windows of {args.seq_len}"
     )
+    for path in (args.model, args.ref):  # a published card names the checkpoints, not this machine's paths
+        table = table.replace(str(path), Path(path).name)
     replace_quality(
         Path(args.model) / CARD_NAME,
         f"Measured with fp4moe {__version__} (`fp4moe eval`) against the bf16 reference `{Path(args.ref).name}`, "
