@@ -1,6 +1,6 @@
 """The package's import graph, read from the source (every ``import``, at module level or inside a function;
 ``if TYPE_CHECKING:`` blocks left out, they never run): no circle between modules, and every arrow between
-two subpackages goes down the layers the README's design notes state -- formats < kernels < layers < models <
+two subpackages goes down the layers docs/design.md states -- formats < kernels < layers < models <
 quantize, engine < eval, bench < server < cli. A new module that imports upward fails here with the arrow."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ LAYERS = {
     "bench": 6,
     "server": 7,
     "cli": 8,
+    "__main__": 9,  # python -m fp4moe: the command
 }
 
 

@@ -324,3 +324,55 @@ def test_split_over_gpus_is_checked_when_asked(good, capsys):
     assert main(["inspect", str(good), "--tensor-parallel-size", "3"]) == 1
     out = capsys.readouterr().out
     assert "--tensor-parallel-size 3: 4 attention heads do not split over 3 GPUs" in out
+
+
+def test_modelopt_with_only_hf_quant_config_is_a_warning(good):
+    report = _config(good, lambda cfg: cfg.pop("quantization_config"))
+    assert report.ok
+    assert any("config.json has no quantization_config: vLLM reads hf_quant_config.json" in w for w in report.warnings)
+
+
+def test_packed_experts_without_any_quantization_config(good):
+    (good / "hf_quant_config.json").unlink()
+    report = _config(good, lambda cfg: cfg.pop("quantization_config"))
+    _assert_problem(report, "packed NVFP4 (modelopt names) but config.json has no quantization_config")
+    assert len(report.problems) == 1, report.problems  # one line that says it, not one per expert
+
+
+def test_config_of_another_format(good):
+    def edit(cfg):
+        cfg["quantization_config"].update(quant_method="compressed-tensors", format="nvfp4-pack-quantized")
+
+    report = _config(good, edit)
+    _assert_problem(report, "quantization_config says compressed-tensors but the experts are stored with modelopt")
+    assert len(report.problems) == 1, report.problems
+
+
+def test_config_group_size_other_than_16(good):
+    _assert_problem(
+        _config(good, lambda cfg: cfg["quantization_config"].update(group_size=32)),
+        "quantization_config group_size 32: NVFP4 blocks are 16 values",
+    )
+
+
+def test_config_and_hf_quant_config_disagree(good):
+    q = json.loads((good / "hf_quant_config.json").read_text())
+    q["quantization"]["quant_algo"] = "FP8"
+    (good / "hf_quant_config.json").write_text(json.dumps(q))
+    _assert_problem(inspect_checkpoint(good), "quant_algo is NVFP4 in config.json but FP8 in hf_quant_config.json")
+
+
+@pytest.mark.parametrize("what", ["missing", "no-config"])
+def test_cli_bad_path_is_one_line_without_a_table(good, tmp_path, capsys, what):
+    from fp4moe.cli.options import EXIT_ERROR
+
+    path = tmp_path / "nope"
+    if what == "no-config":
+        path = good
+        (good / "config.json").unlink()
+    assert main(["inspect", str(path)]) == EXIT_ERROR
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no table
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fp4moe inspect: error: "), err
+    assert ("no such directory" if what == "missing" else "no config.json") in err[0]

@@ -34,8 +34,14 @@ def test_bench_against_our_server(server, tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "| pp | tg | depth | conc | aggregate tok/s |" in out
+    assert "| pp | prompt tok | tg | depth | conc | aggregate tok/s |" in out
+    assert "warning: tg 6: fewer than 16 decode tokens a request" in out and "warning: --runs 2" in out
     data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["model"] == "tiny" and data["server"]["base_url"] == server.base_url
+    assert data["server"]["model_entry"]["id"] == "tiny" and data["fp4moe"] and data["date"].endswith("UTC")
+    assert data["settings"]["pp"] == [24] and data["settings"]["concurrency"] == [1, 3]
+    assert any(w.startswith("tg 6:") for w in data["warnings"])
+    assert (tmp_path / "bench.md").read_text().startswith(f"model tiny at {server.base_url}")
     rows = {r["concurrency"]: r for r in data["summary"]}
     assert set(rows) == {1, 3} and rows[3]["requests"] == 6 and rows[3]["errors"] == 0
     assert all(

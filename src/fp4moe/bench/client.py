@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from fp4moe.errors import UserError
+
 SPEC_METRICS = {  # vLLM's names, and ours
     "drafts": ("vllm:spec_decode_num_drafts_total", "fp4moe:spec_decode_num_drafts_total"),
     "draft_tokens": ("vllm:spec_decode_num_draft_tokens_total", "fp4moe:spec_decode_num_draft_tokens_total"),
@@ -170,7 +172,47 @@ async def _spec_counters(client: httpx.AsyncClient, root: str) -> dict[str, floa
     return out
 
 
-async def run_bench(cfg: BenchConfig, progress=None) -> list[RoundResult]:
+async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
+    """The first model ``/models`` lists; a one-line ``UserError`` where no server answers or the URL is not
+    an OpenAI base URL (most often: ``/v1`` left out)."""
+    try:
+        r = await client.get("/models")
+    except httpx.HTTPError as e:
+        raise UserError(
+            f"no server answers at {base_url} ({type(e).__name__}); start one (fp4moe serve MODEL) or fix "
+            "--base-url"
+        ) from None
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        hint = "" if base_url.rstrip("/").endswith("/v1") else f"; did you mean {base_url.rstrip('/')}/v1?"
+        raise UserError(
+            f"{base_url}/models lists no model (HTTP {r.status_code}): --base-url must be the server's OpenAI "
+            f"base URL, e.g. http://127.0.0.1:8000/v1{hint}"
+        ) from None
+
+
+async def server_info(client: httpx.AsyncClient, root: str, model: str) -> dict:
+    """What the server says of itself: its /v1/models entry for ``model`` (max_model_len where it tells) and
+    /version where it has one (vLLM)."""
+    info: dict = {}
+    try:
+        entries = (await client.get("/models")).json().get("data", [])
+        info["model_entry"] = next((e for e in entries if e.get("id") == model), None)
+    except (httpx.HTTPError, ValueError, AttributeError):
+        pass
+    try:
+        r = await client.get(f"{root}/version")
+        if r.status_code == 200:
+            info["version"] = r.json().get("version")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        pass
+    return info
+
+
+async def run_bench(cfg: BenchConfig, progress=None, info: dict | None = None) -> list[RoundResult]:
+    """Every round of the sweep; ``info``, where given, gets the model measured and what the server says of
+    itself (``server_info``)."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     root = cfg.base_url.rstrip("/").removesuffix("/v1")
     rng = random.Random(cfg.seed)
@@ -179,7 +221,9 @@ async def run_bench(cfg: BenchConfig, progress=None) -> list[RoundResult]:
     async with httpx.AsyncClient(
         base_url=cfg.base_url, headers=headers, timeout=cfg.timeout, limits=limits
     ) as client:
-        model = cfg.model or (await client.get("/models")).json()["data"][0]["id"]
+        model = cfg.model or await served_model(client, cfg.base_url)
+        if info is not None:
+            info.update(model=model, server={"base_url": cfg.base_url, **await server_info(client, root, model)})
         for _ in range(cfg.warmup):
             await _one(client, cfg, model, bench_prompt(cfg, 32, rng), 8)
         for pp in cfg.pp:

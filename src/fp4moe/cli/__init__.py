@@ -8,7 +8,7 @@ import errno
 import sys
 
 from fp4moe import __version__
-from fp4moe.cli import bench, convert, demo, eval, generate, inspect, quantize, serve
+from fp4moe.cli import bench, convert, demo, env, eval, generate, inspect, quantize, serve
 from fp4moe.cli.options import EXIT_ERROR
 
 # subcommands in --help order
@@ -21,6 +21,7 @@ COMMANDS = {
     "bench": bench,
     "demo": demo,
     "eval": eval,
+    "env": env,
 }
 
 

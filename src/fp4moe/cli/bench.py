@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 
@@ -59,8 +60,9 @@ def run(args) -> int:
 
     from tqdm.auto import tqdm
 
+    from fp4moe import __version__
     from fp4moe.bench.client import BenchConfig, rounds_json, run_bench, summarize
-    from fp4moe.bench.report import markdown, write_outputs
+    from fp4moe.bench.report import describe, markdown, warnings, write_outputs
     from fp4moe.data import corpus_text
 
     text = Path(args.prompt_file).read_text() if args.prompt_file else corpus_text("heldout")
@@ -80,9 +82,23 @@ def run(args) -> int:
     )
     total = len(args.pp) * len(args.tg) * len(args.depth) * sum(args.concurrency) * args.runs
     with tqdm(total=total, desc="requests", unit="req", disable=args.no_progress) as bar:
-        rounds = asyncio.run(run_bench(cfg, progress=bar.update))
+        info: dict = {}
+        rounds = asyncio.run(run_bench(cfg, progress=bar.update, info=info))
     rows = summarize(rounds)
-    paths = write_outputs(rows, rounds_json(rounds), Path(args.out))
+    settings = {k: getattr(args, k) for k in ("pp", "tg", "depth", "concurrency", "runs", "warmup")}
+    settings |= {"chars_per_token": args.chars_per_token, "prompt_file": args.prompt_file,
+                 "allow_prefix_hits": args.allow_prefix_hits}  # fmt: skip
+    meta = {
+        **info,
+        "fp4moe": __version__,
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "settings": settings,
+        "warnings": warnings(rows, args.runs),
+    }
+    paths = write_outputs(rows, rounds_json(rounds), Path(args.out), meta=meta)
+    print(describe(meta))
     print(markdown(rows))
+    for w in meta["warnings"]:
+        print(f"warning: {w}")
     print(f"\nwrote {paths['markdown']}, {paths['json']}, {paths['png']}")
     return 0 if all(r["errors"] == 0 for r in rows) else 1

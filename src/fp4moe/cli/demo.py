@@ -41,6 +41,7 @@ def run(args) -> int:
             src, dst, QuantizeOptions(format=args.format, num_samples=16, seq_len=128, overwrite=True)
         )
         print(report.summary())
+        print(f"   model card: {dst / 'README.md'} (the recipe also in hf_quant_config.json)")
         print("3. inspecting the result")
         print(inspect_checkpoint(dst).table())
         print("4. transformers on the dequantized NVFP4 experts vs the bf16 model (64 held-out tokens x 4)")

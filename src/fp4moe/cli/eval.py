@@ -7,6 +7,7 @@ from pathlib import Path
 
 from fp4moe.cli.options import (
     DEVICE_HELP,
+    check_device,
     resolve_device,
 )
 
@@ -32,9 +33,17 @@ def add(sub) -> None:
     )
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument(
-        "--dtype", default="auto", help="compute dtype: auto (the checkpoint's), bfloat16, float32"
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="compute dtype (auto: the checkpoint's)",
     )
     p.add_argument("--json", help="also write the results as JSON to this file")
+    p.add_argument(
+        "--card",
+        action="store_true",
+        help="also write the results into MODEL's model card (README.md, its Quality section)",
+    )
     g = p.add_argument_group(
         "lm-evaluation-harness tasks",
         "With --tasks: each model is served by fp4moe's engine on 127.0.0.1 and lm-eval's local-completions "
@@ -58,6 +67,7 @@ def add(sub) -> None:
 
 
 def run(args) -> int:
+    check_device(resolve_device(args.device))
     if args.tasks:
         return run_tasks(args)
     from fp4moe.eval.quality import evaluate
@@ -73,11 +83,39 @@ def run(args) -> int:
         dtype=args.dtype,
     )
     print(result.table())
+    if args.card:
+        write_card_quality(args, result.table())
     if args.json:
         tmp = Path(args.json).with_suffix(".tmp-json")
         tmp.write_text(result.to_json() + "\n")
         tmp.replace(args.json)
     return 0
+
+
+def _markdown(table: str) -> str:
+    """A table the card renders: a markdown table after a blank line; anything else as a code block."""
+    head, sep, rest = table.rstrip().partition("\n|")
+    return f"{head}\n\n|{rest}" if sep else f"```\n{table.rstrip()}\n```"
+
+
+def write_card_quality(args, table: str) -> None:
+    """The measured table into MODEL's README.md (between the card's quality markers), with how it was made."""
+    from fp4moe import __version__
+    from fp4moe.quantize.card import CARD_NAME, replace_quality
+
+    what = (
+        f"lm-evaluation-harness tasks {args.tasks}"
+        if args.tasks
+        else f"{args.limit} tokens of {Path(args.text_file).name if args.text_file else 'the packaged held-out text'} "
+        f"in windows of {args.seq_len}"
+    )
+    for path in (args.model, args.ref):  # a published card names the checkpoints, not this machine's paths
+        table = table.replace(str(path), Path(path).name)
+    replace_quality(
+        Path(args.model) / CARD_NAME,
+        f"Measured with fp4moe {__version__} (`fp4moe eval`) against the bf16 reference `{Path(args.ref).name}`, "
+        f"{what}, on {resolve_device(args.device)}:\n\n{_markdown(table)}",
+    )
 
 
 def run_tasks(args) -> int:
@@ -99,7 +137,10 @@ def run_tasks(args) -> int:
         results[name] = harness_tasks(
             path, config, tasks, args.include_path, limit, args.num_fewshot, args.batch_size, serve=served
         )
-    print(side_by_side(results["reference"], results["model"], (f"ref {args.ref}", f"model {args.model}")))
+    table = side_by_side(results["reference"], results["model"], (f"ref {args.ref}", f"model {args.model}"))
+    print(table)
+    if args.card:
+        write_card_quality(args, table)
     if args.json:
         tmp = Path(args.json).with_suffix(".tmp-json")
         tmp.write_text(json.dumps({"reference": args.ref, "model": args.model, **results}, indent=2) + "\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fp4moe.cli.options import (
     add_engine_options,
+    check_device,
     engine_config,
 )
 
@@ -33,41 +34,42 @@ def add(sub) -> None:
         default=[],
         help="image file to show the model (repeatable); implies --chat unless the prompt has placeholders",
     )
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument(
+    sampling = p.add_argument_group("sampling (vLLM's semantics)")
+    sampling.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    sampling.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (default); higher = more random"
     )
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
-    p.add_argument(
+    sampling.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    sampling.add_argument(
         "--top-p", type=float, default=1.0, help="sample among the smallest set with this much mass"
     )
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
-    p.add_argument(
+    sampling.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    sampling.add_argument(
         "--repetition-penalty", type=float, default=1.0, help="penalise tokens seen in prompt/output (>1)"
     )
-    p.add_argument(
+    sampling.add_argument(
         "--presence-penalty", type=float, default=0.0, help="subtract from tokens already generated"
     )
-    p.add_argument(
+    sampling.add_argument(
         "--frequency-penalty", type=float, default=0.0, help="subtract per time a token was generated"
     )
-    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    p.add_argument(
+    sampling.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    sampling.add_argument(
         "--stop", action="append", default=[], help="stop string (repeatable); not included in the output"
     )
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    p.add_argument(
+    sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    sampling.add_argument(
         "--stop-token-ids",
         type=int,
         nargs="+",
         default=[],
         help="token ids that end generation (kept in the ids)",
     )
-    p.add_argument(
+    sampling.add_argument(
         "--include-stop-str-in-output", action="store_true", help="keep the matched stop string in the text"
     )
-    p.add_argument("--n", type=int, default=1, help="completions per prompt (printed one after another)")
-    p.add_argument(
+    sampling.add_argument("--n", type=int, default=1, help="completions per prompt (printed one after another)")
+    sampling.add_argument(
         "--logprobs", type=int, default=None, help="also print each token's log-probability and the top K"
     )
     add_engine_options(p, max_num_seqs=64, max_num_batched_tokens=8192)  # offline: LLM's defaults
@@ -81,6 +83,7 @@ def run(args) -> int:
 
     args.model = resolve(args.model, args.load_format)
     config = engine_config(args)
+    check_device(config.device)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -62,129 +62,129 @@ def resolve_device(value: str) -> str:
     return "cuda" if ok else "cpu"
 
 
+def check_device(device: str) -> None:
+    """A one-line error where ``device`` (resolved) cannot run here: CUDA without a CUDA GPU, a GPU index
+    past the ones torch sees, a name torch does not know. Called by each command before it loads a model."""
+    from fp4moe.kernels import gpu_arch
+
+    try:
+        gpu_arch.require_device(device)
+    except RuntimeError as e:  # torch.device's own complaint about the string
+        raise ValueError(f"--device {device}: {e}; use auto, cpu, cuda or cuda:N") from None
+
+
 def add_load_format(p) -> None:
     p.add_argument(
         "--load-format",
         choices=["auto", "safetensors", "dummy"],
         default="auto",
-        help="auto/safetensors: read the checkpoint's weights; dummy (vLLM's name): build the model from "
-        "config.json alone with random weights in the checkpoint's precision (no shards needed: for speed "
-        "measurements at full size; the output is noise, images are refused)",
+        help="auto/safetensors: read the checkpoint's weights; dummy: random weights from config.json alone, "
+        "for speed measurements (the output is noise)",
     )
 
 
 SPEC_HELP = (
-    "MTP speculative decoding: draft this many tokens per step with the checkpoint's MTP head and verify them "
-    "(0 = off; default auto: 2 on a GPU when the checkpoint has an MTP head, else 0). On a GPU greedy requests run "
-    "a fused, graph-captured round (1.4-2.2x faster decoding at 70-90%% acceptance, by batch and k; BENCHMARKS.md), "
-    "sampled ones (temperature, top-k/top-p/min-p) the same round with rejection sampling on the GPU (except "
-    "top-k/top-p, which decode without drafts: their round sorts each vocabulary row, 1.1x at 80%% acceptance, "
-    "batch 1); requests with penalties or logprobs run an unfused round that is slower than plain decoding there; "
-    "a sequence whose drafts are rarely accepted decodes plainly and re-probes now and then; on the CPU "
-    "speculation does not pay (compute-bound)"
+    "MTP speculative decoding: tokens drafted per step by the checkpoint's MTP head (0 = off; auto: 2 on a GPU "
+    "when the checkpoint has one, else 0). What it gains by batch and sampling: docs/serve.md"
 )
 
 
 def add_engine_options(p, max_num_seqs: int | str, max_num_batched_tokens: int | str) -> None:
-    """The options of every command that runs fp4moe's engine (generate, serve): one EngineConfig."""
+    """The options of every command that runs fp4moe's engine (generate, serve): one EngineConfig, in three
+    argument groups of ``p``."""
     from fp4moe.engine.config import AUTO_CPU_BATCHED_TOKENS, AUTO_GPU_BATCHED_TOKENS
 
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
-    p.add_argument(
+    model = p.add_argument_group("model and precision")
+    model.add_argument("--device", default="auto", help=DEVICE_HELP)
+    model.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "bfloat16", "float16", "float32"],
         help="compute dtype (auto: the checkpoint's)",
     )
-    add_load_format(p)
-    p.add_argument(
+    add_load_format(model)
+    model.add_argument(
         "--hf-overrides",
         default=None,
         help='JSON merged into config.json, e.g. YaRN: \'{"text_config": {"rope_parameters": {...}}}\'',
     )
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    p.add_argument(
+    model.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    model.add_argument(
         "--limit-mm-per-prompt",
         default='{"image": 4}',
         help="most images one prompt may carry: JSON as vLLM takes it (default '{\"image\": 4}') or a count",
     )
-    p.add_argument(
+    model.add_argument(
         "--kv-cache-dtype",
         choices=["auto", "fp8"],
         default="auto",
         help="fp8: keys/values stored as float8-e4m3 with per-layer scales (half the cache memory of bf16)",
     )
-    p.add_argument(
+
+    sched = p.add_argument_group("scheduling and memory")
+    sched.add_argument(
         "--max-num-seqs",
         type=seqs,
         default=max_num_seqs,
-        help=f"sequences in the running batch at most, or auto: on the GPU the largest CUDA-graph bucket (up to "
-        f"256) whose per-sequence states take at most a quarter of the memory the model leaves, 16 on the CPU "
+        help=f"sequences in the running batch at most, or auto (GPU: sized by memory, up to 256; CPU: 16) "
         f"(default {max_num_seqs})",
     )
-    p.add_argument(
+    sched.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
-        help="with --device cuda: share of GPU memory for weights + caches; sizes the KV budget (default 0.9)",
+        help="with --device cuda: share of GPU memory for weights + caches (default 0.9)",
     )
-    p.add_argument(
+    sched.add_argument(
         "--max-num-batched-tokens",
         type=seqs,
         default=max_num_batched_tokens,
-        help=f"tokens one step runs at most, prompt chunks and decodes, or auto: {AUTO_GPU_BATCHED_TOKENS} on the "
-        f"GPU (vLLM's server default there; 64 prompts of 512 tokens prefill in 4 steps, not 16), "
-        f"{AUTO_CPU_BATCHED_TOKENS} on the CPU (default {max_num_batched_tokens})",
+        help=f"tokens one step runs at most (prompt chunks and decodes), or auto: {AUTO_GPU_BATCHED_TOKENS} on "
+        f"the GPU, {AUTO_CPU_BATCHED_TOKENS} on the CPU (default {max_num_batched_tokens})",
     )
-    p.add_argument(
+    sched.add_argument(
         "--prefill-graph-tokens",
         type=positive,
         default=None,
-        help="with --device cuda: rows one prefill graph holds at most (fresh prompts x their length padded to "
-        "a bucket); a step's fresh prompts replay as many graphs as they need. Larger graphs run more rows per "
-        "expert and capture more graphs at start-up (default: --max-num-batched-tokens, at most 8192, and an "
-        "eighth more for the prompts' padding)",
+        help="with --device cuda: rows one prefill CUDA graph holds at most (default: a step's tokens, at most "
+        "8192, plus an eighth for padding)",
     )
-    p.add_argument(
+    sched.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="split long prompts across steps to keep decoding (default on)",
     )
-    p.add_argument(
+    sched.add_argument(
         "--max-cached-tokens",
         type=positive,
         default=None,
-        help="KV budget in tokens (default: what the cache holds in GPU memory, 2^20 on the CPU); beyond it "
-        "sequences are preempted and recomputed",
+        help="KV budget in tokens (default: what GPU memory holds, 2^20 on the CPU); beyond it sequences are "
+        "preempted and recomputed",
     )
-    p.add_argument(
+    sched.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="on the GPU: launch each decode-only step (a plain step, or with speculation the next fused "
-        "round) before the previous step's tokens are read back, so detokenizing, stop checks and scheduling "
-        "overlap the GPU's work (vLLM V1's async scheduling; a sequence that ends on a token runs one extra "
-        "row or round). Off: one step at a time (default on)",
+        help="on the GPU: launch each decode step before the previous step's tokens are read back, as vLLM V1 "
+        "does (default on)",
     )
-    p.add_argument("--num-speculative-tokens", type=spec_tokens, default="auto", help=SPEC_HELP)
-    p.add_argument(
+
+    spec = p.add_argument_group("speculative decoding (MTP)")
+    spec.add_argument("--num-speculative-tokens", type=spec_tokens, default="auto", help=SPEC_HELP)
+    spec.add_argument(
         "--speculative-disable-by-batch-size",
         type=int,
         default=0,
-        help="with speculation: no drafts while more than this many sequences are decoding (one batched "
-        "plain step is cheaper under load; the MTP head catches up afterwards). 0 = never (default)",
+        help="no drafts while more than this many sequences decode (0 = never, default)",
     )
-    p.add_argument(
+    spec.add_argument(
         "--speculative-draft-vocab",
         type=non_negative,
         default=0,
         metavar="N",
-        help="with speculation: the MTP head drafts from N token ids only -- the N lowest (a byte-level BPE's "
-        "most frequent) and every special token -- as EAGLE-3's draft vocabularies do: each draft reads N rows "
-        "of the lm_head, not all (Qwen3.5/3.6: 1 GB per draft in bf16, 134 MB at 32768). Outputs are "
-        "unchanged (the target verifies); acceptance drops where the next token lies outside the N ids. "
-        "0 = the whole vocabulary (default)",
+        help="draft from the N lowest token ids and the special tokens only (EAGLE-3-style; outputs unchanged, "
+        "a cheaper draft); 0 = the whole vocabulary (default)",
     )
 
 
@@ -196,9 +196,8 @@ def add_split_options(p, gpus_help: str, when: str = "with ") -> None:
         "--enable-expert-parallel",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help=f"{when}--tensor-parallel-size > 1: each GPU holds whole routed experts (vLLM's expert "
-        "parallelism, default on); --no-enable-expert-parallel splits every expert across the GPUs (tensor "
-        "parallelism, as the rest of the model)",
+        help=f"{when}--tensor-parallel-size > 1: each GPU holds whole routed experts (default on); "
+        "--no-enable-expert-parallel splits every expert across the GPUs",
     )
 
 

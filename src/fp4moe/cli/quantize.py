@@ -19,99 +19,100 @@ def add(sub) -> None:
     )
     p.add_argument("src", help="bf16 checkpoint directory (config.json, *.safetensors, tokenizer)")
     p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
-    p.add_argument(
+    what = p.add_argument_group("what is quantized and how (details: docs/quantize.md)")
+    calib = p.add_argument_group("calibration")
+    out = p.add_argument_group("output and run")
+    out.add_argument(
         "--format",
         choices=["modelopt", "compressed-tensors"],
         default="modelopt",
         help="on-disk layout: ModelOpt NVFP4 per-expert tensors (default; loads in vLLM 0.17-0.33) "
         "or compressed-tensors nvfp4-pack-quantized",
     )
-    p.add_argument(
+    calib.add_argument(
         "--calib-file", help='calibration text: a .txt file, or .jsonl with a "text" field per line'
     )
-    p.add_argument(
+    calib.add_argument(
         "--calib-dataset",
         help="calibration dataset through the `datasets` package (needs a network); "
         "'wikitext' = wikitext-2-raw-v1 train",
     )
-    p.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
-    p.add_argument(
+    calib.add_argument("--num-samples", type=int, default=128, help="calibration sequences (default 128)")
+    calib.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    calib.add_argument(
         "--calibrate-all-experts",
         action="store_true",
         help="collect statistics for every expert from every token (layer outputs stay routed "
         "as usual); no expert falls back",
     )
-    p.add_argument(
+    what.add_argument(
         "--quantize",
         default="experts",
         metavar="GROUPS",
-        help="what is quantized, comma-separated: experts (always, NVFP4), attention (q/k/v/o_proj), deltanet "
-        "(in_proj_qkv+in_proj_z, out_proj), shared (shared expert), lm_head; GROUP:fp8 for per-tensor FP8 "
-        "instead of NVFP4 (written as ModelOpt MIXED_PRECISION, vLLM >= 0.17). Fused groups share one global "
-        "and input scale, as vLLM needs; a quantized in_proj_qkvz needs vLLM >= 0.20, lm_head >= 0.23",
+        help="comma-separated: experts (always, NVFP4), attention, deltanet, shared, lm_head; GROUP:fp8 for FP8 "
+        "instead of NVFP4 (e.g. attention:fp8,deltanet:fp8,shared:fp8, the fast mix)",
     )
-    p.add_argument(
+    what.add_argument(
         "--scale-method",
         choices=["rtn", "4over6", "mse"],
         default="mse",
-        help="how block scales are chosen (routed experts and every --quantize group); default mse, which gave "
-        "19%% less KL than rtn on the trained reference model (BENCHMARKS.md): rtn = round-to-nearest from the "
-        "block amax (ModelOpt/llm-compressor default); 4over6 = per block, max maps to 6 or 4, whichever has the "
-        "smaller error; mse = per block, the e4m3 scale of least squared error among RTN's, its 6 "
-        "neighbours each side and 4-over-6's (never worse than rtn per block)",
+        help="how block scales are chosen: mse (default; least squared error per block, 19%% less KL than rtn), "
+        "rtn (round-to-nearest, as ModelOpt writes), 4over6",
     )
-    p.add_argument(
+    what.add_argument(
         "--gptq",
         action="store_true",
-        help="GPTQ error compensation for the routed experts: each expert's input second moments are "
-        "gathered from the tokens routed to it during calibration, and every 16-column group is "
-        "quantized (scales by --scale-method) with the error of earlier columns folded in; memory: one "
-        "[E, H, H] fp32 matrix per layer (4.3 GB at full size); see BENCHMARKS.md for what it buys",
+        help="GPTQ error compensation for the routed experts (9%% less KL than mse alone on the reference "
+        "model; needs calibration text like your use; 4.3 GB more memory a layer at full size)",
     )
-    p.add_argument(
+    calib.add_argument(
         "--device", default="auto", help="calibration device: auto (cuda if present), cpu, cuda, cuda:N"
     )
-    p.add_argument(
+    calib.add_argument(
         "--calib-dtype",
         default="auto",
         choices=["auto", "bfloat16", "float16", "float32"],
         help="dtype the layers run in during calibration (auto: the checkpoint's own, bf16 for the real model)",
     )
-    p.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default 8)")
-    p.add_argument(
+    calib.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default 8)")
+    out.add_argument(
         "--max-shard-size",
         default="2GB",
         help="largest output shard; also bounds the write buffer (default 2GB)",
     )
-    p.add_argument(
+    what.add_argument(
         "--kv-cache-dtype",
         choices=["auto", "fp8"],
         default="auto",
-        help="fp8: calibrate per-layer k/v scales for an fp8 KV cache (amax / 448 over the calibration "
-        "tokens) and write them where vLLM and fp4moe read them (kv_cache_quant_algo FP8); default: none",
+        help="fp8: calibrate per-layer k/v scales for an fp8 KV cache and write them where vLLM and fp4moe "
+        "read them (default: none)",
     )
-    p.add_argument(
+    what.add_argument(
         "--kv-cache-quant-algo",
         choices=["FP8"],
         default=None,
         help="ModelOpt's name for --kv-cache-dtype fp8",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed for choosing calibration windows")
-    p.add_argument(
+    calib.add_argument("--seed", type=int, default=0, help="seed for choosing calibration windows")
+    out.add_argument(
         "--no-read-ahead",
         action="store_true",
-        help="read each decoder layer only when it is quantized, not the next one while this one is: no "
-        "layer's stored tensors (~1.7 GB at full size) held ahead (the peak on 8 full-size layers was the same "
-        "either way: the quantize stage's temporaries set it); slower where the disk is slow",
+        help="read each decoder layer only when it is quantized, not the next one ahead (slower where the "
+        "disk is slow; the peak memory measured the same)",
     )
-    p.add_argument(
+    out.add_argument(
         "--overwrite",
         action="store_true",
         help="replace DST if it exists (only once the new one is complete)",
     )
-    p.add_argument("--report", help="also write the report as JSON to this file")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    out.add_argument(
+        "--base-model",
+        metavar="HUB_ID",
+        help="the source's Hugging Face id for the model card's base_model (default: config.json's "
+        "_name_or_path when it is one)",
+    )
+    out.add_argument("--report", help="also write the report as JSON to this file")
+    out.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def run(args) -> int:
@@ -137,6 +138,7 @@ def run(args) -> int:
         seed=args.seed,
         read_ahead=not args.no_read_ahead,
         progress=not args.no_progress,
+        base_model=args.base_model,
     )
     report = quantize(args.src, args.dst, options)
     print(report.summary())

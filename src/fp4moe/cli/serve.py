@@ -10,10 +10,12 @@ from pathlib import Path
 from fp4moe.cli.options import (
     add_engine_options,
     add_split_options,
+    check_device,
     engine_config,
     limit_mm,
     positive,
 )
+from fp4moe.errors import UserError
 
 
 def add(sub) -> None:
@@ -23,131 +25,128 @@ def add(sub) -> None:
         description=(
             "Serve a qwen3_5_moe checkpoint over an OpenAI-compatible HTTP API with continuous batching: "
             "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. With --engine vllm, print "
-            "(or --exec) the vLLM command for the checkpoint instead -- the way past one GPU."
+            "(or --exec) the vLLM command for the checkpoint instead -- the way past one GPU. Details of every "
+            "option: docs/serve.md."
         ),
     )
     p.add_argument(
         "model",
         help="checkpoint directory; with --load-format dummy also a full-size name (qwen3.5-35b-a3b, "
-        "qwen3.6-35b-a3b, or either with -nvfp4: experts in NVFP4): config and a synthetic tokenizer are "
-        "written once under ~/.cache/fp4moe/full-size",
+        "qwen3.6-35b-a3b, either with -nvfp4)",
     )
     p.add_argument(
         "--engine",
         choices=["fp4moe", "vllm"],
         default="fp4moe",
-        help="serve with our engine or print vLLM's command",
+        help="serve with our engine (default) or print vLLM's command",
     )
-    p.add_argument(
-        "--exec", action="store_true", help="with --engine vllm: run the command instead of printing it"
-    )
-    p.add_argument(
+
+    http = p.add_argument_group("server")
+    http.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
     )
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument(
+    http.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    http.add_argument(
         "--served-model-name", default=None, help="model name clients use (default: the directory name)"
     )
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
-    p.add_argument(
+    http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
+    http.add_argument(
         "--max-waiting", type=int, default=256, help="waiting requests before answering 429 (default 256)"
     )
-    p.add_argument(
+    http.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a GPU, compile every kernel and capture every CUDA graph before serving (default on; "
+        "--no-warmup starts faster, first requests wait)",
+    )
+    http.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the engine loop in its own process, away from HTTP and tokenizing (default: on for the CPU, "
+        "off on a GPU)",
+    )
+    http.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds open requests may run on (default 30)",
+    )
+
+    chat = p.add_argument_group("reasoning and tools")
+    chat.add_argument(
+        "--reasoning-parser", choices=["qwen3"], default=None, help="split <think> into reasoning_content"
+    )
+    chat.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None, help="parse tool calls")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"')
+
+    prefix = p.add_argument_group("prefix cache")
+    prefix.add_argument(
         "--enable-prefix-caching",
         action="store_true",
-        help="reuse attention KV and Gated DeltaNet states of repeated prompt prefixes (block snapshots)",
+        help="reuse attention KV and Gated DeltaNet states of repeated prompt prefixes",
     )
-    p.add_argument(
+    prefix.add_argument(
         "--prefix-block-size", type=int, default=64, help="prefix-cache block size in tokens (default 64)"
     )
-    p.add_argument(
+    prefix.add_argument(
+        "--prefix-cache-entries", type=int, default=64, help="prefix snapshots kept, LRU (default 64)"
+    )
+    prefix.add_argument(
+        "--prefix-cache-gib",
+        type=float,
+        default=16.0,
+        help="host memory the prefix snapshots may hold, GiB, LRU (default 16)",
+    )
+
+    limits = p.add_argument_group("request limits", "each checked before the work it bounds; over it: a 4xx")
+    limits.add_argument(
         "--allowed-media-domains",
         nargs="+",
         default=[],
         help="hosts remote image URLs may be fetched from (default: none; only data: URLs)",
     )
-    p.add_argument(
-        "--prefix-cache-entries", type=int, default=64, help="prefix snapshots kept, LRU (default 64)"
-    )
-    p.add_argument(
-        "--prefix-cache-gib",
-        type=float,
-        default=16.0,
-        help="host memory the prefix snapshots may hold, GiB, LRU (default 16; a 512K-token prompt's snapshot "
-        "of the full-size model takes 5.5 GiB with an fp8 cache; a prompt whose snapshot alone is larger takes none)",
-    )
-    p.add_argument(
+    limits.add_argument(
         "--max-n-sequences",
         type=positive,
         default=16384,
-        help="largest `n` (choices per request) accepted; more is a 400 (default 16384, vLLM's)",
+        help="largest `n` (choices per request) accepted (default 16384, vLLM's)",
     )
-    p.add_argument(
+    limits.add_argument(
         "--max-prompt-chars",
         type=positive,
         default=None,
-        help="characters a prompt may have before it is tokenized; more is a 400 without tokenizing "
-        "(default: 8 x --max-model-len)",
+        help="characters a prompt may have before it is tokenized (default: 8 x --max-model-len)",
     )
-    p.add_argument(
+    limits.add_argument(
         "--max-image-pixels-per-request",
         type=positive,
         default=None,
-        help="pixels a request's images may decode to together, counted from their headers before decoding "
-        "(a JPEG at its reduced decoding scale); more is a 400 (default: 64 Mi, two of the largest images)",
+        help="pixels a request's images may decode to together, read from their headers (default: 64 Mi)",
     )
-    p.add_argument(
+    limits.add_argument(
         "--max-image-pixels-in-flight",
         type=positive,
         default=None,
-        help="pixels being decoded at once across the server (about 4 bytes each); more images wait "
-        "(default: 64 Mi)",
+        help="pixels being decoded at once across the server; more images wait (default: 64 Mi)",
     )
-    p.add_argument(
+    limits.add_argument(
         "--max-request-bytes",
         type=positive,
         default=None,
-        help="largest request body; more is a 413 before it is parsed (default: 4 bytes per prompt character "
-        "allowed, the images --limit-mm-per-prompt allows as base64 at 20 MB each, and 1 MiB)",
+        help="largest request body, refused before it is parsed (default: from the prompt and image limits)",
     )
-    p.add_argument(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="on a GPU, compile every kernel variant and capture every CUDA graph before serving, so no "
-        "request waits for them (default on; --no-warmup starts faster)",
-    )
-    p.add_argument(
-        "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run the engine loop in its own process: HTTP, tokenizing, detokenizing, stop strings, parsers "
-        "and SSE stay in this one and never take the engine's GIL (vLLM V1's engine core). Default: on for "
-        "the CPU (torch's OpenMP threads run the engine's ops ~5x slower from a secondary thread than from a "
-        "process's main thread), off on a GPU (there the GPU bounds a step: the same tokens/s as a thread, "
-        "with slower synchronous steps in the child process; BENCHMARKS.md)",
-    )
-    p.add_argument(
-        "--timeout-graceful-shutdown",
-        type=float,
-        default=30.0,
-        help="on SIGTERM/SIGINT, seconds open requests may run on; those still running 2 s before the end "
-        "are stopped (streams: an error event and [DONE]; others: 503) (default 30)",
-    )
-    p.add_argument(
-        "--reasoning-parser", choices=["qwen3"], default=None, help="split <think> into reasoning_content"
-    )
-    p.add_argument("--tool-call-parser", choices=["qwen3_coder"], default=None, help="parse tool calls")
-    p.add_argument("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto"')
     add_engine_options(p, max_num_seqs="auto", max_num_batched_tokens="auto")
-    add_split_options(p, "with --engine vllm: GPUs to shard over", when="with --engine vllm and ")
-    p.add_argument(
+
+    vllm = p.add_argument_group("vLLM (--engine vllm)")
+    vllm.add_argument("--exec", action="store_true", help="run vLLM's command instead of printing it")
+    add_split_options(vllm, "GPUs to shard over (default 1)", when="")
+    vllm.add_argument(
         "--nvlink-multicast",
         action="store_true",
-        help="with --engine vllm and --tensor-parallel-size > 1: let NCCL, PyTorch and NVSHMEM use NVLink "
-        "multicast (NVLS). Off by default (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, "
-        "NVSHMEM_DISABLE_NVLS=1 in the command's environment): on a shared host a program using it can take "
-        "the GPUs out of service",
+        help="with --tensor-parallel-size > 1: allow NVLink multicast (NVLS; off by default: on a shared host "
+        "it can take the GPUs out of service)",
     )
 
 
@@ -160,58 +159,23 @@ def vllm_without_flashinfer() -> bool:
 
 
 def vllm_command(args) -> list[str]:
-    """The reference recipe for stock vLLM, adapted to this checkpoint."""
-
+    """The reference recipe for stock vLLM (``models.vllm_recipe``), adapted to this checkpoint and machine."""
     from fp4moe.engine.loader import load_config
-    from fp4moe.models.qwen3_5_moe import text_config_dict
+    from fp4moe.models.vllm_recipe import vllm_serve_command
 
-    config = load_config(args.model)
-    text = text_config_dict(config)
-    name = args.served_model_name or Path(args.model).name
-    rope = dict(text.get("rope_parameters") or {})
-    yarn = {
-        "text_config": {
-            "rope_parameters": {
-                **rope,
-                "rope_type": "yarn",
-                "factor": 2.0,
-                "original_max_position_embeddings": text.get("max_position_embeddings", 262144),
-            },
-            "max_position_embeddings": 2 * int(text.get("max_position_embeddings", 262144)),
-        }
-    }
-    cmd = [
-        "vllm",
-        "serve",
-        str(args.model),
-        "--served-model-name",
-        name,
-        "--host",
-        args.host,
-        "--port",
-        str(args.port),
-        "--kv-cache-dtype",
-        "fp8",
-        "--max-model-len",
-        str(args.max_model_len or yarn["text_config"]["max_position_embeddings"]),
-        "--hf-overrides",
-        json.dumps(args.hf_overrides and json.loads(args.hf_overrides) or yarn),
-        "--reasoning-parser",
-        "qwen3",
-        "--tool-call-parser",
-        "qwen3_coder",
-        "--enable-auto-tool-choice",
-        "--enable-prefix-caching",
-        "--enable-chunked-prefill",
-        "--limit-mm-per-prompt",
-        json.dumps(limit_mm(args.limit_mm_per_prompt)),
-    ]
-    if args.max_num_seqs != "auto":  # auto: vLLM's own default, bounded by its KV cache
-        cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     k = getattr(args, "num_speculative_tokens", "auto")
-    k = 2 if k == "auto" else int(k)  # the reference recipe's n = 2; 0 turns MTP off
-    if k and int(text.get("mtp_num_hidden_layers", 0) or 0) > 0:
-        cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k})]
+    cmd = vllm_serve_command(
+        args.model,
+        load_config(args.model),
+        served_model_name=args.served_model_name or Path(args.model).name,
+        host=args.host,
+        port=args.port,
+        max_model_len=args.max_model_len,
+        hf_overrides=json.loads(args.hf_overrides) if args.hf_overrides else None,
+        limit_mm_per_prompt=limit_mm(args.limit_mm_per_prompt),
+        max_num_seqs=None if args.max_num_seqs == "auto" else args.max_num_seqs,  # auto: vLLM's own default
+        num_speculative_tokens=2 if k == "auto" else int(k),  # the reference recipe's n = 2; 0 turns MTP off
+    )
     if (
         vllm_without_flashinfer()
     ):  # on Hopper vLLM's "auto" GDN prefill picks FlashInfer without checking for it
@@ -258,10 +222,28 @@ def vllm_env(args) -> dict[str, str]:
     return env
 
 
+def check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` and let go: a port in use (or an address not of this machine) is reported before
+    the model loads. A race with another program remains possible; uvicorn then reports it."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(
+                f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port, or stop what uses it"
+            ) from None
+
+
 def run(args) -> int:
     import os
     import shlex
+    import shutil
 
+    from fp4moe.engine.loader import load_config
     from fp4moe.models.full_size import resolve
 
     if args.tensor_parallel_size < 1:
@@ -273,6 +255,12 @@ def run(args) -> int:
         check_split(args)
         cmd, env = vllm_command(args), vllm_env(args)
         if args.exec:
+            if shutil.which(cmd[0]) is None:
+                raise UserError(
+                    "vllm is not installed here (no `vllm` on PATH): install it (pip install vllm) on the GPU "
+                    "machine, or drop --exec to print the command"
+                )
+            check_port(args.host, args.port)
             os.execvpe(cmd[0], cmd, {**os.environ, **env})
         print(shlex.join([f"{k}={v}" for k, v in env.items()] + cmd))
         return 0
@@ -283,6 +271,9 @@ def run(args) -> int:
     from fp4moe.server.uvicorn_server import serve
 
     config = engine_config(args)
+    check_device(config.device)
+    load_config(args.model)  # a path that is no checkpoint: one line now, not a failure in the engine's start
+    check_port(args.host, args.port)  # before the model loads (minutes on a GPU), not after
     prefix = (
         (args.prefix_block_size, args.prefix_cache_entries, int(args.prefix_cache_gib * 2**30))
         if args.enable_prefix_caching

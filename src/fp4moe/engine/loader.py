@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from fp4moe.formats import kv_scales
-from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
+from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader, not_a_checkpoint
 from fp4moe.formats.layouts import SUFFIXES, OutputFormat, detect_format
 from fp4moe.models import qwen3_5_moe as arch
 from fp4moe.models.qwen3_5_moe import ModelArgs
@@ -49,7 +49,7 @@ def merge_overrides(config: dict, overrides: dict | None) -> dict:
 def load_config(path: str | Path, hf_overrides: dict | None = None) -> dict:
     cfg_path = Path(path) / "config.json"
     if not cfg_path.exists():
-        raise CheckpointError(f"{path}: no config.json")
+        raise CheckpointError(not_a_checkpoint(path))
     config = json.loads(cfg_path.read_text())
     arch.ModelConfig.from_dict(config)  # validates model_type
     return merge_overrides(config, hf_overrides)

@@ -39,6 +39,24 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint directory that cannot be read as it claims to be."""
 
 
+# a Hugging Face hub id (``Qwen/Qwen3.6-35B-A3B``): what a user may pass where a local directory is needed
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def not_a_checkpoint(path: str | os.PathLike, what: str = "no config.json") -> str:
+    """The one-line message for a path that is not a checkpoint directory: a missing path says so, and one
+    shaped like a hub id says how to download it (fp4moe reads local directories only)."""
+    if Path(path).exists():
+        return f"{path}: {what}"
+    hint = ""
+    if HUB_ID.match(str(path)):
+        hint = (
+            f"; it looks like a Hugging Face id: fp4moe reads local directories, so download it first "
+            f"(hf download {path} --local-dir DIR) and pass DIR"
+        )
+    return f"{path}: no such directory{hint}"
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -88,7 +106,7 @@ class CheckpointReader:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise CheckpointError(f"{self.path}: not a directory")
+            raise CheckpointError(not_a_checkpoint(self.path, "not a directory"))
         self.infos: dict[str, TensorInfo] = {}
         index = self.path / INDEX_NAME
         if index.exists():

@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from fp4moe.errors import UserError
+
 MIN_CAPABILITY = (8, 0)
 FP8_CAPABILITY = (8, 9)
 SOFT = 2  # the attention kernels' FP8 constexpr for an fp8 cache converted by bits (True: by the hardware)
@@ -39,6 +41,25 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda":
         return None
     return capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def require_device(device: str | torch.device) -> None:
+    """Raise a one-line ``UserError`` where ``device`` (``--device``) cannot run here: CUDA asked of a torch
+    without it, or an index past the GPUs torch sees."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
+        raise UserError(
+            f"--device {device}: no CUDA GPU here ({build}); use --device cpu, or on a GPU machine install a "
+            "CUDA build of torch (README.md, Install); `fp4moe env` shows what this machine has"
+        )
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(
+            f"--device {device}: torch sees {torch.cuda.device_count()} GPU(s), numbered from 0; "
+            "`fp4moe env` lists them"
+        )
 
 
 def check(device: torch.device) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from fp4moe.errors import UserError
-from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
+from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader, not_a_checkpoint
 from fp4moe.layers.rope import RopeConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -187,7 +187,7 @@ class ModelConfig:
     def from_dir(cls, path: str | Path) -> ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.exists():
-            raise CheckpointError(f"{path}: no config.json")
+            raise CheckpointError(not_a_checkpoint(path))
         try:
             raw = json.loads(cfg_path.read_text())
         except json.JSONDecodeError as e:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from fp4moe.formats import kv_scales, layouts, sharding
-from fp4moe.formats.checkpoint import CheckpointError, CheckpointReader
+from fp4moe.formats.checkpoint import CheckpointReader
 from fp4moe.formats.layouts import SUFFIXES, OutputFormat, detect_format
 from fp4moe.formats.nvfp4 import BLOCK_SIZE
 from fp4moe.models import qwen3_5_moe as arch
@@ -96,6 +96,70 @@ class _Problems:
         for kind, n in self.counts.items():
             if n > MAX_LISTED:
                 self.report.problems.append(f"... and {n - MAX_LISTED} more problems of kind '{kind}'")
+
+
+def _expert_naming(reader: CheckpointReader) -> OutputFormat | None:
+    """How the routed experts' NVFP4 tensors are named in the shards: compressed-tensors' ``weight_packed``,
+    ModelOpt's ``weight_scale_2``, or None where no expert is packed (a bf16 checkpoint)."""
+    names = [n for n in reader.names() if arch.is_routed_expert(n)]
+    if any(n.endswith(".weight_packed") for n in names):
+        return OutputFormat.COMPRESSED_TENSORS
+    if any(n.endswith("weight_scale_2") for n in names):
+        return OutputFormat.MODELOPT
+    return None
+
+
+def _check_quantization_config(
+    config: dict, path: Path, reader: CheckpointReader, fmt: OutputFormat | None, report: InspectReport
+) -> bool:
+    """Whether the config that tells vLLM how to read the experts matches the tensors beside it: a packed
+    checkpoint whose config.json lost its quantization_config (vLLM falls back to ModelOpt's
+    hf_quant_config.json, other loaders do not; without either it would read the uint8 codes as bf16
+    weights), a format other than the tensors', a group size other than 16, config.json and
+    hf_quant_config.json disagreeing. False: the experts' own checks would only repeat the mismatch."""
+    naming = _expert_naming(reader)
+    qc = config.get("quantization_config")
+    hf = path / "hf_quant_config.json"
+    if naming is not None and not isinstance(qc, dict):
+        if fmt is None:
+            report.problems.append(
+                f"the routed experts are packed NVFP4 ({naming.value} names) but config.json has no "
+                "quantization_config and there is no hf_quant_config.json: vLLM would load the uint8 codes as "
+                "bf16 weights; restore config.json from the build (or quantize again)"
+            )
+            return False
+        report.warnings.append(
+            "config.json has no quantization_config: vLLM reads hf_quant_config.json instead (ModelOpt's "
+            "older layout), transformers and other loaders do not"
+        )
+    if naming is not None and fmt is not None and naming is not fmt:
+        report.problems.append(
+            f"quantization_config says {fmt.value} but the experts are stored with {naming.value}'s tensor names: "
+            "the config does not belong to these shards"
+        )
+        return False
+    if isinstance(qc, dict):
+        sizes = {qc.get("group_size")} | {
+            (g.get("weights") or {}).get("group_size")
+            for g in (qc.get("config_groups") or {}).values()
+            if isinstance(g, dict)
+        }
+        bad = sorted(str(s) for s in sizes - {None, BLOCK_SIZE})
+        if bad:
+            report.problems.append(
+                f"quantization_config group_size {', '.join(bad)}: NVFP4 blocks are {BLOCK_SIZE} values"
+            )
+    if isinstance(qc, dict) and qc.get("quant_method") == "modelopt" and hf.exists():
+        try:
+            q = json.loads(hf.read_text()).get("quantization", {})
+        except (json.JSONDecodeError, AttributeError):
+            return True  # reported by _check_hf_quant_config
+        a, b = str(qc.get("quant_algo", "")).upper(), str(q.get("quant_algo", "")).upper()
+        if a != b:
+            report.problems.append(
+                f"quant_algo is {a} in config.json but {b} in hf_quant_config.json: rewrite one to match"
+            )
+    return True
 
 
 def _check_hf_quant_config(path: Path, report: InspectReport) -> None:
@@ -467,15 +531,14 @@ def inspect_checkpoint(
     path = Path(path)
     report = InspectReport(path=str(path))
     problems = _Problems(report)
-    reader = CheckpointReader(path)  # files safetensors would refuse: an error (exit 2), never a report
-    try:
-        cfg = arch.ModelConfig.from_dir(path)
-        prefix = arch.text_prefix(reader)
-    except (CheckpointError, arch.UnsupportedModelError) as e:
-        report.problems.append(str(e))
-        return report
+    # a path that is no checkpoint of this model (no config.json, another model_type, files safetensors would
+    # refuse): an error (exit 2), never a report
+    reader = CheckpointReader(path)
+    cfg = arch.ModelConfig.from_dir(path)
+    prefix = arch.text_prefix(reader)
     fmt, entries, problem = detect_format(cfg.raw, path)
-    if problem:
+    consistent = _check_quantization_config(cfg.raw, path, reader, fmt, report)
+    if problem and consistent:
         report.problems.append(problem)
     fmt = fmt or OutputFormat.MODELOPT
     report.format = fmt.value if not problem else None
@@ -484,9 +547,9 @@ def inspect_checkpoint(
     if fmt is OutputFormat.MODELOPT and not problem:
         _check_hf_quant_config(path, report)
 
-    for i in range(cfg.text.num_layers):
+    for i in range(cfg.text.num_layers if consistent else 0):
         _check_layer_experts(reader, fmt, cfg.text, f"{prefix}layers.{i}.mlp.experts.", report, problems)
-    if not problem:
+    if not problem and consistent:
         _check_exclude_list(reader, fmt, entries, cfg.text, prefix, problems)
     _check_fused_groups(reader, fmt, prefix, cfg.text.num_layers, problems)
     if not problem:

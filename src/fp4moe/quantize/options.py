@@ -39,6 +39,7 @@ class QuantizeOptions:
     read_ahead: bool = True  # the next decoder layer read on a worker thread while this one is quantized
     progress: bool = True
     quantize_extra: tuple[str, ...] = ()  # beyond the routed experts: attention, deltanet, shared, lm_head
+    base_model: str | None = None  # the source's hub id, for the model card (the bytes do not depend on it)
 
     def __post_init__(self):
         self.format = OutputFormat(self.format)
@@ -60,8 +61,11 @@ class QuantizeOptions:
         self.max_shard_bytes = parse_size(self.max_shard_size)
 
     def resolve_device(self) -> torch.device:
+        from fp4moe.kernels.gpu_arch import require_device
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        require_device(self.device)
         return torch.device(self.device)
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:

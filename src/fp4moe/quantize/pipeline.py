@@ -38,7 +38,7 @@ from fp4moe.formats.layouts import OutputFormat
 from fp4moe.formats.nvfp4 import BLOCK_SIZE, NVFP4Error
 from fp4moe.layers.norm import rms_norm_zero_centred
 from fp4moe.models import qwen3_5_moe as arch
-from fp4moe.quantize import calib_data, calibrate, extra
+from fp4moe.quantize import calib_data, calibrate, card, extra
 from fp4moe.quantize.experts import QuantizedExperts, quantize_experts, quantize_weight, to_cpu
 from fp4moe.quantize.options import QuantizeError, QuantizeOptions, QuantizeReport
 from fp4moe.quantize.scales import ScaleMethod
@@ -356,11 +356,13 @@ def _write_rest(run: _Run, hidden: torch.Tensor, mtp_names: list[str]) -> None:
         run.writer.write_file(MTP_FILE, {n: _finite(n, reader.get(n)) for n in mtp_names})
 
 
-def _write_config(run: _Run, cfg, tmp: Path, src: Path, has_mtp: bool) -> None:
+def _write_config(run: _Run, cfg, tmp: Path, src: Path, has_mtp: bool, recipe: dict) -> None:
     """config.json with the quantization_config (and ModelOpt's hf_quant_config.json): the exclude list of
     every module left in bf16, by the names in the shards; MIXED_PRECISION where some groups are FP8. A
     config that declares MTP layers the source does not have declares none. The source's side files
-    (tokenizer, processor, generation config) are copied."""
+    (tokenizer, processor, generation config) are copied, not its model card (``card`` writes ours). The
+    recipe goes into hf_quant_config.json (vLLM reads only its ``quantization`` entry there); compressed-tensors'
+    config gets none (its schema may forbid unknown keys), the card carries it."""
     reader, options = run.reader, run.options
     tensors = {
         n: (reader.info(n).dtype, reader.info(n).shape)
@@ -381,8 +383,21 @@ def _write_config(run: _Run, cfg, tmp: Path, src: Path, has_mtp: bool) -> None:
             text_cfg["mtp_num_hidden_layers"] = 0
     write_json(tmp / "config.json", raw)
     if hf_qcfg is not None:
-        write_json(tmp / "hf_quant_config.json", hf_qcfg)
-    copy_side_files(src, tmp, skip={"config.json", INDEX_NAME, "hf_quant_config.json"})
+        write_json(tmp / "hf_quant_config.json", {**hf_qcfg, "fp4moe_recipe": recipe})
+    copy_side_files(src, tmp, skip={"config.json", INDEX_NAME, "hf_quant_config.json", card.CARD_NAME})
+
+
+def _refuse_quantized_source(src: Path, config: dict) -> None:
+    """SRC must be the bf16 checkpoint: one that is already quantized (its config's ``quantization_config``,
+    or ModelOpt's hf_quant_config.json) would be read as garbage weights."""
+    qc = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+    if qc is None and not (src / "hf_quant_config.json").exists():
+        return
+    method = (qc or {}).get("quant_method", "modelopt")
+    raise QuantizeError(
+        f"{src} is already quantized ({method}); quantize reads the bf16 source checkpoint -- pass that "
+        "(`fp4moe inspect` checks a quantized one, `fp4moe convert` changes its layout)"
+    )
 
 
 def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None = None) -> QuantizeReport:
@@ -401,6 +416,8 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
     if dst.resolve() == src.resolve():
         raise QuantizeError("DST must differ from SRC")
     cfg = arch.ModelConfig.from_dir(src)
+    _refuse_quantized_source(src, cfg.raw)
+    device = options.resolve_device()
     reader = CheckpointReader(src)
     _validate_dims(cfg.text)
     prefix = arch.text_prefix(reader)
@@ -421,7 +438,6 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             "(a transformers re-save?); the output declares none"
         )
 
-    device = options.resolve_device()
     dtype = options.resolve_dtype(reader.info(f"{prefix}embed_tokens.weight").torch_dtype or torch.float32)
     timer = StageTimer()
     with timer("tokenize"):
@@ -463,34 +479,37 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             writer.close()
         for bar in (layer_bar, expert_bar, shard_bar):
             bar.close()
-        _write_config(run, cfg, tmp, src, bool(mtp_names))
+        _write_config(run, cfg, tmp, src, bool(mtp_names), card.recipe(options, source, int(tokens.numel())))
 
         with timer("inspect"):
             check = inspect_checkpoint(tmp, reference=reader)
         if not check.ok:
             raise QuantizeError("the written checkpoint failed inspection:\n  " + "\n  ".join(check.problems))
         bytes_out = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
-
-    num_quantized = cfg.text.num_layers * cfg.text.num_experts
-    return QuantizeReport(
-        src=str(src),
-        dst=str(dst),
-        format=options.format.value,
-        num_layers=cfg.text.num_layers,
-        num_experts=cfg.text.num_experts,
-        expert_layouts=layouts_seen,
-        calibration=source,
-        calibration_tokens=int(tokens.numel()),
-        device=str(device),
-        calib_dtype=str(dtype).removeprefix("torch."),
-        bytes_in=reader.total_bytes(),
-        bytes_out=bytes_out,
-        experts_quantized=num_quantized,
-        experts_calibrated=run.num_calibrated,
-        warnings=warnings,
-        fallback_experts=run.fallbacks,
-        min_tokens_per_expert=run.min_tokens or 0,
-        seconds=time.perf_counter() - t0,
-        stage_seconds={k: round(v, 2) for k, v in timer.seconds.items()},
-        peak_rss_bytes=peak_rss_bytes(),
-    )
+        num_quantized = cfg.text.num_layers * cfg.text.num_experts
+        report = QuantizeReport(
+            src=str(src),
+            dst=str(dst),
+            format=options.format.value,
+            num_layers=cfg.text.num_layers,
+            num_experts=cfg.text.num_experts,
+            expert_layouts=layouts_seen,
+            calibration=source,
+            calibration_tokens=int(tokens.numel()),
+            device=str(device),
+            calib_dtype=str(dtype).removeprefix("torch."),
+            bytes_in=reader.total_bytes(),
+            bytes_out=bytes_out,
+            experts_quantized=num_quantized,
+            experts_calibrated=run.num_calibrated,
+            warnings=warnings,
+            fallback_experts=run.fallbacks,
+            min_tokens_per_expert=run.min_tokens or 0,
+            seconds=time.perf_counter() - t0,
+            stage_seconds={k: round(v, 2) for k, v in timer.seconds.items()},
+            peak_rss_bytes=peak_rss_bytes(),
+        )
+        check.path = dst.name  # the card names the checkpoint, not its temporary folder
+        card.write_card(tmp, src, dst, options, report, check.table(), cfg.raw, cfg.has_vision)
+    report.seconds = time.perf_counter() - t0
+    return report
