@@ -27,9 +27,9 @@ def main() -> None:
     ap.add_argument("--out", default="", help="write the results to this JSON file")
     args = ap.parse_args()
     os.environ.setdefault("FP4MOE_FORCE_ACCEPTANCE", "0.8")
-    from fp4moe.engine import spec_decode
-    from fp4moe.engine.llm import LLM
-    from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.request.sampler import SamplingParams
+    from fp4moe.engine.spec import spec_decode
     from fp4moe.models.full_size import resolve
 
     llm = LLM(resolve("qwen3.6-35b-a3b-nvfp4", "dummy"), device="cuda", load_format="dummy", max_num_seqs=64,

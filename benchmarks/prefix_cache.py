@@ -12,11 +12,11 @@ import statistics
 import tempfile
 import time
 
-from fp4moe.engine.core import EngineCore
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.prefix_cache import PrefixCache
-from fp4moe.engine.sampler import SamplingParams
-from fp4moe.engine.scheduler import SchedulerConfig
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.loop.core import EngineCore
+from fp4moe.engine.loop.prefix_cache import PrefixCache
+from fp4moe.engine.loop.scheduler import SchedulerConfig
+from fp4moe.engine.request.sampler import SamplingParams
 from fp4moe.models.tiny import write_tiny_checkpoint
 
 

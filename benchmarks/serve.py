@@ -280,8 +280,8 @@ def engine_rates(batches: list[int], ctx: int) -> list[dict]:
 
 
 def offline(model_dir: str, concurrency: list[int], pp: int, tg: int, args) -> list[dict]:
-    from fp4moe.engine.llm import LLM
-    from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.request.sampler import SamplingParams
 
     llm = LLM(model_dir, device=args.device, load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, num_speculative_tokens=0, kv_cache_dtype=args.kv_cache_dtype,

@@ -51,9 +51,9 @@ def main() -> int:
     )
     args = p.parse_args()
 
-    from fp4moe.engine.config import AUTO_GPU_BATCHED_TOKENS, EngineConfig
-    from fp4moe.engine.cuda_runner import CudaModelRunner
-    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.front.config import AUTO_GPU_BATCHED_TOKENS, EngineConfig
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.runner.cuda_runner import CudaModelRunner
     from fp4moe.models.full_size import resolve
 
     calls: list[tuple[str, float]] = []

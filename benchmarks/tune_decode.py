@@ -24,7 +24,7 @@ from common import build_model, event_seconds, kernel_breakdown, log, random_run
 from provenance import write_result
 
 from fp4moe import kernels
-from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
+from fp4moe.engine.runner.cuda_runner import GRAPH_BATCH_SIZES
 from fp4moe.kernels import gdn_decode, moe_router, norm
 from fp4moe.kernels import nvfp4_gemm as gemm
 from fp4moe.kernels import nvfp4_gemv as gemv

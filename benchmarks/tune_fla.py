@@ -36,8 +36,8 @@ def main() -> None:
                     help="directory of the seed file to merge into and write (default: the package's)")  # fmt: skip
     args = ap.parse_args()
     autotune_seeds.seed = lambda *a, **k: 0  # no recorded winner: every key tunes on this script's calls
-    from fp4moe.engine.context import StepContext
-    from fp4moe.engine.cuda_runner import CudaModelRunner
+    from fp4moe.engine.reference.context import StepContext
+    from fp4moe.engine.runner.cuda_runner import CudaModelRunner
 
     dev = torch.device("cuda")
     model = build_model(True, dev)

@@ -12,8 +12,8 @@ pytest.importorskip("triton")
 
 from runner_cases import DEV, PROMPTS, _agree, _all_pages_back, _fused  # noqa: E402
 
-from fp4moe.engine.llm import LLM  # noqa: E402
-from fp4moe.engine.sampler import SamplingParams  # noqa: E402
+from fp4moe.engine.front.llm import LLM  # noqa: E402
+from fp4moe.engine.request.sampler import SamplingParams  # noqa: E402
 
 
 def test_async_scheduling_overlaps_decode_steps_and_keeps_the_tokens(checkpoints):
@@ -25,9 +25,9 @@ def test_async_scheduling_overlaps_decode_steps_and_keeps_the_tokens(checkpoints
     back."""
     from types import SimpleNamespace
 
-    from fp4moe.engine.core import EngineCore
-    from fp4moe.engine.scheduler import SchedulerConfig
-    from fp4moe.engine.sequence import FinishReason
+    from fp4moe.engine.loop.core import EngineCore
+    from fp4moe.engine.loop.scheduler import SchedulerConfig
+    from fp4moe.engine.request.sequence import FinishReason
 
     path = checkpoints.bf16()
     prompts = [[5, 17, 300, 2, 9], list(range(40, 70)), [7, 8], [11, 12, 13]]
@@ -114,9 +114,9 @@ def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeyp
     with the head caught up. Greedy tokens are plain decoding's (verification keeps the target's tokens
     whatever the drafts; near ties excepted). A request that arrives while the head keeps failing starts
     backed off."""
-    import fp4moe.engine.spec_policy as spec_policy
-    from fp4moe.engine.core import EngineCore
-    from fp4moe.engine.scheduler import SchedulerConfig
+    import fp4moe.engine.spec.spec_policy as spec_policy
+    from fp4moe.engine.loop.core import EngineCore
+    from fp4moe.engine.loop.scheduler import SchedulerConfig
 
     monkeypatch.setattr(spec_policy, "PROBE_ROUNDS", 2)  # short phases: every step runs Triton's interpreter
     monkeypatch.setattr(spec_policy, "BACKOFF_STEPS", 2)
@@ -178,8 +178,8 @@ def test_speculative_rounds_run_ahead_of_their_tokens(checkpoints, monkeypatch):
     round), the tokens are exactly those of synchronous rounds (the same graphs on the same inputs); a stop
     token that ends a sequence while its next round is in flight drops that round's tokens, an abort
     likewise; every token is handed out once and every page comes back."""
-    from fp4moe.engine.core import EngineCore
-    from fp4moe.engine.scheduler import SchedulerConfig
+    from fp4moe.engine.loop.core import EngineCore
+    from fp4moe.engine.loop.scheduler import SchedulerConfig
 
     monkeypatch.setenv("FP4MOE_FORCE_ACCEPTANCE", "1.0")  # read when the speculator is built
     path, k, n = checkpoints.bf16(), 2, 8

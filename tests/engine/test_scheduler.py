@@ -2,10 +2,10 @@
 
 import pytest
 
-from fp4moe.engine.core import EngineCore
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.sampler import SamplingParams
-from fp4moe.engine.scheduler import QueueFullError, SchedulerConfig
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.loop.core import EngineCore
+from fp4moe.engine.loop.scheduler import QueueFullError, SchedulerConfig
+from fp4moe.engine.request.sampler import SamplingParams
 
 PROMPTS = ["a", "The Python tutorial " * 12, "x y z", "def f(x):\n    return x * 2\n" * 3, "Hello"]
 
@@ -50,8 +50,8 @@ def test_continuous_batching_with_chunked_prefill_matches_sequential(llm):
 def test_whole_prompts_wait_for_a_step_rather_than_split():
     """``whole_prompts``: a fresh prompt that the next step could take whole (beside the running decodes)
     waits instead of being split; one that no step could take whole still is; FIFO holds."""
-    from fp4moe.engine.scheduler import Scheduler
-    from fp4moe.engine.sequence import Sequence
+    from fp4moe.engine.loop.scheduler import Scheduler
+    from fp4moe.engine.request.sequence import Sequence
 
     def admit(lens, whole, decoding=0, budget=32):
         sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, whole_prompts=whole))
@@ -110,7 +110,7 @@ def test_abort_frees_everything(llm):
 
 
 def test_prefix_cache_reuses_kv_and_deltanet_states(llm):
-    from fp4moe.engine.prefix_cache import PrefixCache
+    from fp4moe.engine.loop.prefix_cache import PrefixCache
 
     pc = PrefixCache(block_size=16, max_entries=8)
     core = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), prefix_cache=pc)
@@ -144,7 +144,7 @@ def test_prefix_cache_holds_at_most_its_bytes(llm):
     """Snapshots are bounded in host bytes as well as in number (a long-context prompt's snapshot is
     gigabytes): the oldest go first, and a prompt whose snapshot alone would pass the bound takes none (its
     prefill is not split at a snapshot boundary either) and still decodes the same tokens."""
-    from fp4moe.engine.prefix_cache import PrefixCache
+    from fp4moe.engine.loop.prefix_cache import PrefixCache
 
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     prompts = [
@@ -202,7 +202,11 @@ def test_fp8_kv_cache_stays_close_to_exact(checkpoints):
 
 
 def test_cache_budget_from_device_memory():
-    from fp4moe.engine.memory import cache_budget_tokens, deltanet_bytes_per_sequence, kv_bytes_per_token
+    from fp4moe.engine.device.memory import (
+        cache_budget_tokens,
+        deltanet_bytes_per_sequence,
+        kv_bytes_per_token,
+    )
     from fp4moe.models.qwen3_5_moe import REAL_TEXT_CONFIG, ModelArgs
 
     real = ModelArgs.from_text_config(REAL_TEXT_CONFIG)
@@ -232,7 +236,7 @@ def test_cache_budget_from_device_memory():
 def test_kv_pages_from_device_memory():
     """The GPU runner's KV pages: 90% of 141 GiB less the 40 GiB in use and a 4 GiB activation reserve,
     in pages of 64 tokens of 10,240 B, capped at what 64 sequences of 16K tokens fill (and one more)."""
-    from fp4moe.engine.memory import kv_pages
+    from fp4moe.engine.device.memory import kv_pages
 
     gib = 1 << 30
     # 0.9 * 141 GiB = 136,257,837,465.6 B, less 44 GiB (47,244,640,256 B): 89,013,197,209 B = 8,692,695 tokens
@@ -326,7 +330,7 @@ def test_generate_is_the_servers_engine_loop(checkpoints, monkeypatch):
 
 
 def test_sequence_token_access_copies_nothing_and_agrees_with_all_ids():
-    from fp4moe.engine.sequence import Sequence
+    from fp4moe.engine.request.sequence import Sequence
 
     seq = Sequence(0, [5, 6, 7], SamplingParams(), slot=0, output_ids=[8, 9])
     assert seq.num_tokens == len(seq.all_ids) == 5
@@ -394,8 +398,8 @@ def test_without_a_prefix_cache_a_step_continues_one_prompt_at_most(seed, chunke
     chunks that continue a prompt (cached tokens before it, more than the one token of a decode)."""
     import random
 
-    from fp4moe.engine.scheduler import Scheduler
-    from fp4moe.engine.sequence import Sequence
+    from fp4moe.engine.loop.scheduler import Scheduler
+    from fp4moe.engine.request.sequence import Sequence
 
     rng = random.Random(seed)
     budget = 64

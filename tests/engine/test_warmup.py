@@ -4,7 +4,7 @@ count with the graph captures."""
 
 import pytest
 
-from fp4moe.engine.llm import LLM
+from fp4moe.engine.front.llm import LLM
 
 
 def test_warmup_shows_its_progress_and_counts_every_step(checkpoints, capsys):

@@ -126,10 +126,10 @@ def test_the_engine_thread_builds_its_own_cudnn_plans(checkpoints, monkeypatch):
     (``LLM.warm_thread`` at the start of ``AsyncEngine``'s loop), for the step budget the warm-up ran at."""
     import threading
 
-    from fp4moe.engine.async_engine import AsyncEngine
-    from fp4moe.engine.core import EngineCore
-    from fp4moe.engine.llm import LLM
-    from fp4moe.engine.scheduler import SchedulerConfig
+    from fp4moe.engine.front.async_engine import AsyncEngine
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.loop.core import EngineCore
+    from fp4moe.engine.loop.scheduler import SchedulerConfig
 
     calls = []
     monkeypatch.setattr(

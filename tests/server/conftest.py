@@ -8,10 +8,10 @@ import httpx
 import pytest
 import uvicorn
 
-from fp4moe.engine.async_engine import AsyncEngine
-from fp4moe.engine.core import EngineCore
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.scheduler import SchedulerConfig
+from fp4moe.engine.front.async_engine import AsyncEngine
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.loop.core import EngineCore
+from fp4moe.engine.loop.scheduler import SchedulerConfig
 from fp4moe.server.app import build_app
 from fp4moe.server.config import ServerConfig
 from fp4moe.server.uvicorn_server import Server

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_limits import _assert_error, _post
 
-import fp4moe.engine.prompt_logprobs as prompt_logprobs
+import fp4moe.engine.reference.prompt_logprobs as prompt_logprobs
 
 ATOL = 1e-4
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -183,7 +183,7 @@ def test_a_prefix_cache_does_not_skip_prompt_logprobs(checkpoints):
     """A cached prefix is not run again, so it could not be scored: requests for prompt logprobs bypass the
     prefix cache (as vLLM's do) and get every prompt token's."""
     from conftest import start_server
-    from fp4moe.engine.prefix_cache import PrefixCache
+    from fp4moe.engine.loop.prefix_cache import PrefixCache
 
     ids = _prompts(4, (40,))[0]
     body = {"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0, **GREEDY}

@@ -12,8 +12,8 @@ import numpy as np
 import openai
 import pytest
 
-import fp4moe.engine.llm as llm_module
-from fp4moe.engine.sampler import SampleResult
+import fp4moe.engine.front.llm as llm_module
+from fp4moe.engine.request.sampler import SampleResult
 
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
 TOOLS = [

@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 
 from conftest import start_server
-from fp4moe.engine import spec_policy
+from fp4moe.engine.spec import spec_policy
 
 TOKENS = 64
 

@@ -162,7 +162,7 @@ def vllm_without_flashinfer() -> bool:
 def vllm_command(args) -> list[str]:
     """The reference recipe for stock vLLM, adapted to this checkpoint."""
 
-    from fp4moe.engine.loader import load_config
+    from fp4moe.engine.loading.loader import load_config
     from fp4moe.models.qwen3_5_moe import text_config_dict
 
     config = load_config(args.model)
@@ -229,7 +229,7 @@ def vllm_command(args) -> list[str]:
 def check_split(args) -> None:
     """Refuse a --tensor-parallel-size the checkpoint's shapes cannot be split over, with what breaks
     (``formats.sharding``), before vLLM fails in its loader."""
-    from fp4moe.engine.loader import load_config
+    from fp4moe.engine.loading.loader import load_config
     from fp4moe.formats import sharding
     from fp4moe.models.qwen3_5_moe import ModelArgs, text_config_dict
 
@@ -276,8 +276,8 @@ def run(args) -> int:
             os.execvpe(cmd[0], cmd, {**os.environ, **env})
         print(shlex.join([f"{k}={v}" for k, v in env.items()] + cmd))
         return 0
-    from fp4moe.engine.async_engine import AsyncEngine
-    from fp4moe.engine.process import EngineProcess, EngineSpec, start_engine
+    from fp4moe.engine.front.async_engine import AsyncEngine
+    from fp4moe.engine.front.process import EngineProcess, EngineSpec, start_engine
     from fp4moe.server.app import build_app
     from fp4moe.server.config import ServerConfig
     from fp4moe.server.uvicorn_server import serve

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fp4moe.engine.sampler import SamplingParams
+from fp4moe.engine.request.sampler import SamplingParams
 
 # `stop` entries per request (OpenAI allows 4; vLLM sets no limit): each is looked for in the text after every
 # token, so a request's cost in the server's front grows with their count

@@ -9,10 +9,10 @@ import asyncio
 import dataclasses
 import threading
 
-from fp4moe.engine.core import EngineStoppedError
-from fp4moe.engine.multimodal import ImageError
-from fp4moe.engine.prompts import PromptError
-from fp4moe.engine.scheduler import QueueFullError
+from fp4moe.engine.loop.core import EngineStoppedError
+from fp4moe.engine.loop.scheduler import QueueFullError
+from fp4moe.engine.request.multimodal import ImageError
+from fp4moe.engine.request.prompts import PromptError
 from fp4moe.server.config import PROMPT_CHARS_PER_TOKEN, ServerConfig
 from fp4moe.server.errors import APIError, check
 from fp4moe.server.media import ImageDecoder
@@ -24,7 +24,7 @@ from fp4moe.server.streaming import SHUTDOWN_MESSAGE, SHUTTING_DOWN, drain
 class Serving:
     def __init__(self, engine, config: ServerConfig):
         self.engine, self.config = engine, config
-        self.llm = engine.prompts  # tokenizer, chat template, limits
+        self.llm = engine.request.prompts  # tokenizer, chat template, limits
         self.metrics = Metrics(config.served_model_name)
         self.max_prompt_chars = config.prompt_chars(self.llm.max_model_len)
         self.live: set[asyncio.Queue] = set()  # the output queues of requests in flight (told at shutdown)

@@ -19,14 +19,14 @@ from itertools import accumulate
 
 import torch
 
-from fp4moe.engine import prompt_buckets
-from fp4moe.engine.first_drafts import FirstDrafts
-from fp4moe.engine.memory import kv_bytes_per_token, kv_pages
-from fp4moe.engine.model_runner import ModelRunner
-from fp4moe.engine.paged_cache import PagedKVCache, SlotStates
-from fp4moe.engine.prompt_buckets import PROMPT_GRAPH_SEQS, PROMPT_GRAPH_TOKENS
-from fp4moe.engine.sequence import Sequence
-from fp4moe.engine.transfer import upload
+from fp4moe.engine.device.memory import kv_bytes_per_token, kv_pages
+from fp4moe.engine.device.transfer import upload
+from fp4moe.engine.reference.model_runner import ModelRunner
+from fp4moe.engine.request.sequence import Sequence
+from fp4moe.engine.runner import prompt_buckets
+from fp4moe.engine.runner.first_drafts import FirstDrafts
+from fp4moe.engine.runner.paged_cache import PagedKVCache, SlotStates
+from fp4moe.engine.runner.prompt_buckets import PROMPT_GRAPH_SEQS, PROMPT_GRAPH_TOKENS
 from fp4moe.kernels import compiles
 from fp4moe.layers.attention import cudnn_length
 from fp4moe.layers.rope import Rotary
@@ -135,7 +135,7 @@ class CudaModelRunner(ModelRunner):
         return self.kv, self.states
 
     def set_kv_scales(self, scales) -> None:
-        """An fp8 cache's scales {layer: (k, v)} (``engine.kv_scales``): into the tensor the graphs read."""
+        """An fp8 cache's scales {layer: (k, v)} (``engine.loading.kv_scales``): into the tensor the graphs read."""
         self.kv.set_scales(scales)
 
     def capacity_tokens(self) -> int:
@@ -151,7 +151,7 @@ class CudaModelRunner(ModelRunner):
         decode = all(n == 1 and 0 < s.num_cached == s.num_tokens - 1 for s, n in batch)
         decode = decode and len(batch) <= self.max_num_seqs
         decode = decode and all(s.image_embeds is None or s.num_cached >= len(s.prompt_ids) for s, _ in batch)
-        # an fp8 cache's scales are set at start-up (engine.kv_scales), before any step: this holds from then on
+        # an fp8 cache's scales are set at start-up (engine.loading.kv_scales), before any step: this holds from then on
         decode = decode and (not kv.fp8 or all(layer in kv.scales for layer in self.attn_ids))
         return decode and kv is self.kv
 

@@ -7,8 +7,8 @@ from itertools import accumulate
 
 import torch
 
-from fp4moe.engine.cache import DeltaNetStates, KVCache
-from fp4moe.engine.transfer import upload
+from fp4moe.engine.device.transfer import upload
+from fp4moe.engine.reference.cache import DeltaNetStates, KVCache
 
 
 @dataclass

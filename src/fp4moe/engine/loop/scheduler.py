@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from fp4moe.engine.sequence import FinishReason, Sequence
+from fp4moe.engine.request.sequence import FinishReason, Sequence
 
 
 class QueueFullError(RuntimeError):

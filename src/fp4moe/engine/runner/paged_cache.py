@@ -1,9 +1,9 @@
 """The GPU engine's caches, preallocated once: paged attention keys/values and Gated DeltaNet state slots.
 
-Both speak the interface of the CPU caches (``engine.cache``), so the module forward (prefill, chunked
+Both speak the interface of the CPU caches (``engine.reference.cache``), so the module forward (prefill, chunked
 prefill, speculative verification) runs on them unchanged, and add the device tensors the fused decode
 kernels read: per attention layer k/v pages [pages, page_size, Hkv, D] (bf16, or fp8-e4m3 with one scale per
-layer and tensor, fixed before the first request: ``engine.kv_scales``) and a block table
+layer and tensor, fixed before the first request: ``engine.loading.kv_scales``) and a block table
 [slots, max_pages]; per Gated DeltaNet layer a conv-input ring [slots, R, C] indexed by position mod R (R = K,
 the conv width, or K + k with k speculative tokens, so a verification's rejected inputs never overwrite
 ones still needed) and an fp32 recurrent state [slots, Hv, Dk, Dv]. A slot's ring and state are valid up to its position; position
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from fp4moe.engine.cache import layer_scales
-from fp4moe.engine.transfer import to_device
+from fp4moe.engine.device.transfer import to_device
+from fp4moe.engine.reference.cache import layer_scales
 from fp4moe.formats import fp8
 from fp4moe.layers.attention import attend, attend_each
 
@@ -80,7 +80,7 @@ class PagedKVCache:
         return self.block_table[slot, pos // self.page_size].long() * self.page_size + pos % self.page_size
 
     def set_scales(self, scales: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """An fp8 cache's scales {layer: (k, v)}, fixed before the first token is written (``engine.kv_scales``);
+        """An fp8 cache's scales {layer: (k, v)}, fixed before the first token is written (``engine.loading.kv_scales``);
         written in place into ``scale_t``, the tensor the kernels and CUDA graphs read."""
         missing = sorted(set(self.index) - set(scales))
         if self.fp8 and missing:

@@ -30,13 +30,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from fp4moe.engine.async_engine import deliver
-from fp4moe.engine.config import EngineConfig
-from fp4moe.engine.core import EngineStoppedError, StepOutput
-from fp4moe.engine.prompts import Prompts
-from fp4moe.engine.sampler import SampleResult, SamplingParams
-from fp4moe.engine.scheduler import QueueFullError, SchedulerConfig, check_fits
-from fp4moe.engine.sequence import FinishReason, Sequence
+from fp4moe.engine.front.async_engine import deliver
+from fp4moe.engine.front.config import EngineConfig
+from fp4moe.engine.loop.core import EngineStoppedError, StepOutput
+from fp4moe.engine.loop.scheduler import QueueFullError, SchedulerConfig, check_fits
+from fp4moe.engine.request.prompts import Prompts
+from fp4moe.engine.request.sampler import SampleResult, SamplingParams
+from fp4moe.engine.request.sequence import FinishReason, Sequence
 from fp4moe.errors import USER_ERRORS, UserError
 
 log = logging.getLogger("fp4moe")
@@ -60,8 +60,8 @@ class EngineSpec:
 def start_engine(spec: EngineSpec):
     """The model loaded, warmed up on the GPU, and its engine core -> (llm, core); prints the effective
     settings. The server's engine thread and the engine process both start here."""
-    from fp4moe.engine.llm import LLM
-    from fp4moe.engine.prefix_cache import PrefixCache
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.loop.prefix_cache import PrefixCache
 
     llm = LLM(spec.model, spec.config)
     if llm.device.type == "cuda" and spec.warmup:

@@ -1,6 +1,6 @@
 """Speculation's policy (``SpecPolicy``): when a sequence, a batch or a fresh request drafts and when it backs
 off -- judged on the drafts the latest rounds accepted, and on what rounds cost against plain steps at their
-batch size (``SpecCost``). ``MTPSpeculator`` (``engine.spec_decode``) runs the rounds and asks it.
+batch size (``SpecCost``). ``MTPSpeculator`` (``engine.spec.spec_decode``) runs the rounds and asks it.
 
 PROBE_ROUNDS, JUDGED_ROUNDS, MIN_ACCEPTED and BACKOFF_STEPS are read at each judgement, not bound when the
 policy is made: tests shorten the phases by patching them."""
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from fp4moe.engine.sequence import Sequence
-from fp4moe.engine.spec_cost import SpecCost
-from fp4moe.engine.spec_stats import SpecStats
+from fp4moe.engine.request.sequence import Sequence
+from fp4moe.engine.spec.spec_cost import SpecCost
+from fp4moe.engine.spec.spec_stats import SpecStats
 
 # The fused round's online policy: every PROBE_ROUNDS rounds a sequence whose latest rounds (up to
 # JUDGED_ROUNDS of them since its last probe began) accepted less than MIN_ACCEPTED drafts a round decodes

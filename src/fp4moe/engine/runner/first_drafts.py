@@ -20,8 +20,8 @@ import itertools
 
 import torch
 
-from fp4moe.engine.sequence import Sequence
-from fp4moe.engine.transfer import to_device, upload
+from fp4moe.engine.device.transfer import to_device, upload
+from fp4moe.engine.request.sequence import Sequence
 
 
 class FirstDrafts:

@@ -15,13 +15,15 @@ from fp4moe.layers.attention import attend_each
 def layer_scales(scales: dict, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """An fp8 cache's (k, v) scales of ``layer``, which must have been set before its first write."""
     if layer not in scales:
-        raise RuntimeError(f"fp8 KV cache: no scales for layer {layer} (engine.kv_scales sets them at start)")
+        raise RuntimeError(
+            f"fp8 KV cache: no scales for layer {layer} (engine.loading.kv_scales sets them at start)"
+        )
     return scales[layer]
 
 
 class KVCache:
     """``dtype="fp8"`` stores keys and values as float8-e4m3 with one scale per layer and tensor (k, v):
-    ``scales`` {layer: (k scale, v scale)}, fixed before the first token is written (``engine.kv_scales``:
+    ``scales`` {layer: (k scale, v scale)}, fixed before the first token is written (``engine.loading.kv_scales``:
     the checkpoint's, else calibrated at start-up), so no request's answer depends on the ones before it."""
 
     def __init__(

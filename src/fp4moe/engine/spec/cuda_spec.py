@@ -9,7 +9,7 @@ round (or from the module path's first drafting after prefill). The round:
    DeltaNet kernel walks the k + 1 tokens in order and keeps the state after each one);
 2. accepts a drafts and picks the token y_a that follows them. Greedy rows: a = the length of the prefix
    where d_{t+1} equals the target's argmax y_t, and y_a is the argmax at row a. Sampled rows: speculative
-   rejection sampling (``engine.spec_sampling.accept_drafts``) with the target's filtered distributions
+   rejection sampling (``engine.spec.spec_sampling.accept_drafts``) with the target's filtered distributions
    p_t and the draft distributions q_t the drafts were drawn from -- draft j is accepted when
    u_j q_j(d_j) <= p_j(d_j), the final token comes from max(0, p_a - q_a) (or p_k after k acceptances);
    the sequence gains d_1..d_a and y_a, distributed as plain sampling from the target;
@@ -47,9 +47,9 @@ import random
 
 import torch
 
-from fp4moe.engine.sampler import SamplingParams
-from fp4moe.engine.spec_sampling import accept_drafts, filter_probs, needs_sort, row_params, sample_rows
-from fp4moe.engine.transfer import Readback, to_device, upload
+from fp4moe.engine.device.transfer import Readback, to_device, upload
+from fp4moe.engine.request.sampler import SamplingParams
+from fp4moe.engine.spec.spec_sampling import accept_drafts, filter_probs, needs_sort, row_params, sample_rows
 
 GREEDY, SAMPLED, SORTED = 0, 1, 2  # graph variants: all rows greedy; sampled rows, without / with a sort
 PARAMS = 4  # sampling-buffer columns before the uniforms: temperature (0 = greedy), top_k, top_p, min_p

@@ -105,14 +105,14 @@ def load_model(
     """Build the engine model from a checkpoint directory; returns (model, merged config).
 
     ``load_format``: "auto"/"safetensors" read the shards; "dummy" builds the model from config.json alone
-    with random weights in the checkpoint's precision (``engine.dummy``; dtype "auto" is bf16 there)."""
+    with random weights in the checkpoint's precision (``engine.loading.dummy``; dtype "auto" is bf16 there)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r}: choose from {', '.join(LOAD_FORMATS)}")
     config = load_config(path, hf_overrides)
     text = arch.text_config_dict(config)
     args = ModelArgs.from_text_config(text)
     if load_format == "dummy":
-        from fp4moe.engine.dummy import dummy_model
+        from fp4moe.engine.loading.dummy import dummy_model
 
         dtype = torch.bfloat16 if dtype in (None, "auto") else dtype
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp4moe.engine.transfer import to_device
+from fp4moe.engine.device.transfer import to_device
 
 SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's rule: dividing by it would overflow)
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fp4moe.engine.sampler import SamplingParams
+from fp4moe.engine.request.sampler import SamplingParams
 
 
 def needs_sort(params: Sequence[SamplingParams], vocab_size: int) -> bool:

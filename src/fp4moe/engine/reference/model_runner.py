@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 import torch
 
-from fp4moe.engine.cache import DeltaNetStates, KVCache
-from fp4moe.engine.context import StepContext
-from fp4moe.engine.prompt_logprobs import score_chunk
-from fp4moe.engine.sequence import Sequence
+from fp4moe.engine.reference.cache import DeltaNetStates, KVCache
+from fp4moe.engine.reference.context import StepContext
+from fp4moe.engine.reference.prompt_logprobs import score_chunk
+from fp4moe.engine.request.sequence import Sequence
 
 
 class ModelRunner:
@@ -51,7 +51,7 @@ class ModelRunner:
         return False
 
     def set_kv_scales(self, scales: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """An fp8 cache's scales {layer: (k, v)} (``engine.kv_scales``), for every cache made from now on."""
+        """An fp8 cache's scales {layer: (k, v)} (``engine.loading.kv_scales``), for every cache made from now on."""
         self.kv_scales = dict(scales)
 
     def __init__(self, model, image_token_id: int | None, device: torch.device, kv_cache_dtype: str = "auto"):

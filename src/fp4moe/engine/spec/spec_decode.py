@@ -11,26 +11,26 @@ Sequences decoding together share the forwards: one flat MTP forward per draft p
 forward to verify, one more for the kept tokens of the sequences that rejected a draft.
 
 On the GPU runner, sequences without penalties and without logprobs -- greedy or sampled (temperature,
-top-k, top-p, min-p) -- take the fused round instead (``engine.cuda_spec``): verification, acceptance
+top-k, top-p, min-p) -- take the fused round instead (``engine.spec.cuda_spec``): verification, acceptance
 (rejection sampling on the GPU for sampled ones, with uniforms drawn here from each sequence's generator),
 rollback from per-token states and the next round's drafts in one captured graph; their drafts are made a
 round ahead and kept on the sequence (``drafts``; the distributions sampled drafts came from stay on the
 GPU, by cache slot). Sequences with penalties or logprobs keep the module path's round.
 
 When a sequence drafts and when it backs off (its drafts, or its batch's rounds, do not pay) is the policy's
-(``engine.spec_policy``); this module runs the rounds.
+(``engine.spec.spec_policy``); this module runs the rounds.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fp4moe.engine.context import StepContext
-from fp4moe.engine.sampler import SampleResult, apply_penalties, filter_logits, sample, sample_result
-from fp4moe.engine.sequence import Sequence
-from fp4moe.engine.spec_cost import SpecCost
-from fp4moe.engine.spec_policy import SpecPolicy
-from fp4moe.engine.spec_stats import SpecStats
+from fp4moe.engine.reference.context import StepContext
+from fp4moe.engine.request.sampler import SampleResult, apply_penalties, filter_logits, sample, sample_result
+from fp4moe.engine.request.sequence import Sequence
+from fp4moe.engine.spec.spec_cost import SpecCost
+from fp4moe.engine.spec.spec_policy import SpecPolicy
+from fp4moe.engine.spec.spec_stats import SpecStats
 
 
 def _probs(logits: torch.Tensor, seq: Sequence, history: list[int]) -> torch.Tensor:
@@ -55,7 +55,7 @@ class MTPSpeculator:
         self.speculate_sorted_sampling = False
         self.fused = None
         if llm.runner.spec_tokens == num_speculative_tokens:
-            from fp4moe.engine.cuda_spec import FusedSpecRound
+            from fp4moe.engine.spec.cuda_spec import FusedSpecRound
 
             self.fused = FusedSpecRound(llm.runner, num_speculative_tokens)
         # when sequences draft and when they back off; rounds and plain steps are timed (``SpecCost``) only
@@ -212,7 +212,7 @@ class MTPSpeculator:
     def plain_only(self, seq: Sequence, kv) -> bool:
         """Sampled with top-k or top-p on the GPU runner (unless ``speculate_sorted_sampling``): the sequence
         decodes without drafts, its fused round costing more than it gains."""
-        from fp4moe.engine.spec_sampling import needs_sort
+        from fp4moe.engine.spec.spec_sampling import needs_sort
 
         return (
             self.fused is not None

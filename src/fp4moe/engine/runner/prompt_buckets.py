@@ -1,6 +1,6 @@
 """The prefill graphs' shapes: which graph -- (sequences, rows each) -- takes a step's prompts, and how the
 step's prompts split into graphs. Arithmetic over lengths only; the runner captures and replays a graph per
-shape (``engine.cuda_runner``)."""
+shape (``engine.runner.cuda_runner``)."""
 
 from __future__ import annotations
 

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from fp4moe.engine.config import EngineConfig
-from fp4moe.engine.core import EngineCore, StepOutput
-from fp4moe.engine.loader import load_model
-from fp4moe.engine.model_runner import ModelRunner
-from fp4moe.engine.prompts import Prompts
-from fp4moe.engine.sampler import SampleResult, SamplingParams, sample_batch
-from fp4moe.engine.scheduler import SchedulerConfig
-from fp4moe.engine.sequence import FinishReason, Sequence
+from fp4moe.engine.front.config import EngineConfig
+from fp4moe.engine.loading.loader import load_model
+from fp4moe.engine.loop.core import EngineCore, StepOutput
+from fp4moe.engine.loop.scheduler import SchedulerConfig
+from fp4moe.engine.reference.model_runner import ModelRunner
+from fp4moe.engine.request.prompts import Prompts
+from fp4moe.engine.request.sampler import SampleResult, SamplingParams, sample_batch
+from fp4moe.engine.request.sequence import FinishReason, Sequence
 from fp4moe.kernels import gpu_arch
 
 
@@ -97,7 +97,7 @@ class LLM:
         if k == "auto":  # where the fused round pays: the GPU engine, with an MTP head
             k = AUTO_SPECULATIVE_TOKENS if fused and self.model.mtp is not None else 0
         if k and config.speculative_draft_vocab and self.model.mtp is not None:
-            from fp4moe.engine.draft_vocab import draft_token_ids
+            from fp4moe.engine.spec.draft_vocab import draft_token_ids
 
             ids = draft_token_ids(
                 args.vocab_size, config.speculative_draft_vocab, self.tokenizer, self.prompts.eos_ids
@@ -113,7 +113,7 @@ class LLM:
         if self.precompile is not None:
             self.precompile.wait()
         if self.device.type == "cuda" and self.model.embed_tokens.dtype == torch.bfloat16:
-            from fp4moe.engine.cuda_runner import CudaModelRunner
+            from fp4moe.engine.runner.cuda_runner import CudaModelRunner
 
             self.runner = CudaModelRunner(
                 self.model, image_token, self.device, config.kv_cache_dtype, max_num_seqs=config.max_num_seqs,
@@ -125,12 +125,12 @@ class LLM:
             self.runner = ModelRunner(self.model, image_token, self.device, config.kv_cache_dtype)
         self.kv_scales_source: str | None = None  # where an fp8 cache's scales came from (printed at start)
         if config.kv_cache_dtype == "fp8":
-            from fp4moe.engine import kv_scales
+            from fp4moe.engine.loading import kv_scales
 
             self.kv_scales_source = kv_scales.setup(self.runner, self.model, self.tokenizer, self.device)
         self.speculator = None
         if k:
-            from fp4moe.engine.spec_decode import MTPSpeculator
+            from fp4moe.engine.spec.spec_decode import MTPSpeculator
 
             self.speculator = MTPSpeculator(self, k)
             self.speculator.disable_by_batch_size = max(0, int(config.speculative_disable_by_batch_size))
@@ -142,12 +142,12 @@ class LLM:
     def _auto_max_num_seqs(self, spec_tokens: int) -> int:
         """``max_num_seqs="auto"``: memory-sized on the GPU (``memory.auto_max_num_seqs``), AUTO_CPU_SEQS on
         the CPU."""
-        from fp4moe.engine.config import AUTO_CPU_SEQS
+        from fp4moe.engine.front.config import AUTO_CPU_SEQS
 
         if self.device.type != "cuda":
             return AUTO_CPU_SEQS
-        from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
-        from fp4moe.engine.memory import auto_max_num_seqs, state_bytes_per_sequence
+        from fp4moe.engine.device.memory import auto_max_num_seqs, state_bytes_per_sequence
+        from fp4moe.engine.runner.cuda_runner import GRAPH_BATCH_SIZES
 
         per_seq = state_bytes_per_sequence(self.model.args, self.model.embed_tokens.dtype, spec_tokens)
         free, total = torch.cuda.mem_get_info(self.device)
@@ -193,7 +193,11 @@ class LLM:
             return min(requested, capacity)
         if self.device.type != "cuda":
             return requested
-        from fp4moe.engine.memory import cache_budget_tokens, deltanet_bytes_per_sequence, kv_bytes_per_token
+        from fp4moe.engine.device.memory import (
+            cache_budget_tokens,
+            deltanet_bytes_per_sequence,
+            kv_bytes_per_token,
+        )
 
         free, total = torch.cuda.mem_get_info(self.device)
         cfg, dtype = self.engine_config, self.model.embed_tokens.dtype
@@ -275,7 +279,7 @@ class LLM:
 
         from tqdm.auto import tqdm
 
-        from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
+        from fp4moe.engine.runner.cuda_runner import GRAPH_BATCH_SIZES
         from fp4moe.kernels import compiles
 
         compiles.watch()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp4moe.engine.sampler import SampleResult, SampleRow, SamplingParams
+from fp4moe.engine.request.sampler import SampleResult, SampleRow, SamplingParams
 
 MAX_WINDOW = 16  # tokens an incremental decode may span before the whole text is decoded instead
 

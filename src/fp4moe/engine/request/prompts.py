@@ -1,7 +1,7 @@
 """The request side of a model: tokenizer, chat template, prompt checks, EOS ids, images into pixels.
 
 ``Prompts`` needs no weights. ``LLM`` holds one, and so does the API front of ``fp4moe serve`` when the
-engine loop runs in its own process (``engine/process.py``): prompts are encoded in the front and only
+engine loop runs in its own process (``engine/front/process.py``): prompts are encoded in the front and only
 token ids (and an image's pixels) cross to the engine. The vision tower's encoding stays with the engine.
 """
 
@@ -12,8 +12,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from fp4moe.engine.sampler import SamplingParams
-from fp4moe.engine.sequence import Sequence
+from fp4moe.engine.request.sampler import SamplingParams
+from fp4moe.engine.request.sequence import Sequence
 from fp4moe.errors import UserError
 
 
@@ -91,7 +91,7 @@ class Prompts:
         )
 
     def _image_processor(self):
-        from fp4moe.engine.multimodal import ImageError, ImageProcessor
+        from fp4moe.engine.request.multimodal import ImageError, ImageProcessor
 
         if "vision_config" not in self.config:
             raise ImageError(f"{self.path} has no vision tower (no vision_config): it cannot take images")
@@ -104,7 +104,7 @@ class Prompts:
     def load_image_processor(self) -> int | None:
         """Load the image processor now (a server's start-up, not its first image request: a model folder
         it cannot read fails the start) -> the pixels an image is shrunk to (None: no images, or no limit)."""
-        from fp4moe.engine.multimodal import ImageError
+        from fp4moe.engine.request.multimodal import ImageError
 
         try:
             return self._image_processor().max_pixels
@@ -117,7 +117,7 @@ class Prompts:
         """Expand the prompt's image placeholders, set its 3-D positions and the images' pixels
         (``seq.pixel_values``, ``seq.image_grid``), which the engine's vision tower encodes
         (``LLM.encode_images``)."""
-        from fp4moe.engine.multimodal import ImageError, expand_image_tokens, mrope_positions
+        from fp4moe.engine.request.multimodal import ImageError, expand_image_tokens, mrope_positions
 
         if len(images) > self.limit_images:
             raise ImageError(

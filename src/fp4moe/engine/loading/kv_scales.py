@@ -19,8 +19,8 @@ import logging
 
 import torch
 
-from fp4moe.engine.cache import DeltaNetStates, KVCache
-from fp4moe.engine.context import StepContext
+from fp4moe.engine.reference.cache import DeltaNetStates, KVCache
+from fp4moe.engine.reference.context import StepContext
 from fp4moe.formats import fp8
 
 log = logging.getLogger(__name__)

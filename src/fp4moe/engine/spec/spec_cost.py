@@ -29,7 +29,7 @@ ALPHA = 0.25  # weight of the newest plain step's time in its running estimate
 
 def batch_bucket(n: int) -> int:
     """The CUDA-graph batch bucket that a batch of ``n`` sequences replays (its cost's key)."""
-    from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
+    from fp4moe.engine.runner.cuda_runner import GRAPH_BATCH_SIZES
 
     return next((g for g in GRAPH_BATCH_SIZES if g >= n), n)
 

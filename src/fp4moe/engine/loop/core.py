@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fp4moe.engine.prefix_cache import PrefixCache
-from fp4moe.engine.sampler import SampleResult, SamplingParams, sample_tokens
-from fp4moe.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
-from fp4moe.engine.sequence import FinishReason, Sequence
-from fp4moe.engine.step_trace import StepTrace
-from fp4moe.engine.transfer import Readback, to_device
+from fp4moe.engine.device.transfer import Readback, to_device
+from fp4moe.engine.loop.prefix_cache import PrefixCache
+from fp4moe.engine.loop.scheduler import QueueFullError, Scheduler, SchedulerConfig
+from fp4moe.engine.loop.step_trace import StepTrace
+from fp4moe.engine.request.sampler import SampleResult, SamplingParams, sample_tokens
+from fp4moe.engine.request.sequence import FinishReason, Sequence
 
 if TYPE_CHECKING:
-    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.front.llm import LLM
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from fp4moe.engine.sampler import SampleResult
+from fp4moe.engine.request.sampler import SampleResult
 
 CHUNK_BYTES = (
     64 << 20

@@ -9,10 +9,10 @@ import threading
 import time
 from collections import deque
 
-from fp4moe.engine.core import EngineCore, EngineStoppedError, StepOutput
-from fp4moe.engine.sampler import SamplingParams
-from fp4moe.engine.scheduler import QueueFullError
-from fp4moe.engine.sequence import Sequence
+from fp4moe.engine.loop.core import EngineCore, EngineStoppedError, StepOutput
+from fp4moe.engine.loop.scheduler import QueueFullError
+from fp4moe.engine.request.sampler import SamplingParams
+from fp4moe.engine.request.sequence import Sequence
 
 
 def deliver(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
