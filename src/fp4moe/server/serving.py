@@ -24,7 +24,7 @@ from fp4moe.server.streaming import SHUTDOWN_MESSAGE, SHUTTING_DOWN, drain
 class Serving:
     def __init__(self, engine, config: ServerConfig):
         self.engine, self.config = engine, config
-        self.llm = engine.request.prompts  # tokenizer, chat template, limits
+        self.llm = engine.prompts  # tokenizer, chat template, limits
         self.metrics = Metrics(config.served_model_name)
         self.max_prompt_chars = config.prompt_chars(self.llm.max_model_len)
         self.live: set[asyncio.Queue] = set()  # the output queues of requests in flight (told at shutdown)
