@@ -34,7 +34,7 @@ def main() -> None:
 
     llm = LLM(resolve("qwen3.6-35b-a3b-nvfp4", "dummy"), device="cuda", load_format="dummy", max_num_seqs=64,
               max_model_len=16384, num_speculative_tokens=2, kv_cache_dtype="fp8")  # fmt: skip
-    print(f"warm-up {llm.warmup(llm.engine_config.max_num_batched_tokens):.1f} s", flush=True)
+    print(f"warm-up {llm.warmup.run(llm.engine_config.max_num_batched_tokens):.1f} s", flush=True)
     orig = spec_decode.MTPSpeculator._first_drafts
     times, profile = [], {}
 

@@ -26,31 +26,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from fixtures import Checkpoints  # noqa: E402
 
 try:  # the engine's layout after issue 62 ...
-    from fp4moe.engine.loop.sampler import SamplingParams
-    from fp4moe.engine.offline import LLM
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.request.sampler import SamplingParams
     from fp4moe.engine.runner.cuda_runner import CudaModelRunner
-    from fp4moe.engine.spec.spec_decode import MTPSpeculator
-except ImportError:  # ... and before it (main 30c1e61)
+except ImportError:  # ... and before it (main 30c1e61), to compare the two
     from fp4moe.engine.cuda_runner import CudaModelRunner
     from fp4moe.engine.llm import LLM
     from fp4moe.engine.sampler import SamplingParams
-    from fp4moe.engine.spec_decode import MTPSpeculator
 
 PROMPTS = [[5, 17, 300, 2, 9], list(range(40, 110)), [7], [11, 12, 13, 14]]
 
 
-def _fused(llm, spec_tokens: int = 0) -> None:
-    """The GPU runner on the CPU, as tests/engine/runner_cases.py sets it up (no graphs)."""
+def _fused(llm) -> None:
+    """The GPU runner on the CPU, as tests/engine/runner_cases.py sets it up (no graphs, prompts through the
+    modules)."""
     llm.runner = CudaModelRunner(
         llm.model, None, llm.device, "auto", num_pages=20, page_size=16, cuda_graphs=False,
-        spec_tokens=spec_tokens, max_num_seqs=4, max_model_len=256,
+        max_num_seqs=4, max_model_len=256,
     )  # fmt: skip
     llm.runner.fused_prefill = False
-    if spec_tokens:
-        try:
-            llm.speculator = MTPSpeculator(llm, spec_tokens)
-        except (TypeError, AttributeError):
-            llm.speculator = MTPSpeculator.of(llm, spec_tokens)
 
 
 def _digest(h, name: str, outputs) -> None:

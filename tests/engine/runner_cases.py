@@ -44,7 +44,9 @@ def _fused(llm: LLM, kv_cache_dtype: str = "auto", spec_tokens: int = 0, **sizes
     # prefill sums the experts in fp32, the modules in bf16: test_fused_decode_... checks it on its own)
     llm.runner.fused_prefill = False
     if spec_tokens:
-        llm.speculator = MTPSpeculator(llm, spec_tokens)
+        llm.speculator = MTPSpeculator(llm.model, llm.runner, llm.sampler, spec_tokens)
+    elif llm.speculator is not None:  # the module-path speculator verifies on the runner it is handed
+        llm.speculator.runner = llm.runner
 
 
 MIXED = "attention,shared,deltanet:fp8,lm_head"  # NVFP4 and FP8 linears in the fused projections

@@ -78,7 +78,6 @@ def test_fused_decode_logits_close_with_an_fp8_cache(checkpoints):
 def test_serving_engine_with_prefix_caching_on_the_paged_caches(checkpoints):
     """Continuous batching + prefix caching through the GPU runner's paged caches (snapshots of pages and
     state slots) gives the module path's tokens; every page is returned at the end."""
-    from fp4moe.engine.loop.core import EngineCore
     from fp4moe.engine.loop.prefix_cache import PrefixCache
     from fp4moe.engine.loop.scheduler import SchedulerConfig
 
@@ -91,8 +90,8 @@ def test_serving_engine_with_prefix_caching_on_the_paged_caches(checkpoints):
     if DEV == "cpu":
         _fused(llm)
     pc = PrefixCache(block_size=16, max_entries=8)
-    core = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32), prefix_cache=pc)
-    seqs = [core.make_sequences({"prompt_token_ids": x}, p)[0] for x in prompts]
+    core = llm.new_core(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32), prefix_cache=pc)
+    seqs = [llm.make_sequences({"prompt_token_ids": x}, p)[0] for x in prompts]
     core.add(seqs[:1])
     while not seqs[0].finished:
         core.step()
@@ -115,7 +114,6 @@ def test_mixed_steps_keep_decodes_on_the_fused_step(checkpoints, monkeypatch):
     """A step that mixes prefill chunks with decoding rows runs the chunks through the module path and the
     decodes through the fused step (they went through the module path before: issue 20's profile); plain
     greedy rows are sampled by one batched argmax. The tokens are the CPU module path's."""
-    from fp4moe.engine.loop.core import EngineCore
     from fp4moe.engine.loop.scheduler import SchedulerConfig
     from fp4moe.engine.reference.model_runner import ModelRunner
 
@@ -142,8 +140,8 @@ def test_mixed_steps_keep_decodes_on_the_fused_step(checkpoints, monkeypatch):
 
     monkeypatch.setattr(ModelRunner, "run", module_run)
     monkeypatch.setattr(runner, "decode_step", decode_step)
-    core = EngineCore(llm, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16))
-    seqs = [core.make_sequences({"prompt_token_ids": x}, p)[0] for x in prompts]
+    core = llm.new_core(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16))
+    seqs = [llm.make_sequences({"prompt_token_ids": x}, p)[0] for x in prompts]
     core.add([seqs[0]])
     core.step()  # the first prompt's prefill: it decodes from the next step on
     core.add(seqs[1:])
@@ -436,7 +434,7 @@ def test_no_kernel_is_compiled_after_the_warm_up(checkpoints):
     llm = LLM(
         path, dtype="bfloat16", device="cuda", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024
     )
-    took = llm.warmup(256)
+    took = llm.warmup.run(256)
     phases = (
         "module path",
         "prompts through graphs",
@@ -445,8 +443,8 @@ def test_no_kernel_is_compiled_after_the_warm_up(checkpoints):
         "prefill graphs",
         "the rest",
     )
-    assert tuple(llm.warmup_phases) == phases and sum(llm.warmup_phases.values()) == pytest.approx(took)
-    done, total = llm.warmup_steps
+    assert tuple(llm.warmup.phases) == phases and sum(llm.warmup.phases.values()) == pytest.approx(took)
+    done, total = llm.warmup.steps
     assert done == total > 0  # the progress bar counted every generation and capture ahead
     assert llm.runner.direct_captures > 0  # prefill graphs whose kernels were compiled skipped the eager run
     rng = random.Random(20)

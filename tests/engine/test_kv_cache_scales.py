@@ -25,7 +25,7 @@ def _answer(llm, before: list[list[int]]):
     core = llm.new_core()
 
     def serve(prompt, params):
-        (seq,) = core.make_sequences(prompt, params)
+        (seq,) = llm.make_sequences(prompt, params)
         core.add([seq])
         while core.has_work():
             core.step()

@@ -290,7 +290,11 @@ def run(args) -> int:
     )
     spec = EngineSpec(str(args.model), config, args.warmup, args.max_waiting, prefix)
     own = args.engine_process if args.engine_process is not None else not config.device.startswith("cuda")
-    engine = EngineProcess(spec) if own else AsyncEngine(start_engine(spec)[1])
+    if own:
+        engine = EngineProcess(spec)
+    else:
+        llm, core = start_engine(spec)
+        engine = AsyncEngine(core, llm.prompts, llm.encode_images, llm.warmup.warm_thread)
     where = f"in its own process (pid {engine.pid})" if own else "on a thread of the server"
     print(f"fp4moe serve: the engine loop runs {where}", file=sys.stderr, flush=True)
     app = build_app(

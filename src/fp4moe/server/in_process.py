@@ -25,7 +25,7 @@ def served(model: str | Path, config: EngineConfig) -> Iterator[tuple[str, int]]
     from fp4moe.server.uvicorn_server import Server
 
     llm, core = start_engine(EngineSpec(str(model), config))
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(core, llm.prompts, llm.encode_images, llm.warmup.warm_thread)
     app = build_app(engine, ServerConfig(served_model_name=Path(model).name))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -23,8 +23,12 @@ def deliver(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
 class AsyncEngine:
     """EngineCore on a background thread; ``submit`` returns an asyncio queue of StepOutputs (then None)."""
 
-    def __init__(self, core: EngineCore):
-        self.core = core
+    def __init__(self, core: EngineCore, prompts, encode_images=None, warm_thread=None):
+        """``core`` runs on the thread; beside it, from the front that built it (``LLM``): ``prompts``
+        (``Prompts``: the model's request side), ``encode_images`` (the vision tower on a sequence's images)
+        and ``warm_thread`` (what the warm-up fills per thread, run first on the engine thread)."""
+        self.core, self.prompts = core, prompts
+        self._encode_images, self._warm_thread = encode_images, warm_thread
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Sequence]] = {}
@@ -37,17 +41,17 @@ class AsyncEngine:
         self._thread.start()
 
     @property
-    def prompts(self):
-        """The model's request side (tokenizer, chat template, limits): ``Prompts``."""
-        return self.core.llm.prompts
-
-    @property
     def max_waiting(self) -> int:
         return self.core.scheduler.config.max_waiting
 
     def make_sequences(self, prompt, params: SamplingParams) -> list[Sequence]:
-        """Encode a prompt into ``params.n`` sequences (may raise; the images through the vision tower)."""
-        return self.core.make_sequences(prompt, params)
+        """Encode a prompt (text, ids or a multimodal dict) into ``params.n`` sequences (may raise; the images
+        through the vision tower)."""
+        _, seqs = self.prompts.make_sequences([prompt], [params], self._encode_images)
+        now = time.monotonic()
+        for seq in seqs:
+            seq.arrival, seq.last_token_time, seq.slot = now, None, -1
+        return seqs
 
     async def snapshot(self) -> dict:
         """``EngineCore.snapshot``, between two steps."""
@@ -100,7 +104,8 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         try:
-            self.core.llm.warm_thread()  # the warm-up ran on the thread that built the engine
+            if self._warm_thread is not None:  # the warm-up ran on the thread that built the engine
+                self._warm_thread()
             self._run()
         except BaseException as e:  # the thread dies: no request may wait for it forever
             logging.getLogger("fp4moe").exception("the engine thread stopped")

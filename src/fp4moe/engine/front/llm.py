@@ -1,8 +1,7 @@
-"""``LLM``: load a qwen3_5_moe checkpoint (bf16 or NVFP4) into our engine and generate.
-
-All prompts of a call are prefilled together in one flat forward (no padding), then every unfinished
-sequence advances one token per flat decode forward. Continuous batching across calls, paged caches and
-CUDA graphs belong to the serving engine.
+"""``LLM``: the offline front -- load a qwen3_5_moe checkpoint (bf16 or NVFP4), build the engine's parts (model
+runner, sampler, speculator) and an ``EngineCore`` over them, and generate (``generate`` / ``stream`` /
+``chat``). The server's fronts (``async_engine``, ``process``) take the same parts from it and drive their own
+core; the core never calls back into this front. Warm-up and precompilation: ``warmup``.
 """
 
 from __future__ import annotations
@@ -17,13 +16,15 @@ from pathlib import Path
 import torch
 
 from fp4moe.engine.front.config import EngineConfig
+from fp4moe.engine.front.warmup import WarmUp, start_precompile
 from fp4moe.engine.loading.loader import load_model
 from fp4moe.engine.loop.core import EngineCore, StepOutput
 from fp4moe.engine.loop.scheduler import SchedulerConfig
 from fp4moe.engine.reference.model_runner import ModelRunner
 from fp4moe.engine.request.prompts import Prompts
-from fp4moe.engine.request.sampler import SampleResult, SamplingParams, sample_batch
-from fp4moe.engine.request.sequence import FinishReason, Sequence
+from fp4moe.engine.request.sampler import SampleResult, SamplingParams
+from fp4moe.engine.request.sequence import Sequence
+from fp4moe.engine.request.token_sampler import TokenSampler
 from fp4moe.kernels import gpu_arch
 
 
@@ -63,7 +64,7 @@ class LLM:
         self.load_format = config.load_format
         # this GPU's recorded Triton variants compile in worker processes while the model loads
         # (``kernels.compile_seeds``); they are done before the KV cache is sized by the GPU's free memory
-        self.precompile = _start_precompile(self.device, config.num_speculative_tokens)
+        self.precompile = start_precompile(self.device, config.num_speculative_tokens)
         try:
             self.model, self.config = load_model(
                 model,
@@ -90,8 +91,9 @@ class LLM:
         self.prompts = Prompts(
             self.path, self.config, args.vocab_size, self.max_model_len, self.limit_images, self.load_format
         )
-        # detokenizes each new token (None: the engine hands out ids alone; the API front detokenizes)
         self.tokenizer = self.prompts.tokenizer
+        # samples the logits and appends the tokens, detokenized (``core``'s and the speculator's)
+        self.sampler = TokenSampler(self.tokenizer, self.max_model_len)
         k = config.num_speculative_tokens
         fused = self.device.type == "cuda" and self.model.embed_tokens.dtype == torch.bfloat16
         if k == "auto":  # where the fused round pays: the GPU engine, with an MTP head
@@ -132,12 +134,10 @@ class LLM:
         if k:
             from fp4moe.engine.spec.spec_decode import MTPSpeculator
 
-            self.speculator = MTPSpeculator(self, k)
+            self.speculator = MTPSpeculator(self.model, self.runner, self.sampler, k, name=str(self.path))
             self.speculator.disable_by_batch_size = max(0, int(config.speculative_disable_by_batch_size))
         self.eos_ids = self.prompts.eos_ids
-        self._warm_tokens = 0  # the step budget ``warmup`` ran for (0: not warmed up)
-        self.warmup_phases: dict[str, float] = {}  # seconds by phase of the last ``warmup``
-        self.warmup_steps = (0, 0)  # the last ``warmup``'s progress bar: (steps done, steps counted ahead)
+        self.warmup = WarmUp(self)  # ``warmup.run()``: compile and capture before the first request
 
     def _auto_max_num_seqs(self, spec_tokens: int) -> int:
         """``max_num_seqs="auto"``: memory-sized on the GPU (``memory.auto_max_num_seqs``), AUTO_CPU_SEQS on
@@ -208,33 +208,27 @@ class LLM:
         )
         return min(requested, budget)
 
-    def new_core(self, max_waiting: int = 1 << 30, prefix_cache=None) -> EngineCore:
-        """The engine loop over this model (the runner's caches, a fresh scheduler): what ``generate`` steps
-        through and what ``fp4moe serve`` runs on its engine thread."""
+    def new_core(
+        self,
+        limits: SchedulerConfig | None = None,
+        prefix_cache=None,
+        async_scheduling: bool | None = None,
+        max_waiting: int = 1 << 30,
+    ) -> EngineCore:
+        """The engine loop over this model's parts (the runner and its caches, the sampler, the speculator; a
+        fresh scheduler): what ``generate`` steps through and what ``fp4moe serve`` runs on its engine thread
+        or process. ``limits``: the scheduler's (default: from the engine config, ``max_waiting`` requests
+        waiting at most); ``async_scheduling``: default the engine config's."""
         cfg = self.engine_config
-        slots = self.runner.max_num_seqs or cfg.max_num_seqs  # the GPU runner has that many state slots
-        limits = SchedulerConfig(
-            slots, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill, max_waiting, self.max_cached_tokens,
-            whole_prompts=self.runner.whole_prompts(),
-        )  # fmt: skip
-        return EngineCore(self, limits, prefix_cache, cfg.async_scheduling)
-
-    def sample_all(self, results: list[tuple[Sequence, torch.Tensor]]) -> None:
-        """Sample a token for each (sequence, logits [V], on the host or the device): one ``sample_batch``
-        per device where the logits are (a mixed step has decodes' logits on the GPU, prefills' on the
-        host), one read-back each."""
-        for device in {x.device for _, x in results}:
-            rows = [(s, x) for s, x in results if x.device == device]
-            logits = torch.stack([x for _, x in rows])
-            for (seq, _), result in zip(
-                rows, sample_batch(logits, [s.sample_row() for s, _ in rows]), strict=True
-            ):
-                self._accept(seq, result)
-
-    def _accept(self, seq: Sequence, result: SampleResult) -> None:
-        seq.delta = seq.append(result, self.tokenizer)
-        if not seq.finished and seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = FinishReason.LENGTH  # the context is full
+        if limits is None:
+            slots = self.runner.max_num_seqs or cfg.max_num_seqs  # the GPU runner has that many state slots
+            limits = SchedulerConfig(
+                slots, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill, max_waiting,
+                self.max_cached_tokens, whole_prompts=self.runner.whole_prompts(),
+            )  # fmt: skip
+        if async_scheduling is None:
+            async_scheduling = cfg.async_scheduling
+        return EngineCore(self.runner, self.sampler, limits, self.speculator, prefix_cache, async_scheduling)
 
     def _run(self, seqs: list[Sequence]) -> Iterator[list[StepOutput]]:
         """Step the engine loop until every sequence is finished, yielding each step's outputs (one per
@@ -256,115 +250,21 @@ class LLM:
                 core.abort(seq)
             core.discard_inflight()
 
+    def make_sequences(self, prompt, params: SamplingParams) -> list[Sequence]:
+        """Encode one prompt (text, ids or a multimodal dict) into ``params.n`` sequences to ``add`` to a core
+        of this model (may raise; the images through the vision tower), as ``AsyncEngine.make_sequences``
+        does for the server."""
+        _, seqs = self._make_sequences([prompt], [params])
+        now = time.monotonic()
+        for seq in seqs:
+            seq.arrival, seq.last_token_time, seq.slot = now, None, -1
+        return seqs
+
     def _make_sequences(
         self, prompts, params: list[SamplingParams]
     ) -> tuple[list[tuple[str | None, list[int]]], list[Sequence]]:
         """Prompts are text, token ids, or {"prompt" | "prompt_token_ids": ..., "multi_modal_data": {"image": ...}}."""
         return self.prompts.make_sequences(prompts, params, self.encode_images)
-
-    def warmup(
-        self, max_batch_tokens: int = 2048, prefix_caching: bool = False, progress: bool = True
-    ) -> float:
-        """Compile every kernel variant and capture every CUDA graph before the first request (vLLM's
-        compile-and-capture phase; a cold server spent 45-68% of its first seconds in Triton's compiler and
-        in graph captures, issue 20): greedy and sampled generations at every graph batch size, and prefills
-        of lengths around each power of two up to ``max_batch_tokens`` (kernels specialize on 1, on
-        multiples of 16 and on size buckets). Leaves the caches as it found them: every page freed, an fp8
-        cache's scales unset (the first real prefill sets them). ``prefix_caching``: a prefix cache will serve
-        the requests (each hit continues its prompt, several in a step: every chunk graph is captured; without
-        one only a single prompt's). ``progress``: a progress bar on stderr, one step per generation or graph
-        captured (a cold start on the H200 takes minutes). Returns the seconds it took; ``warmup_phases``
-        holds them by phase (the server prints them)."""
-        import time
-
-        from tqdm.auto import tqdm
-
-        from fp4moe.engine.runner.cuda_runner import GRAPH_BATCH_SIZES
-        from fp4moe.kernels import compiles
-
-        compiles.watch()
-        start = time.perf_counter()
-        stamps = [("", start)]  # (phase, when it ended)
-        limit = min(max_batch_tokens, self.max_model_len - 4)
-        lengths = sorted(
-            {n for p in range(12) for n in (2**p - 1, 2**p, 2**p + 1) if 1 <= n <= limit} | {limit}
-        )
-        greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-        sampled = SamplingParams(max_tokens=3, temperature=0.8, ignore_eos=True, seed=0)
-        # the module path first (continuing chunks, several sequences' chunks in a step, images, an fp8
-        # cache's first prefill take it): fresh prompts of every length, continuing chunks of a prompt longer
-        # than a step of a length divisible by 16 and of one that is not (Triton specializes on both), and
-        # several prompts in a step, again of both kinds of total
-        module_path = [[[1] * n] for n in lengths]
-        module_path += [[[1] * (limit + x)] for x in (16, 17) if limit + x <= self.max_model_len - 4]
-        module_path += [[[1] * n for n in lens] for lens in ((3, 6, 8), (5, 11))]
-        width = self.runner.max_num_seqs or 1
-        batches = [b for b in GRAPH_BATCH_SIZES if b <= width]
-        # steps done and counted ahead (a disabled bar counts none); the captures are counted as their phases
-        # begin (the decode batches capture graphs on first use)
-        steps = [0, len(module_path) + len(lengths) + 2 * len(batches)]
-        bar = tqdm(total=steps[1], desc="warm-up", unit="step", disable=not progress, dynamic_ncols=True)
-
-        def phase(name: str, captures: int = 0) -> None:
-            bar.set_description(f"warm-up: {name}")
-            steps[1] += captures
-            bar.total = steps[1]
-            bar.refresh()
-
-        def step(n: int = 1) -> None:
-            steps[0] += n
-            bar.update(n)
-
-        phase("module path")
-        graphs, self.runner.use_prompt_graphs = self.runner.use_prompt_graphs, False
-        try:
-            for prompts in module_path:
-                self.generate(prompts, greedy)
-                step()
-        finally:
-            self.runner.use_prompt_graphs = graphs
-        stamps.append(("module path", time.perf_counter()))
-        phase("prompts through graphs")
-        for n in lengths:  # then fresh prompts through the prefill graphs (each captured on first use)
-            self.generate([[1] * n], greedy)
-            step()
-        stamps.append(("prompts through graphs", time.perf_counter()))
-        phase("decode batches")
-        for b in batches:
-            self.generate([[1] * 4] * b, greedy)
-            self.generate([[1] * 4] * b, sampled)
-            step(2)
-        stamps.append(("decode batches", time.perf_counter()))
-        phase("decode graphs", self.runner.pending_captures())
-        self.runner.capture(tick=step)  # the plain step's graphs (speculating warm-ups ran rounds)
-        stamps.append(("decode graphs", time.perf_counter()))
-        # without a prefix cache (offline, or a server without one) no step continues two prompts at once
-        chunk_seqs = None if prefix_caching else 1
-        phase("prefill graphs", self.runner.pending_prompt_captures(chunk_seqs))
-        self.runner.capture_prompts(chunk_seqs=chunk_seqs, tick=step)
-        self.warmup_steps = (steps[0], steps[1])  # equal: every count above was right (the tests check)
-        bar.close()
-        stamps.append(("prefill graphs", time.perf_counter()))
-        self._warm_tokens = max_batch_tokens
-        self.warm_thread()
-        if self.speculator is not None:  # the warm-up's drafts are not the server's: neither in its counts
-            self.speculator.forget()  # nor in the rounds that judge whether new requests start drafting
-        compiles.mark()  # from here on, a compile is a request waiting for the compiler: warned and counted
-        stamps.append(("the rest", time.perf_counter()))
-        self.warmup_phases = {
-            name: end - before for (_, before), (name, end) in zip(stamps[:-1], stamps[1:], strict=True)
-        }
-        return stamps[-1][1] - start
-
-    def warm_thread(self) -> None:
-        """What the warm-up fills per thread, for the thread that calls it (the server's engine thread, where
-        the warm-up ran in another): cuDNN's attention plans for long fresh prompts, one per padded length
-        (PyTorch keeps them thread-local). Nothing before ``warmup`` ran."""
-        if self._warm_tokens:
-            from fp4moe.layers.attention import warm_cudnn
-
-            a = self.model.args
-            warm_cudnn(self._warm_tokens, a.num_heads, a.num_kv_heads, a.head_dim, self.runner.device)
 
     def generate(
         self,
@@ -441,22 +341,6 @@ class LLM:
             text = self.apply_chat_template(conv, **template_kwargs)
             prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params)
-
-
-def _start_precompile(device: torch.device, num_speculative_tokens):
-    """``compile_seeds.start`` for a CUDA device where Triton is installed (the variants recorded for plain
-    decoding or for speculation; "auto": both), else None."""
-    from fp4moe.kernels import HAVE_TRITON
-
-    if device.type != "cuda" or not HAVE_TRITON:
-        return None
-    from fp4moe.kernels import compile_seeds
-
-    return compile_seeds.start(
-        torch.cuda.get_device_name(device),
-        compile_seeds.cuda_target(device),
-        config=compile_seeds.config_of(num_speculative_tokens),
-    )
 
 
 def _image_of(part: dict):

@@ -66,10 +66,10 @@ def start_engine(spec: EngineSpec):
     llm = LLM(spec.model, spec.config)
     if llm.device.type == "cuda" and spec.warmup:
         print("warming up: compiling kernels, capturing CUDA graphs ...", file=sys.stderr, flush=True)
-        took = llm.warmup(
+        took = llm.warmup.run(
             llm.engine_config.max_num_batched_tokens, prefix_caching=spec.prefix_cache is not None
         )
-        phases = ", ".join(f"{name} {sec:.1f} s" for name, sec in llm.warmup_phases.items())
+        phases = ", ".join(f"{name} {sec:.1f} s" for name, sec in llm.warmup.phases.items())
         print(f"warm-up took {took:.1f} s ({phases})", file=sys.stderr, flush=True)
     cfg = llm.engine_config
     k = llm.speculator.k if llm.speculator is not None else 0
@@ -87,7 +87,7 @@ def start_engine(spec: EngineSpec):
     if llm.kv_scales_source:
         print(llm.kv_scales_source, file=sys.stderr, flush=True)
     prefix = PrefixCache(*spec.prefix_cache) if spec.prefix_cache else None
-    return llm, llm.new_core(spec.max_waiting, prefix)
+    return llm, llm.new_core(prefix_cache=prefix, max_waiting=spec.max_waiting)
 
 
 # ---- the engine process ----------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def _engine_main(spec: EngineSpec, conn) -> None:
     except BaseException as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         raise
-    llm.tokenizer = None  # the front detokenizes: the engine hands out ids
+    llm.tokenizer = core.sampler.tokenizer = None  # the front detokenizes: the engine hands out ids
     sched = core.scheduler
     conn.send(
         (
@@ -121,7 +121,7 @@ def _engine_main(spec: EngineSpec, conn) -> None:
         )
     )
     try:
-        _EngineLoop(core, conn).run()
+        _EngineLoop(core, conn, llm.encode_images).run()
     except (EOFError, BrokenPipeError):  # the front is gone
         return
     except BaseException as e:  # tell the front why, then die with the traceback on stderr
@@ -131,8 +131,8 @@ def _engine_main(spec: EngineSpec, conn) -> None:
 
 
 class _EngineLoop:
-    def __init__(self, core, conn):
-        self.core, self.conn = core, conn
+    def __init__(self, core, conn, encode_images):
+        self.core, self.conn, self.encode_images = core, conn, encode_images
         self.seqs: dict[int, Sequence] = {}  # seq_id -> the engine's sequence
         self.deadline: float | None = None  # set by "stop": finish what runs until then
 
@@ -161,7 +161,7 @@ class _EngineLoop:
                     if seq.pixel_values is not None:
                         key = id(seq.pixel_values)
                         if key not in encoded:
-                            core.llm.encode_images(seq)
+                            self.encode_images(seq)
                             encoded[key] = seq.image_embeds
                         seq.image_embeds, seq.pixel_values, seq.image_grid = encoded[key], None, None
                 core.add(payload)

@@ -1,8 +1,10 @@
 """The serving engine core: the scheduler's batches through the model runner, sampling, and bookkeeping.
 
-``EngineCore`` is synchronous and single-threaded (one ``step()`` at a time). ``async_engine.AsyncEngine``
-runs it on a background thread, ``process.EngineProcess`` in a process of its own; offline ``LLM.generate``
-steps it directly. ``FP4MOE_STEP_TRACE`` records its steps (``step_trace.StepTrace``).
+``EngineCore`` is synchronous and single-threaded (one ``step()`` at a time). It owns what it is given -- the
+model runner, the sampler (``TokenSampler``), the speculator, a prefix cache -- and builds its scheduler; it
+knows no front. ``front.async_engine.AsyncEngine`` runs it on a background thread, ``front.process`` in a
+process of its own; offline ``LLM.generate`` steps it directly. ``FP4MOE_STEP_TRACE`` records its steps
+(``step_trace.StepTrace``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,11 +23,9 @@ from fp4moe.engine.device.transfer import Readback, to_device
 from fp4moe.engine.loop.prefix_cache import PrefixCache
 from fp4moe.engine.loop.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from fp4moe.engine.loop.step_trace import StepTrace
-from fp4moe.engine.request.sampler import SampleResult, SamplingParams, sample_tokens
+from fp4moe.engine.request.sampler import SampleResult, sample_tokens
 from fp4moe.engine.request.sequence import FinishReason, Sequence
-
-if TYPE_CHECKING:
-    from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.request.token_sampler import TokenSampler
 
 
 @dataclass
@@ -61,12 +60,18 @@ class EngineStats:
 class EngineCore:
     def __init__(
         self,
-        llm: LLM,
+        runner,
+        sampler: TokenSampler,
         config: SchedulerConfig,
+        speculator=None,
         prefix_cache: PrefixCache | None = None,
         async_scheduling: bool = True,
     ):
-        self.llm = llm
+        """``runner``: a ``ModelRunner`` or ``CudaModelRunner``; ``sampler``: samples and appends the tokens
+        (its ``max_model_len`` is the context's end); ``speculator``: an ``MTPSpeculator`` over the same
+        runner and sampler, or None."""
+        self.runner, self.sampler, self.speculator = runner, sampler, speculator
+        self.max_model_len = sampler.max_model_len
         self.async_scheduling = async_scheduling  # decode steps launched ahead of their read-back (``step``)
         self._inflight: _InFlight | None = None
         self.last_rows = (
@@ -76,7 +81,7 @@ class EngineCore:
         )  # the last step's decodes, prefill tokens and prefilling sequences (traced)
         self.prefix_cache = prefix_cache
         self.scheduler = Scheduler(config)
-        self.kv, self.states = llm.runner.new_caches()
+        self.kv, self.states = runner.new_caches()
         self.stats = EngineStats()
         self._ids = itertools.count()
         path = os.environ.get("FP4MOE_STEP_TRACE")
@@ -85,14 +90,6 @@ class EngineCore:
     def _release(self, slot: int) -> None:
         self.kv.free(slot)
         self.states.free(slot)
-
-    def make_sequences(self, prompt, params: SamplingParams) -> list[Sequence]:
-        """Encode a prompt (text, ids or a multimodal dict) into ``params.n`` sequences (may raise)."""
-        _, seqs = self.llm._make_sequences([prompt], [params])
-        now = time.monotonic()
-        for seq in seqs:
-            seq.arrival, seq.last_token_time, seq.slot = now, None, -1
-        return seqs
 
     def add(self, seqs: list[Sequence]) -> None:
         if len(self.scheduler.waiting) + len(seqs) > self.scheduler.config.max_waiting:
@@ -114,7 +111,7 @@ class EngineCore:
         from fp4moe.kernels import compiles
 
         stats, sched, pc = self.stats, self.scheduler, self.prefix_cache
-        spec = self.llm.speculator
+        spec = self.speculator
         samples = {}
         for name in ("ttft", "itl", "e2e"):
             queue = getattr(stats, name)
@@ -232,13 +229,13 @@ class EngineCore:
         if self._rounds_overlappable(batch):
             self._inflight = self._launch_round([seq for seq, _ in batch], chained=False)
             return outputs
-        spec = self.llm.speculator
+        spec = self.speculator
         if spec is None:
-            results = self.llm.runner.run(batch, self.kv, self.states)
+            results = self.runner.run(batch, self.kv, self.states)
             progressed = [seq for seq, _ in results]
         else:
             results = []
-            progressed = spec.run_batch(batch, self.kv, self.states, self.llm.max_model_len)
+            progressed = spec.run_batch(batch, self.kv, self.states, self.max_model_len)
         if self.prefix_cache is not None:
             for seq, _ in batch:
                 if seq.stop_at and seq.num_cached == seq.stop_at:
@@ -250,7 +247,7 @@ class EngineCore:
                         seq.slot,
                     )
                     seq.stop_at = 0
-        self.llm.sample_all(results)
+        self.sampler.sample_all(results)
         return outputs + self._emit(progressed)
 
     # ---- async scheduling ---------------------------------------------------------------------------
@@ -261,7 +258,7 @@ class EngineCore:
         penalties, which read the history; no logprobs, read back with the token)."""
         return (
             self.async_scheduling
-            and self.llm.runner.fusable_decode(batch, self.kv)
+            and self.runner.fusable_decode(batch, self.kv)
             and all(not s.params.penalized and s.params.logprobs is None and self._plain(s) for s, _ in batch)
         )
 
@@ -269,7 +266,7 @@ class EngineCore:
         """Whether the sequence's next decode step is a plain one: no speculation, or speculation backed off
         (its drafts did not pay lately) or never drafting (``MTPSpeculator.plain_only``) -- a rejected draft
         head then costs nothing beyond its probes."""
-        spec = self.llm.speculator
+        spec = self.speculator
         if spec is None:
             return True
         return seq.hidden_tail is not None and (seq.spec_backoff > 0 or spec.plain_only(seq, self.kv))
@@ -286,7 +283,7 @@ class EngineCore:
         running = {id(s) for s in sched.running}
         if not running <= {id(s) for s in prev.seqs}:
             return []
-        limit = self.llm.max_model_len
+        limit = self.max_model_len
         ahead = [
             s
             for s in prev.seqs
@@ -305,8 +302,8 @@ class EngineCore:
         """Whether the sequence's next decode step is a fused speculative round that can run ahead of the
         host: it holds its drafts (it had a fused round), is not backed off, and the round it may launch
         while one is in flight fits in its context (up to 3k + 1 positions past its pending token)."""
-        spec = self.llm.speculator
-        limit = self.llm.max_model_len
+        spec = self.speculator
+        limit = self.max_model_len
         return (
             spec.fused is not None
             and seq.drafts is not None
@@ -320,12 +317,12 @@ class EngineCore:
         """Whether a scheduled batch is one fused speculative round that may run ahead of its tokens'
         read-back (``_overlappable``'s rule for speculation): decodes only, every sequence speculating, no
         more of them than speculation takes at once."""
-        spec = self.llm.speculator
+        spec = self.speculator
         if not self.async_scheduling or spec is None or spec.fused is None:
             return False
         if spec.disable_by_batch_size and len(batch) > spec.disable_by_batch_size:
             return False
-        return self.llm.runner.fusable_decode(batch, self.kv) and all(self._speculating(s) for s, _ in batch)
+        return self.runner.fusable_decode(batch, self.kv) and all(self._speculating(s) for s, _ in batch)
 
     def _rounds_ahead(self, prev: _InFlight) -> list[Sequence]:
         """The sequences of the round in flight, when the next round of the same sequences (all of them, in
@@ -333,7 +330,7 @@ class EngineCore:
         tokens reach the host; [] where the chain breaks (an arrival a slot can take, a sequence ended or
         backed off, one the round in flight might end by length or back off, a cache that may not hold
         them)."""
-        sched, spec = self.scheduler, self.llm.speculator
+        sched, spec = self.scheduler, self.speculator
         k = spec.k
         if not self.async_scheduling or (sched.waiting and sched.free_slots):
             return []
@@ -353,7 +350,7 @@ class EngineCore:
 
     def _launch_round(self, seqs: list[Sequence], chained: bool) -> _InFlight:
         """Launch a fused speculative round for ``seqs``; its tokens are read back by the next step."""
-        handle = self.llm.speculator.launch_round(seqs, chained)
+        handle = self.speculator.launch_round(seqs, chained)
         self.stats.async_steps += 1
         return _InFlight(seqs, None, handle, round=True)
 
@@ -363,7 +360,7 @@ class EngineCore:
         running = {id(s) for s in self.scheduler.running}
         live = [id(s) in running and not s.finished for s in prev.seqs]
         ps = [s.num_tokens - 1 for s in prev.seqs]  # every earlier round is in: the pending positions
-        counts = self.llm.speculator.finish_round(prev.seqs, ps, prev.readback, live)
+        counts = self.speculator.finish_round(prev.seqs, ps, prev.readback, live)
         progressed = []
         for seq, ok, n in zip(prev.seqs, live, counts, strict=True):
             if ok:
@@ -383,10 +380,10 @@ class EngineCore:
                 if index == list(range(len(seqs)))
                 else prev.tokens.index_select(0, to_device(index, torch.long, prev.tokens.device))
             )
-        spec = self.llm.speculator
+        spec = self.speculator
         timed = spec.policy.cost.timed("plain", len(seqs)) if spec is not None else contextlib.nullcontext()
         with timed:  # plain steps' time by batch size: whether speculation's rounds pay against them
-            logits, hidden = self.llm.runner.decode_step(
+            logits, hidden = self.runner.decode_step(
                 seqs, keep_hidden=spec is not None, host=False, tokens=tokens
             )
         if spec is not None:  # the MTP head's inputs kept for its next probe, a plain step off the backoff
@@ -410,7 +407,7 @@ class EngineCore:
         for seq, token in zip(prev.seqs, prev.readback.tolist(), strict=True):
             if id(seq) not in running or seq.finished:
                 continue
-            self.llm._accept(seq, SampleResult(token))
+            self.sampler.accept(seq, SampleResult(token))
             seq.new_tokens = 1
             progressed.append(seq)
         return self._emit(progressed)

@@ -40,12 +40,15 @@ def _probs(logits: torch.Tensor, seq: Sequence, history: list[int]) -> torch.Ten
 
 
 class MTPSpeculator:
-    def __init__(self, llm, num_speculative_tokens: int, drafter=None):
-        if llm.model.mtp is None:
-            raise ValueError(f"{llm.path} has no MTP head (no mtp.* tensors): use num_speculative_tokens=0")
+    def __init__(self, model, runner, sampler, num_speculative_tokens: int, drafter=None, name="the model"):
+        """``model``'s MTP head drafts, ``runner`` (a ``ModelRunner`` or ``CudaModelRunner`` of that model)
+        verifies, ``sampler`` (a ``TokenSampler``) samples and appends; ``name`` (the checkpoint) is what the
+        error of a model without an MTP head names."""
+        if model.mtp is None:
+            raise ValueError(f"{name} has no MTP head (no mtp.* tensors): use num_speculative_tokens=0")
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1 for speculative decoding")
-        self.llm, self.model, self.k = llm, llm.model, num_speculative_tokens
+        self.model, self.runner, self.sampler, self.k = model, runner, sampler, num_speculative_tokens
         self.drafter = drafter or self._mtp_drafts  # tests may force acceptance or rejection
         self.stats = SpecStats(accepted_per_position=[0] * num_speculative_tokens)
         self.disable_by_batch_size = 0  # > 0: no drafts while more sequences than this are decoding
@@ -54,13 +57,13 @@ class MTPSpeculator:
         # slower than plain decoding below ~70% (H200, BENCHMARKS.md)
         self.speculate_sorted_sampling = False
         self.fused = None
-        if llm.runner.spec_tokens == num_speculative_tokens:
+        if runner.spec_tokens == num_speculative_tokens:
             from fp4moe.engine.spec.cuda_spec import FusedSpecRound
 
-            self.fused = FusedSpecRound(llm.runner, num_speculative_tokens)
+            self.fused = FusedSpecRound(runner, num_speculative_tokens)
         # when sequences draft and when they back off; rounds and plain steps are timed (``SpecCost``) only
         # where the fused round runs on the GPU
-        self.policy = SpecPolicy(SpecCost(self.fused is not None and llm.runner.device.type == "cuda"))
+        self.policy = SpecPolicy(SpecCost(self.fused is not None and runner.device.type == "cuda"))
 
     @torch.no_grad()
     def run_batch(self, batch: list[tuple[Sequence, int]], kv, states, max_model_len: int) -> list[Sequence]:
@@ -89,12 +92,12 @@ class MTPSpeculator:
         """Prompt chunks (sequence, tokens) through the runner's step (``ModelRunner.run``), their hidden
         states kept for the MTP head; samples the first token of each sequence whose prompt is now all in.
         Returns those."""
-        results = self.llm.runner.run(batch, kv, states, keep=self._keep_chunk)
+        results = self.runner.run(batch, kv, states, keep=self._keep_chunk)
         for seq, _ in results:
             seq.new_tokens = 1
             if not seq.output_ids:  # a fresh request: it may start backed off
                 self.policy.start(seq, self.stats)
-        self.llm.sample_all(results)
+        self.sampler.sample_all(results)
         return [seq for seq, _ in results]
 
     @staticmethod
@@ -116,7 +119,7 @@ class MTPSpeculator:
     ) -> list[tuple[list[int], list[torch.Tensor]]]:
         """``_mtp_drafts`` for several sequences at once: one flat MTP forward catches every sequence up,
         then each of the k-1 further drafts is one forward over all of them."""
-        mtp, layer, device, k = self.model.mtp, self.model.mtp.layer_id, self.llm.device, self.k
+        mtp, layer, device, k = self.model.mtp, self.model.mtp.layer_id, self.runner.device, self.k
         ps = [seq.num_tokens - 1 for seq in seqs]
         lens = [p - seq.mtp_cached for seq, p in zip(seqs, ps, strict=True)]
         ids = torch.tensor(
@@ -217,7 +220,7 @@ class MTPSpeculator:
         return (
             self.fused is not None
             and not self.speculate_sorted_sampling
-            and kv is self.llm.runner.kv
+            and kv is self.runner.kv
             and needs_sort([seq.params], self.model.args.vocab_size)
         )
 
@@ -229,7 +232,7 @@ class MTPSpeculator:
         return (
             self.fused is not None
             and self.drafter == self._mtp_drafts
-            and kv is self.llm.runner.kv
+            and kv is self.runner.kv
             and p.logprobs is None
             and not p.penalized
             and seq.num_tokens - 1 + 2 * self.k <= max_model_len  # its MTP drafts reach p + 2k - 1
@@ -269,7 +272,7 @@ class MTPSpeculator:
         row through the MoE and a read-back per draft, 18-31 ms at pp 512 on the H200 (about ten plain
         steps) before each request's first round. Sampled sequences keep it: their drafts are drawn on the
         host with their own generators. A fresh prompt's catch-up replays a graph (``FirstDrafts``)."""
-        r, k = self.llm.runner, self.k
+        r, k = self.runner, self.k
         ps = [s.num_tokens - 1 for s in seqs]
         lens = [p - s.mtp_cached for s, p in zip(seqs, ps, strict=True)]
         if any(n <= 0 or n != len(s.hidden_tail) for s, n in zip(seqs, lens, strict=True)):
@@ -340,7 +343,7 @@ class MTPSpeculator:
         """Append a round's tokens (SampleResults) until a stop; sets the sequence's text delta; returns how
         many went in."""
         before = len(seq.output_ids)
-        seq.delta = seq.extend(results, self.llm.tokenizer)
+        self.sampler.extend(seq, results)
         return len(seq.output_ids) - before
 
     @torch.no_grad()
@@ -396,7 +399,7 @@ class MTPSpeculator:
 
     def _forward(self, items: list[tuple[Sequence, int, list[int]]], kv, states):
         """One flat target forward over (sequence, first position, tokens) items -> (hidden, spans)."""
-        device = self.llm.device
+        device = self.runner.device
         ids = torch.tensor([t for _, _, tokens in items for t in tokens], device=device)
         positions = torch.cat([seq.positions(p, p + len(tokens)) for seq, p, tokens in items], dim=1)
         ctx = StepContext(
@@ -412,18 +415,18 @@ class MTPSpeculator:
         keeping the MTP head's inputs, except for sequences that never draft (``plain_only``: they drop them;
         their sampling parameters, and ``speculate_sorted_sampling``, do not change while they run)."""
         with self.policy.cost.timed("plain", len(seqs)):
-            results = self.llm.runner.run(
+            results = self.runner.run(
                 [(s, 1) for s in seqs],
                 kv,
                 states,
                 keep=lambda seq, start, rows: self._keep_plain(seq, start + len(rows), rows, kv),
             )
-        self.llm.sample_all(results)
+        self.sampler.sample_all(results)
 
     def keep_plain_step(self, seqs: list[Sequence], hidden: torch.Tensor, kv=None) -> None:
         """After a plain step of ``seqs`` (final-normed hidden states [b, H], row per sequence; the engine's
         async steps): as ``plain_steps`` keeps them."""
-        kv = self.llm.runner.kv if kv is None else kv
+        kv = self.runner.kv if kv is None else kv
         for i, seq in enumerate(seqs):
             self._keep_plain(seq, seq.num_cached, hidden[i : i + 1], kv)
 
