@@ -287,7 +287,7 @@ class Qwen3_5MoeFused:
         e, k, s_inter = a.num_experts, a.top_k, a.shared_intermediate_size
         rp = router(x)
         # the expert GEMVs behind it start at once and wait (their weights depend on its output): H200, batch-1
-        # step 1.6% faster (benchmarks/tune_decode.py)
+        # step 1.6% faster (benchmarks/tune/tune_decode.py)
         topk_ids, topk_w, shared_act = moe_router.route(rp, e, k, s_inter, trigger="start")
         side = self.side_stream(x)
         if side is None:

@@ -5,17 +5,21 @@ cores (``nvfp4_gemv.bf16_gemv``, up to 4 rows), timed the way the engine
 runs them: one CUDA graph of 40 launches over 40 different weight copies (nothing served from L2), median
 over replays, per launch; GB/s over the weight bytes.
 
-    python3 benchmarks/tune_dense.py --out tune-dense.json
+    python3 benchmarks/tune/tune_dense.py --out tune-dense.json
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 import time
+from pathlib import Path
 
 import torch
-from common import LAYERS, graph_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, provenance.py
+from common import LAYERS, graph_time  # noqa: E402
 from provenance import write_result
 
 from fp4moe.kernels import nvfp4_gemm as gemm

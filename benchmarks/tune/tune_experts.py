@@ -10,7 +10,7 @@ activation in the down launch) it times a short list of launch settings (BN, BK,
 gate/up and the down launch, then prints the best pair per T and the bytes they move against the copy
 bandwidth.
 
-    python3 benchmarks/tune_experts.py --out tune-experts.json
+    python3 benchmarks/tune/tune_experts.py --out tune-experts.json
 """
 
 from __future__ import annotations
@@ -19,10 +19,14 @@ import argparse
 import itertools
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from common import DN_BYTES, GU_BYTES, LAYERS, E, H, I, K, graph_time, weights
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, provenance.py
+from common import DN_BYTES, GU_BYTES, LAYERS, E, H, I, K, graph_time, weights  # noqa: E402
 from provenance import write_result
 
 from fp4moe.kernels import moe_routing as mr

@@ -9,7 +9,7 @@ A kernel timed alone in a loop of its own launches hides or adds latency that th
 dependent kernels does not (tune_kernels.py, tune_dense.py and tune_experts.py time them so); this times the
 chain.
 
-    python3 benchmarks/tune_decode.py --out tune-decode.json      # on one GPU (the H200)
+    python3 benchmarks/tune/tune_decode.py --out tune-decode.json      # on one GPU (the H200)
 """
 
 from __future__ import annotations
@@ -17,10 +17,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import sys
+from pathlib import Path
 from unittest import mock
 
 import torch
-from common import build_model, event_seconds, kernel_breakdown, log, random_runner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, provenance.py
+from common import build_model, event_seconds, kernel_breakdown, log, random_runner  # noqa: E402
 from provenance import write_result
 
 from fp4moe import kernels

@@ -5,7 +5,7 @@ host launch overhead of ~15-20 us, so only the larger kernels' rankings mean muc
 each launch must move. Prints the best configs. The expert GEMMs are tuned by ``tune_experts.py`` (graph
 replays over 40 layers' experts).
 
-    python benchmarks/tune_kernels.py
+    python benchmarks/tune/tune_kernels.py
 """
 
 from __future__ import annotations

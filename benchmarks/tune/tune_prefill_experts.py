@@ -5,7 +5,7 @@ as the MMA's first operand) against the weights-first kernel (``nvfp4_moe_prefil
 one CUDA graph, median of replays. Each candidate is checked against the row kernel's output on the first
 layer (max |difference| over max |value|: a bf16 ulp is 3.9e-3).
 
-    python3 benchmarks/tune_prefill_experts.py --tokens 8192,2048,16384 --out tune-prefill-experts.json
+    python3 benchmarks/tune/tune_prefill_experts.py --tokens 8192,2048,16384 --out tune-prefill-experts.json
 
 ``--wgmma`` adds the Hopper kernels (``nvfp4_wgmma``: the weights as wgmma's register operand, K reordered) at
 blocks of 128 and 64 pairs and each ring depth that fits, and times ``permute_k`` (their gate/up input's reorder,
@@ -16,10 +16,14 @@ reference activations in the kernel's order.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
-from common import E, H, I, K, graph_time, weights
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, provenance.py
+from common import E, H, I, K, graph_time, weights  # noqa: E402
 from provenance import write_result
 
 from fp4moe.kernels import moe_routing as mr

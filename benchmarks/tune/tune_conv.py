@@ -3,7 +3,7 @@ an 8,192-token chunk of in_proj's rows (8,192 conv channels at the fused project
 state; each candidate (token rows, channels, warps) checked equal to the default's output, timed as the median
 of CUDA-event replays, with its share of the copy bandwidth (bytes read and written once).
 
-    python3 benchmarks/tune_conv.py --tokens 8192
+    python3 benchmarks/tune/tune_conv.py --tokens 8192
 
 Then the same for the sliding-window kernel (``causal_conv.WINDOW``: each input row read once), whose outputs
 equal the taps kernel's but where the heads' L2 norm sums its squares in another order ("same output" may
@@ -13,9 +13,13 @@ then say False for a bf16 step on a few elements).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
-from common import event_seconds
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, provenance.py
+from common import event_seconds  # noqa: E402
 from provenance import write_result
 
 from fp4moe.kernels import causal_conv

@@ -8,7 +8,7 @@
 2. The chunked gated delta rule (flash-linear-attention) with fp32 inputs, as the engine calls it, against
    bf16 inputs, as transformers' fla path calls it.
 
-    python3 benchmarks/tune_prefill.py --tokens 8192 --out tune-prefill.json
+    python3 benchmarks/tune/tune_prefill.py --tokens 8192 --out tune-prefill.json
 """
 
 from __future__ import annotations
@@ -16,13 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from common import E, H, I, event_seconds, weights
-from common import K as TOPK
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, provenance.py
+from common import E, H, I, event_seconds, weights  # noqa: E402
+from common import K as TOPK  # noqa: E402
 from provenance import write_result
 
 from fp4moe.formats import nvfp4

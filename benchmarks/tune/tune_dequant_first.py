@@ -7,7 +7,7 @@ registers for every row block. Also torch's grouped GEMM (``torch._grouped_mm``,
 weights, no epilogue, for scale. Full-size experts (hidden 2048, 256 experts top-8, I = 512), random routing,
 each launch over LAYERS layers in one CUDA graph, median of replays; outputs checked against the default path.
 
-    python3 benchmarks/tune_dequant_first.py --tokens 8192 16384 4096 --out tune-dequant-first.json
+    python3 benchmarks/tune/tune_dequant_first.py --tokens 8192 16384 4096 --out tune-dequant-first.json
 
 Result on the H200 (2026-12-03): no gain at 8,192 tokens (the step budget): dequantizing costs what the
 bf16 GEMM saves (BENCHMARKS.md). The kernel is kept here, not in the package.
@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from common import E, H, I, K, event_seconds, graph_time, log, weights
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, provenance.py
+from common import E, H, I, K, event_seconds, graph_time, log, weights  # noqa: E402
 from provenance import write_result
 
 from fp4moe.kernels import moe_routing as mr

@@ -9,17 +9,20 @@ profile had 2.8 (BENCHMARKS.md, "Where an 8K prefill's 182 ms of kernels go"). H
 batched-fresh calls' keys), then one step of ``--sequences`` prompts of the same total (the varlen call's
 keys); the winners are merged over the GPU's seed file (keys tuned here replace, others stay).
 
-    TRITON_CACHE_DIR=$(mktemp -d) python3 benchmarks/tune_fla.py --out src/fp4moe/data
+    TRITON_CACHE_DIR=$(mktemp -d) python3 benchmarks/tune/tune_fla.py --out src/fp4moe/data
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import torch
-from common import build_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, provenance.py
+from common import build_model  # noqa: E402
 
 from fp4moe.kernels import autotune_seeds
 
