@@ -18,7 +18,9 @@ def _served(path, k: int) -> tuple[list[tuple[str, dict]], int, object]:
     core = srv.engine.core
     rows = [0]
     # every target forward -- prefill, verification, recomputation, plain steps -- goes through the model
-    core.runner.model.register_forward_pre_hook(lambda _, args: rows.__setitem__(0, rows[0] + args[0].numel()))
+    core.runner.model.register_forward_pre_hook(
+        lambda _, args: rows.__setitem__(0, rows[0] + args[0].numel())
+    )
     try:
         client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
         stream = client.completions.create(
