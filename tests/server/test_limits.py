@@ -177,13 +177,11 @@ def test_long_model_names_are_not_echoed(server):
 
 
 def test_a_500_closes_its_connection_and_the_next_request_works(server, monkeypatch):
-    core = server.engine.core
-
     def broken(prompt, params):
         raise RuntimeError("a bug")
 
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
-        monkeypatch.setattr(core, "make_sequences", broken)
+        monkeypatch.setattr(server.engine, "make_sequences", broken)
         r = client.post("/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 500 and r.headers["connection"] == "close"
         assert r.json()["error"] == {
