@@ -26,7 +26,7 @@ from provenance import write_result
 
 
 def chunk_runner(model, max_len: int, kv: str):
-    from fp4moe.engine.cuda_runner import CudaModelRunner
+    from fp4moe.engine.runner.cuda_runner import CudaModelRunner
 
     runner = CudaModelRunner(
         model, None, model.embed_tokens.device, kv, max_num_seqs=1, max_model_len=max_len + 64,
@@ -38,8 +38,8 @@ def chunk_runner(model, max_len: int, kv: str):
 
 def graph_step(runner, model, ids, start: int, n: int):
     """The chunk as the engine runs it (``CudaModelRunner.forward``: its graph when one takes it) -> a call."""
-    from fp4moe.engine.sampler import SamplingParams
-    from fp4moe.engine.sequence import Sequence
+    from fp4moe.engine.request.sampler import SamplingParams
+    from fp4moe.engine.request.sequence import Sequence
 
     seq = Sequence(0, ids[: start + n].tolist(), SamplingParams(max_tokens=1), slot=0, num_cached=start)
 
@@ -52,7 +52,7 @@ def graph_step(runner, model, ids, start: int, n: int):
 
 def step(runner, model, ids, start: int, n: int):
     """One step of ``n`` tokens at ``start`` for slot 0 -> the last row's logits."""
-    from fp4moe.engine.context import StepContext
+    from fp4moe.engine.reference.context import StepContext
 
     dev = ids.device
     ctx = StepContext([n], [start], [0], runner.kv, runner.states)

@@ -13,7 +13,7 @@ import time
 import torch
 from provenance import provenance, write_result  # noqa: F401 (every script writes its results through these)
 
-from fp4moe.engine.dummy import fill_random
+from fp4moe.engine.loading.dummy import fill_random
 from fp4moe.models.qwen3_5_moe import REAL_TEXT_CONFIG
 
 FULL = REAL_TEXT_CONFIG  # Qwen3.5/3.6-35B-A3B text shapes
@@ -114,9 +114,9 @@ def step_bytes(model, b: int, ctx: int, kv_elem: int) -> dict:
 
 
 def set_kv_scales(runner, model) -> None:
-    """An fp8 runner's cache scales as the engine fixes them at start-up (``engine.kv_scales``: the
+    """An fp8 runner's cache scales as the engine fixes them at start-up (``engine.loading.kv_scales``: the
     checkpoint's, else calibrated on the packaged text), calibrated once per model."""
-    from fp4moe.engine import kv_scales
+    from fp4moe.engine.loading import kv_scales
 
     if not runner.kv.fp8:
         return
@@ -129,7 +129,7 @@ def set_kv_scales(runner, model) -> None:
 def random_runner(model, b: int, ctx: int, kv_dtype: str, steps: int, spec_tokens: int = 0):
     """A GPU runner for ``b`` sequences at context ``ctx`` (room for ``steps`` more tokens, speculative
     rounds included), caches filled with random data."""
-    from fp4moe.engine.cuda_runner import CudaModelRunner
+    from fp4moe.engine.runner.cuda_runner import CudaModelRunner
 
     dev = model.embed_tokens.device
     page = 64
@@ -230,8 +230,8 @@ def time_prefill(model, tokens: int, breakdown: bool = False, fused: bool = True
 
     from torch.profiler import ProfilerActivity, profile
 
-    from fp4moe.engine.context import StepContext
-    from fp4moe.engine.cuda_runner import CudaModelRunner
+    from fp4moe.engine.reference.context import StepContext
+    from fp4moe.engine.runner.cuda_runner import CudaModelRunner
 
     dev = model.embed_tokens.device
     runner = CudaModelRunner(
@@ -372,7 +372,7 @@ def timeline(fn, repeats: int = 5, top: int = 30) -> dict:
 def kernel_breakdown(model, b: int = 1, ctx: int = 1024) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
-    from fp4moe.engine.cuda_runner import CudaModelRunner
+    from fp4moe.engine.runner.cuda_runner import CudaModelRunner
 
     dev = model.embed_tokens.device
     runner = CudaModelRunner(

@@ -5,7 +5,7 @@
 1. Correctness gate: a tiny random qwen3_5_moe (bf16, and its NVFP4 quantization; bf16 and fp8 KV) generates
    greedily on the CPU reference path and on the GPU engine (paged cache, fused kernels, CUDA graphs): tokens
    must agree up to a near tie of the reference (top-2 margin < 0.1 nats) and the chosen tokens' logprobs
-   within 0.2 nats (bf16 noise; measured up to 0.11), else the script stops (fp4moe.engine.compare).
+   within 0.2 nats (bf16 noise; measured up to 0.11), else the script stops (fp4moe.engine.reference.compare).
 2. The full-size Qwen3.5-35B-A3B text model with random weights built on the GPU (routed experts NVFP4,
    the rest bf16; and all-bf16 for comparison).
 3. Decode steps at batch B and context C (each sequence its own slot, pages and context; caches filled
@@ -35,9 +35,9 @@ from provenance import write_result
 
 
 def correctness_gate() -> dict:
-    from fp4moe.engine.compare import RouterMargins, greedy_agreement
-    from fp4moe.engine.llm import LLM
-    from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.reference.compare import RouterMargins, greedy_agreement
+    from fp4moe.engine.request.sampler import SamplingParams
     from fp4moe.models.tiny import TinySpec, write_tiny_checkpoint
     from fp4moe.quantize.options import QuantizeOptions
     from fp4moe.quantize.pipeline import quantize

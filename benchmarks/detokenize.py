@@ -13,8 +13,8 @@ import statistics
 import time
 
 from fp4moe.data import corpus_text
-from fp4moe.engine.sampler import SampleResult, SamplingParams
-from fp4moe.engine.sequence import Sequence
+from fp4moe.engine.request.sampler import SampleResult, SamplingParams
+from fp4moe.engine.request.sequence import Sequence
 from fp4moe.models.full_size import synthetic_tokenizer
 
 

@@ -27,14 +27,14 @@ def main() -> None:
     ap.add_argument("--out", default="", help="write the results to this JSON file")
     args = ap.parse_args()
     os.environ.setdefault("FP4MOE_FORCE_ACCEPTANCE", "0.8")
-    from fp4moe.engine import spec_decode
-    from fp4moe.engine.llm import LLM
-    from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.request.sampler import SamplingParams
+    from fp4moe.engine.spec import spec_decode
     from fp4moe.models.full_size import resolve
 
     llm = LLM(resolve("qwen3.6-35b-a3b-nvfp4", "dummy"), device="cuda", load_format="dummy", max_num_seqs=64,
               max_model_len=16384, num_speculative_tokens=2, kv_cache_dtype="fp8")  # fmt: skip
-    print(f"warm-up {llm.warmup(llm.engine_config.max_num_batched_tokens):.1f} s", flush=True)
+    print(f"warm-up {llm.warmup.run(llm.engine_config.max_num_batched_tokens):.1f} s", flush=True)
     orig = spec_decode.MTPSpeculator._first_drafts
     times, profile = [], {}
 

@@ -11,7 +11,7 @@ The scale rules:
 
 - ``checkpoint``: ``fp4moe quantize --kv-cache-dtype fp8``'s calibrated scales (amax / 448 over the
   calibration tokens; what vLLM and fp4moe read from the checkpoint);
-- ``startup``: the engine's rule for a checkpoint without scales (``engine.kv_scales``: the packaged text,
+- ``startup``: the engine's rule for a checkpoint without scales (``engine.loading.kv_scales``: the packaged text,
   amax x 1.25 / 448); ``startup-1.0``: the same without headroom;
 - ``unit``: 1.0, vLLM's fallback when a checkpoint has no scales;
 - ``first-request``: fp4moe's former rule after a one-token first request (that token's k/v amax x 2 / 448);
@@ -88,8 +88,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
     args = ap.parse_args()
 
-    from fp4moe.engine import kv_scales
-    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.loading import kv_scales
     from fp4moe.eval.divergence import token_kl, top1_agrees
     from fp4moe.eval.quality import window_outputs
 

@@ -155,7 +155,7 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    from fp4moe.engine.config import EngineConfig
+    from fp4moe.engine.front.config import EngineConfig
     from fp4moe.eval.harness import metrics, run_tasks
     from fp4moe.eval.quality import evaluate
     from fp4moe.quantize.options import QuantizeOptions

@@ -48,7 +48,7 @@ def attention_flops(chunk: int, prefix: int, layers: int = 1) -> float:
 
 
 def kernel_rows(chunk: int, prefixes: list[int], peak: float, tiles: list[tuple] | None) -> list[dict]:
-    from fp4moe.engine.context import StepContext
+    from fp4moe.engine.reference.context import StepContext
     from fp4moe.kernels import attention as attn
 
     dev, page = torch.device("cuda"), 64
@@ -113,8 +113,8 @@ def kernel_rows(chunk: int, prefixes: list[int], peak: float, tiles: list[tuple]
 def chunked_prefill(model, tokens: int, chunk: int, kv_dtype: str, peak: float, repeats: int) -> dict:
     """One ``tokens``-token prompt through the runner's module path in ``chunk``-token chunks (as the
     scheduler feeds a long prompt), each chunk timed by CUDA events; the median over ``repeats`` runs."""
-    from fp4moe.engine.context import StepContext
-    from fp4moe.engine.cuda_runner import CudaModelRunner
+    from fp4moe.engine.reference.context import StepContext
+    from fp4moe.engine.runner.cuda_runner import CudaModelRunner
 
     dev, a = model.embed_tokens.device, model.args
     runner = CudaModelRunner(
@@ -162,15 +162,15 @@ def chunked_prefill(model, tokens: int, chunk: int, kv_dtype: str, peak: float, 
 
 
 def seq_bytes(model, ctx: int, kv_dtype: str) -> int:
-    from fp4moe.engine.memory import kv_bytes_per_token
+    from fp4moe.engine.device.memory import kv_bytes_per_token
 
     return (ctx + 128) * kv_bytes_per_token(model.args, kv_dtype, torch.bfloat16)
 
 
 def capacity(model, max_len: int) -> dict:
     """How many ``max_len``-token sequences the engine's own memory plan fits (fp8 cache)."""
-    from fp4moe.engine.cuda_runner import CudaModelRunner
-    from fp4moe.engine.memory import kv_bytes_per_token
+    from fp4moe.engine.device.memory import kv_bytes_per_token
+    from fp4moe.engine.runner.cuda_runner import CudaModelRunner
 
     free, total = torch.cuda.mem_get_info()
     runner = CudaModelRunner(model, None, model.embed_tokens.device, "fp8", max_num_seqs=32, max_model_len=max_len,
@@ -245,7 +245,7 @@ def main() -> int:
                     f"{r['chunks']} {r['last_chunk_s'] * 1e3:.0f} ms")  # fmt: skip
                 save()
     if "decode" not in skip:
-        from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
+        from fp4moe.engine.runner.cuda_runner import GRAPH_BATCH_SIZES
 
         for ctx in ints(args.decode_contexts):
             for kv in ("fp8", "auto") if args.decode_kv == "both" else (args.decode_kv,):

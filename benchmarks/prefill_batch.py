@@ -53,10 +53,10 @@ def main() -> int:
     args = p.parse_args()
     import common
 
-    from fp4moe.engine.context import StepContext
-    from fp4moe.engine.cuda_runner import CudaModelRunner
-    from fp4moe.engine.sampler import SamplingParams
-    from fp4moe.engine.sequence import Sequence
+    from fp4moe.engine.reference.context import StepContext
+    from fp4moe.engine.request.sampler import SamplingParams
+    from fp4moe.engine.request.sequence import Sequence
+    from fp4moe.engine.runner.cuda_runner import CudaModelRunner
 
     steps = [[args.tokens // n] * n for n in args.splits] + [_lengths(x) for x in args.lengths]
     dev = torch.device("cuda")

@@ -12,16 +12,16 @@ import statistics
 import tempfile
 import time
 
-from fp4moe.engine.core import EngineCore
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.prefix_cache import PrefixCache
-from fp4moe.engine.sampler import SamplingParams
-from fp4moe.engine.scheduler import SchedulerConfig
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.loop.core import EngineCore
+from fp4moe.engine.loop.prefix_cache import PrefixCache
+from fp4moe.engine.loop.scheduler import SchedulerConfig
+from fp4moe.engine.request.sampler import SamplingParams
 from fp4moe.models.tiny import write_tiny_checkpoint
 
 
-def ttft(core: EngineCore, prompt: list[int]) -> float:
-    seq = core.make_sequences(prompt, SamplingParams(max_tokens=1, temperature=0))[0]
+def ttft(llm: LLM, core: EngineCore, prompt: list[int]) -> float:
+    seq = llm.make_sequences(prompt, SamplingParams(max_tokens=1, temperature=0))[0]
     core.add([seq])
     t = time.perf_counter()
     while not seq.finished:
@@ -40,10 +40,8 @@ def main() -> None:
         llm = LLM(args.model or write_tiny_checkpoint(tmp), dtype="float32")
         base = [10 + i % 1000 for i in range(args.tokens)]
         for label, cache in (("off", None), ("on", PrefixCache(args.block, 8))):
-            core = EngineCore(
-                llm, SchedulerConfig(max_num_batched_tokens=2 * args.tokens), prefix_cache=cache
-            )
-            times = [ttft(core, base[:-1] + [i]) for i in range(args.repeats + 1)]
+            core = llm.new_core(SchedulerConfig(max_num_batched_tokens=2 * args.tokens), prefix_cache=cache)
+            times = [ttft(llm, core, base[:-1] + [i]) for i in range(args.repeats + 1)]
             reused = cache.hits // args.repeats if cache else 0
             print(
                 f"prefix cache {label}: first {times[0]:.3f} s, repeats median {statistics.median(times[1:]):.3f} s, "

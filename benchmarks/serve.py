@@ -280,8 +280,8 @@ def engine_rates(batches: list[int], ctx: int) -> list[dict]:
 
 
 def offline(model_dir: str, concurrency: list[int], pp: int, tg: int, args) -> list[dict]:
-    from fp4moe.engine.llm import LLM
-    from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.request.sampler import SamplingParams
 
     llm = LLM(model_dir, device=args.device, load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, num_speculative_tokens=0, kv_cache_dtype=args.kv_cache_dtype,
@@ -299,7 +299,7 @@ def offline(model_dir: str, concurrency: list[int], pp: int, tg: int, args) -> l
     # what the server does before its first request (compiles and graph captures): without it the first call
     # at each concurrency captured its graphs inside the timing (c 64 ran at 0.40x the server, H200)
     if llm.device.type == "cuda":
-        log(f"  offline warm-up: {llm.warmup(llm.engine_config.max_num_batched_tokens):.1f} s")
+        log(f"  offline warm-up: {llm.warmup.run(llm.engine_config.max_num_batched_tokens):.1f} s")
     if args.step_trace:  # read by each generate's engine core, so the warm-up's steps are not in it
         os.environ["FP4MOE_STEP_TRACE"] = str(args.out / "steps-offline.jsonl")
     rows = []
@@ -411,7 +411,7 @@ def main() -> int:
         port = free_port()
         proc, startup = start_server(model, spec, args, port)
         result["startup_s"][spec] = startup
-        # the server's own account of its warm-up, by phase (``LLM.warmup_phases``)
+        # the server's own account of its warm-up, by phase (``LLM.warmup.phases``)
         warmup = [
             x for x in (args.out / f"server-{spec}.log").read_text().splitlines() if "warm-up took" in x
         ]

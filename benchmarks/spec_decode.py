@@ -75,7 +75,7 @@ def main() -> int:
     )
     ap.add_argument(
         "--draft-vocabs", nargs="+", type=int, default=[0],
-        help="--full-size: MTP draft vocabulary sizes to time each k with (engine.draft_vocab; 0: the whole "
+        help="--full-size: MTP draft vocabulary sizes to time each k with (engine.spec.draft_vocab; 0: the whole "
         "vocabulary, the default)",
     )  # fmt: skip
     ap.add_argument(
@@ -114,8 +114,8 @@ def main() -> int:
     if not args.model:
         ap.error("give a checkpoint with an MTP head, or --full-size")
 
-    from fp4moe.engine.llm import LLM
-    from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.request.sampler import SamplingParams
 
     device = torch.device(args.device)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -190,9 +190,9 @@ def full_size(args) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     import common
 
-    from fp4moe.engine.cuda_spec import FusedSpecRound
-    from fp4moe.engine.draft_vocab import draft_token_ids
-    from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.engine.request.sampler import SamplingParams
+    from fp4moe.engine.spec.cuda_spec import FusedSpecRound
+    from fp4moe.engine.spec.draft_vocab import draft_token_ids
 
     dev = torch.device("cuda")
     sampling_params = SamplingParams(**SAMPLING[args.sampling])

@@ -8,7 +8,7 @@ shapes that cost them (cold: Triton compiles; warm cache: the runs themselves).
     python benchmarks/startup.py --record-compiles src/fp4moe/data   # its Triton variants, compiled ahead
     py-spy record --format raw -o $OUT/startup.txt -- python benchmarks/startup.py   # where the host waits
 
-Prints the load time, the phases (``LLM.warmup_phases``) and the slowest calls; writes startup.json.
+Prints the load time, the phases (``LLM.warmup.phases``) and the slowest calls; writes startup.json.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def main() -> int:
     )
     args = p.parse_args()
 
-    from fp4moe.engine.config import AUTO_GPU_BATCHED_TOKENS, EngineConfig
-    from fp4moe.engine.cuda_runner import CudaModelRunner
-    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.front.config import AUTO_GPU_BATCHED_TOKENS, EngineConfig
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.runner.cuda_runner import CudaModelRunner
     from fp4moe.models.full_size import resolve
 
     calls: list[tuple[str, float]] = []
@@ -93,8 +93,8 @@ def main() -> int:
     )
     llm = LLM(resolve(args.model, "dummy"), config)
     load = time.perf_counter() - t0
-    warm = llm.warmup(config.max_num_batched_tokens, prefix_caching=args.prefix_caching)
-    phases = {k: round(v, 2) for k, v in llm.warmup_phases.items()}
+    warm = llm.warmup.run(config.max_num_batched_tokens, prefix_caching=args.prefix_caching)
+    phases = {k: round(v, 2) for k, v in llm.warmup.phases.items()}
     print(f"load {load:.1f} s, warm-up {warm:.1f} s: {phases}")
     graphs = len(llm.runner.prompt_graphs) + len(llm.runner.chunk_graphs)
     direct = llm.runner.direct_captures

@@ -24,7 +24,7 @@ Stages (each a subcommand; ``benchmarks/vllm_side_by_side.sh`` runs them on the 
 ``mtp-ours CKPT`` (fp4moe's environment) our eval's predicted first-draft acceptance on vLLM's own tokens
                   against vLLM's measured one (within MTP_SLACK), and fp4moe's own speculation beside them.
 ``report DIR``    the matrix: loads, greedy agreement (first split accepted only at a near tie of the
-                  reference, ``engine.compare``), chosen-token |Δ logprob| of vLLM and of fp4moe against
+                  reference, ``engine.reference.compare``), chosen-token |Δ logprob| of vLLM and of fp4moe against
                   transformers (median and p99 over every teacher-forced position) and the top-1 agreement.
 
 Tolerances: vLLM and fp4moe compute in bf16, the reference in fp32 on the same dequantized weights, so each
@@ -226,8 +226,8 @@ def reference(model, windows, gen, dev, prefix: str) -> dict:
 def cmd_ours(args) -> None:
     import torch
 
-    from fp4moe.engine.llm import LLM
-    from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.request.sampler import SamplingParams
     from fp4moe.eval.quality import window_outputs
     from fp4moe.eval.reference_kl import load_reference_model
     from fp4moe.quantize.dequant import dequantized_state_dict
@@ -631,8 +631,8 @@ def cmd_mtp_ours(args) -> None:
     vLLM's greedy choices, so a match is exactly a draft vLLM's verifier would accept), fp4moe's own MTP
     speculation on the same prompts, and the verdict -> CKPT/mtp.json."""
 
-    from fp4moe.engine.llm import LLM
-    from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.request.sampler import SamplingParams
     from fp4moe.eval.quality import window_outputs
 
     path = Path(args.ckpt)

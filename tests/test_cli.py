@@ -63,7 +63,7 @@ def test_speculative_tokens_default_to_auto(command):
 def test_auto_speculation_is_off_on_the_cpu(checkpoints):
     """auto drafts only where the fused round pays (the GPU engine with an MTP head); on the CPU it is 0,
     also for a checkpoint without an MTP head (no error, unlike an explicit k > 0)."""
-    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.front.llm import LLM
 
     assert LLM(checkpoints.bf16(), num_speculative_tokens="auto").speculator is None
 
@@ -71,7 +71,7 @@ def test_auto_speculation_is_off_on_the_cpu(checkpoints):
 def test_generate_and_serve_declare_the_engine_options_once():
     """One EngineConfig from the same options for both commands (declared by one function)."""
     from fp4moe.cli.options import engine_config
-    from fp4moe.engine.config import EngineConfig
+    from fp4moe.engine.front.config import EngineConfig
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     fields = {f"--{name.replace('_', '-')}" for name in EngineConfig.__dataclass_fields__} - {"--cuda-graphs"}
@@ -123,8 +123,8 @@ def test_generate_and_serve_declare_the_engine_options_once():
 
 
 def test_llm_takes_an_engine_config_and_keyword_overrides(checkpoints):
-    from fp4moe.engine.config import EngineConfig
-    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.front.config import EngineConfig
+    from fp4moe.engine.front.llm import LLM
 
     llm = LLM(checkpoints.bf16(), EngineConfig(dtype="float32", max_model_len=128), max_model_len=64)
     assert llm.engine_config.max_model_len == llm.max_model_len == 64
@@ -138,14 +138,14 @@ def test_max_num_seqs_auto_sizes_by_memory(checkpoints):
     """serve's default: on the GPU the largest graph bucket whose per-sequence states take at most a quarter
     of what the model leaves (H200-sized arithmetic below: 61 MiB of Gated DeltaNet state per sequence of the
     full-size model, 243 MiB with speculation's history and ring at k = 2), 16 on the CPU; never more than 256."""
-    from fp4moe.engine.cuda_runner import GRAPH_BATCH_SIZES
-    from fp4moe.engine.llm import LLM
-    from fp4moe.engine.memory import auto_max_num_seqs
+    from fp4moe.engine.device.memory import auto_max_num_seqs
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.runner.cuda_runner import GRAPH_BATCH_SIZES
 
     gib, mib = 2**30, 2**20
     import torch
 
-    from fp4moe.engine.memory import state_bytes_per_sequence
+    from fp4moe.engine.device.memory import state_bytes_per_sequence
     from fp4moe.models.full_size import REAL_TEXT_CONFIG
     from fp4moe.models.qwen3_5_moe import ModelArgs
 

@@ -1,7 +1,9 @@
 """The package's import graph, read from the source (every ``import``, at module level or inside a function;
 ``if TYPE_CHECKING:`` blocks left out, they never run): no circle between modules, and every arrow between
-two subpackages goes down the layers docs/design.md states -- formats < kernels < layers < models <
-quantize, engine < eval, bench < server < cli. A new module that imports upward fails here with the arrow."""
+two subpackages goes down the layers docs/design.md states -- formats < kernels < layers < models < quantize,
+engine < eval, bench < server < cli -- and so does every arrow between two of the engine's rooms (its
+sub-packages): device < request < reference < runner, loading < spec < loop < front. A new module that imports
+upward fails here with the arrow."""
 
 from __future__ import annotations
 
@@ -30,6 +32,20 @@ LAYERS = {
     "server": 7,
     "cli": 8,
     "__main__": 9,  # python -m fp4moe: the command
+}
+
+
+# the engine's rooms, by the same rule one level down (runner and loading know nothing of each other)
+ENGINE_ROOMS = {
+    "__init__": 0,
+    "device": 1,
+    "request": 2,
+    "reference": 3,
+    "runner": 4,
+    "loading": 4,
+    "spec": 5,
+    "loop": 6,
+    "front": 7,
 }
 
 
@@ -80,22 +96,64 @@ def _subpackage(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+def _room(module: str) -> str:
+    """The engine room (sub-package) of an engine module: ``fp4moe.engine.loop.core`` -> ``loop``."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
 def test_every_subpackage_has_a_layer():
     assert {_subpackage(m) for m in _modules()} == set(LAYERS)
 
 
-def test_no_import_runs_up_the_layers():
-    upward = sorted(
+def test_every_engine_module_is_in_a_room():
+    assert {_room(m) for m in _modules() if _subpackage(m) == "engine"} == set(ENGINE_ROOMS)
+
+
+def _upward(graph, level_of, where) -> list[str]:
+    return sorted(
         f"{a} -> {b}"
-        for a, targets in _graph().items()
+        for a, targets in graph.items()
         for b in targets
-        if _subpackage(a) != _subpackage(b) and LAYERS[_subpackage(a)] <= LAYERS[_subpackage(b)]
+        if where(a) != where(b) and level_of[where(a)] <= level_of[where(b)]
     )
+
+
+def test_no_import_runs_up_the_layers():
+    upward = _upward(_graph(), LAYERS, _subpackage)
     assert not upward, "imports that run up (or across) the layers:\n" + "\n".join(upward)
 
 
+def test_no_import_runs_up_the_engines_rooms():
+    engine = {
+        a: {b for b in t if _subpackage(b) == "engine"}
+        for a, t in _graph().items()
+        if _subpackage(a) == "engine"
+    }
+    upward = _upward(engine, ENGINE_ROOMS, _room)
+    assert not upward, "engine imports that run up (or across) its rooms:\n" + "\n".join(upward)
+
+
+def _room_graph() -> dict[str, set[str]]:
+    """The rooms' own graph: an arrow from room a to room b where a module of a imports one of b."""
+    rooms: dict[str, set[str]] = {r: set() for r in ENGINE_ROOMS}
+    for a, targets in _graph().items():
+        if _subpackage(a) == "engine":
+            rooms[_room(a)].update(
+                _room(b) for b in targets if _subpackage(b) == "engine" and _room(b) != _room(a)
+            )
+    return rooms
+
+
+def test_the_engines_rooms_form_no_circle():
+    _no_circle(_room_graph(), "room circle")
+
+
 def test_no_import_circle():
-    graph = _graph()
+    _no_circle(_graph(), "import circle")
+
+
+def _no_circle(graph: dict[str, set[str]], what: str) -> None:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(module: str, path: list[str]) -> None:
@@ -103,7 +161,7 @@ def test_no_import_circle():
         for nxt in sorted(graph[module]):
             if state.get(nxt) == 1:
                 circle = path[path.index(nxt) :] + [nxt]
-                pytest.fail("import circle: " + " -> ".join(circle))
+                pytest.fail(f"{what}: " + " -> ".join(circle))
             if nxt not in state:
                 visit(nxt, path + [nxt])
         state[module] = 2
@@ -130,3 +188,23 @@ def test_the_check_sees_an_upward_arrow_and_a_circle(tmp_path, monkeypatch):
         test_no_import_runs_up_the_layers()
     with pytest.raises(pytest.fail.Exception, match="import circle"):
         test_no_import_circle()
+
+
+def test_the_check_sees_an_upward_arrow_between_rooms(tmp_path, monkeypatch):
+    """The rooms' checks can fail: the loop importing a front, and the front importing the loop back."""
+    pkg = tmp_path / "fp4moe"
+    for sub in ("engine", "engine/loop", "engine/front"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine" / "loop" / "core.py").write_text(
+        "def f():\n    from fp4moe.engine.front.llm import LLM\n"
+    )
+    (pkg / "engine" / "front" / "llm.py").write_text("from fp4moe.engine.loop.core import EngineCore\n")
+    monkeypatch.setattr(f"{__name__}.ROOT", pkg)
+    with pytest.raises(AssertionError, match="fp4moe.engine.loop.core -> fp4moe.engine.front.llm"):
+        test_no_import_runs_up_the_engines_rooms()
+    with pytest.raises(
+        pytest.fail.Exception, match="room circle: front -> loop -> front|room circle: loop -> front -> loop"
+    ):
+        test_the_engines_rooms_form_no_circle()

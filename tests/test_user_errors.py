@@ -132,7 +132,7 @@ def test_vllm_exec_without_vllm(checkpoints, tmp_path, monkeypatch, capsys):
 
 
 def test_port_in_use_is_found_before_the_model_loads(checkpoints, monkeypatch, capsys):
-    import fp4moe.engine.process as process
+    import fp4moe.engine.front.process as process
 
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the port was checked")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from fp4moe.engine.compare import greedy_agreement
-from fp4moe.engine.cuda_runner import CudaModelRunner
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.spec_decode import MTPSpeculator
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.reference.compare import greedy_agreement
+from fp4moe.engine.runner.cuda_runner import CudaModelRunner
+from fp4moe.engine.spec.spec_decode import MTPSpeculator
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[5, 17, 300, 2, 9], list(range(40, 110)), [7]]
@@ -33,7 +33,7 @@ def _all_pages_back(runner) -> bool:
 
 def _fused(llm: LLM, kv_cache_dtype: str = "auto", spec_tokens: int = 0, **sizes) -> None:
     sizes = {"max_num_seqs": 4, "max_model_len": 256, **sizes}
-    scales = llm.runner.kv_scales  # the CPU runner's, fixed when the LLM started (engine.kv_scales)
+    scales = llm.runner.kv_scales  # the CPU runner's, fixed when the LLM started (engine.loading.kv_scales)
     llm.runner = CudaModelRunner(
         llm.model, None, llm.device, kv_cache_dtype, num_pages=20, page_size=16, cuda_graphs=DEV == "cuda",
         spec_tokens=spec_tokens, **sizes,
@@ -44,7 +44,9 @@ def _fused(llm: LLM, kv_cache_dtype: str = "auto", spec_tokens: int = 0, **sizes
     # prefill sums the experts in fp32, the modules in bf16: test_fused_decode_... checks it on its own)
     llm.runner.fused_prefill = False
     if spec_tokens:
-        llm.speculator = MTPSpeculator(llm, spec_tokens)
+        llm.speculator = MTPSpeculator(llm.model, llm.runner, llm.sampler, spec_tokens)
+    elif llm.speculator is not None:  # the module-path speculator verifies on the runner it is handed
+        llm.speculator.runner = llm.runner
 
 
 MIXED = "attention,shared,deltanet:fp8,lm_head"  # NVFP4 and FP8 linears in the fused projections

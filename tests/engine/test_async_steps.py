@@ -12,8 +12,8 @@ pytest.importorskip("triton")
 
 from runner_cases import DEV, PROMPTS, _agree, _all_pages_back, _fused  # noqa: E402
 
-from fp4moe.engine.llm import LLM  # noqa: E402
-from fp4moe.engine.sampler import SamplingParams  # noqa: E402
+from fp4moe.engine.front.llm import LLM  # noqa: E402
+from fp4moe.engine.request.sampler import SamplingParams  # noqa: E402
 
 
 def test_async_scheduling_overlaps_decode_steps_and_keeps_the_tokens(checkpoints):
@@ -25,9 +25,8 @@ def test_async_scheduling_overlaps_decode_steps_and_keeps_the_tokens(checkpoints
     back."""
     from types import SimpleNamespace
 
-    from fp4moe.engine.core import EngineCore
-    from fp4moe.engine.scheduler import SchedulerConfig
-    from fp4moe.engine.sequence import FinishReason
+    from fp4moe.engine.loop.scheduler import SchedulerConfig
+    from fp4moe.engine.request.sequence import FinishReason
 
     path = checkpoints.bf16()
     prompts = [[5, 17, 300, 2, 9], list(range(40, 70)), [7, 8], [11, 12, 13]]
@@ -40,17 +39,17 @@ def test_async_scheduling_overlaps_decode_steps_and_keeps_the_tokens(checkpoints
     ref_params = [greedy, SamplingParams(**{**vars(greedy), "stop_token_ids": [stop_token]}),
                   SamplingParams(**{**vars(greedy), "max_tokens": 3})]  # fmt: skip
     ref = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], ref_params)
-    core = EngineCore(llm, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), async_scheduling=True)
+    core = llm.new_core(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), async_scheduling=True)
     params = [SamplingParams(**{**vars(p), "logprobs": None}) for p in ref_params] + [
         SamplingParams(max_tokens=6, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True),
         SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
     ]
     seqs = [
-        core.make_sequences({"prompt_token_ids": p}, q)[0]
+        llm.make_sequences({"prompt_token_ids": p}, q)[0]
         for p, q in zip(prompts[:3], params[:3], strict=True)
     ]
-    sampled = core.make_sequences({"prompt_token_ids": prompts[3]}, params[3])[0]
-    penalized = core.make_sequences({"prompt_token_ids": [3, 3, 4]}, params[4])[0]
+    sampled = llm.make_sequences({"prompt_token_ids": prompts[3]}, params[3])[0]
+    penalized = llm.make_sequences({"prompt_token_ids": [3, 3, 4]}, params[4])[0]
     core.add(seqs + [penalized])
     tokens = collections.Counter()  # tokens handed out per sequence
 
@@ -83,7 +82,7 @@ def test_async_scheduling_overlaps_decode_steps_and_keeps_the_tokens(checkpoints
     assert _all_pages_back(llm.runner)
 
     # an abort while a step is in flight: the sequence gets nothing more, its caches come back
-    a, b = (core.make_sequences({"prompt_token_ids": p}, params[0])[0] for p in prompts[:2])
+    a, b = (llm.make_sequences({"prompt_token_ids": p}, params[0])[0] for p in prompts[:2])
     core.add([a, b])
     while core.stats.async_steps < 8 or core._inflight is None:
         step()
@@ -95,8 +94,8 @@ def test_async_scheduling_overlaps_decode_steps_and_keeps_the_tokens(checkpoints
     assert _all_pages_back(llm.runner)
 
     # every slot taken and a request waiting: the steps keep overlapping until a slot frees
-    full = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), async_scheduling=True)
-    trio = [full.make_sequences({"prompt_token_ids": p}, params[0])[0] for p in prompts[:3]]
+    full = llm.new_core(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), async_scheduling=True)
+    trio = [llm.make_sequences({"prompt_token_ids": p}, params[0])[0] for p in prompts[:3]]
     full.add(trio)
     overlapped_while_waiting = 0
     while full.has_work():
@@ -114,9 +113,8 @@ def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeyp
     with the head caught up. Greedy tokens are plain decoding's (verification keeps the target's tokens
     whatever the drafts; near ties excepted). A request that arrives while the head keeps failing starts
     backed off."""
-    import fp4moe.engine.spec_policy as spec_policy
-    from fp4moe.engine.core import EngineCore
-    from fp4moe.engine.scheduler import SchedulerConfig
+    import fp4moe.engine.spec.spec_policy as spec_policy
+    from fp4moe.engine.loop.scheduler import SchedulerConfig
 
     monkeypatch.setattr(spec_policy, "PROBE_ROUNDS", 2)  # short phases: every step runs Triton's interpreter
     monkeypatch.setattr(spec_policy, "BACKOFF_STEPS", 2)
@@ -138,9 +136,9 @@ def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeyp
         "launch_round",
         lambda seqs, chained=False: probes.append(len(seqs)) or launch_round(seqs, chained),
     )
-    core = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=128), async_scheduling=True)
+    core = llm.new_core(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=128), async_scheduling=True)
     params = SamplingParams(**{**vars(greedy), "logprobs": None})
-    seqs = [core.make_sequences(p, params)[0] for p in prompts]
+    seqs = [llm.make_sequences(p, params)[0] for p in prompts]
     core.add(seqs)
     rounds_before_async = None
     while core.has_work():
@@ -162,7 +160,7 @@ def test_backed_off_speculation_decodes_through_async_steps(checkpoints, monkeyp
     # first decode step
     assert not spec.policy.head_pays()
     monkeypatch.setattr(spec_policy, "BACKOFF_STEPS", 4)  # its 4 steps after the first token, all backed off
-    late = core.make_sequences(prompts[0], SamplingParams(**{**vars(params), "max_tokens": 5}))[0]
+    late = llm.make_sequences(prompts[0], SamplingParams(**{**vars(params), "max_tokens": 5}))[0]
     core.add([late])
     probed, overlapped = len(probes), core.stats.async_steps
     while core.has_work():
@@ -178,8 +176,7 @@ def test_speculative_rounds_run_ahead_of_their_tokens(checkpoints, monkeypatch):
     round), the tokens are exactly those of synchronous rounds (the same graphs on the same inputs); a stop
     token that ends a sequence while its next round is in flight drops that round's tokens, an abort
     likewise; every token is handed out once and every page comes back."""
-    from fp4moe.engine.core import EngineCore
-    from fp4moe.engine.scheduler import SchedulerConfig
+    from fp4moe.engine.loop.scheduler import SchedulerConfig
 
     monkeypatch.setenv("FP4MOE_FORCE_ACCEPTANCE", "1.0")  # read when the speculator is built
     path, k, n = checkpoints.bf16(), 2, 8
@@ -197,9 +194,9 @@ def test_speculative_rounds_run_ahead_of_their_tokens(checkpoints, monkeypatch):
         """The prompts through an engine core -> each sequence's tokens; checks that each token was handed
         out once and every page came back. ``abort_at``: the last sequence is aborted once it holds that
         many tokens, a round in flight."""
-        core = EngineCore(llm, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128))
+        core = llm.new_core(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128))
         seqs = [
-            core.make_sequences({"prompt_token_ids": p}, q)[0] for p, q in zip(PROMPTS, params, strict=True)
+            llm.make_sequences({"prompt_token_ids": p}, q)[0] for p, q in zip(PROMPTS, params, strict=True)
         ]
         core.add(seqs)
         handed = collections.Counter()

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fp4moe.engine.compare import RouterMargins, greedy_agreement
+from fp4moe.engine.reference.compare import RouterMargins, greedy_agreement
 
 
 def _output(steps):

@@ -11,8 +11,8 @@ GENERATE = r"""
 import json, sys
 if sys.argv[2] == "hidden":
     sys.modules["triton"] = None  # every import of triton (and triton.language) raises ImportError
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.sampler import SamplingParams
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.request.sampler import SamplingParams
 
 llm = LLM(sys.argv[1], dtype="float32", device="cpu", max_model_len=128)
 out = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))

@@ -3,7 +3,7 @@
 Without CUDA the kernels run under Triton's interpreter on the CPU (graphs off); with CUDA the same test
 runs on the GPU with graphs on. Both paths compute in bf16 but in different orders (the interpreter's dots are
 numpy's, so OpenBLAS's kernel for the CPU at hand; the GPU's are cuBLAS's and ours), so greedy tokens must
-agree up to a near tie of the reference (fp4moe.engine.compare), on every CPU and on the GPU alike: a split
+agree up to a near tie of the reference (fp4moe.engine.reference.compare), on every CPU and on the GPU alike: a split
 ends that sequence's comparison, and each check says how many tokens it compared."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ pytest.importorskip("triton")
 
 from runner_cases import DEV, MIXED, PROMPTS, _agree, _all_pages_back, _emulate_graphs, _fused  # noqa: E402
 
-from fp4moe.engine.cuda_runner import CudaModelRunner  # noqa: E402
-from fp4moe.engine.llm import LLM  # noqa: E402
-from fp4moe.engine.sampler import SamplingParams  # noqa: E402
+from fp4moe.engine.front.llm import LLM  # noqa: E402
+from fp4moe.engine.request.sampler import SamplingParams  # noqa: E402
+from fp4moe.engine.runner.cuda_runner import CudaModelRunner  # noqa: E402
 from fp4moe.layers.moe import SparseMoE  # noqa: E402
 
 
@@ -78,9 +78,8 @@ def test_fused_decode_logits_close_with_an_fp8_cache(checkpoints):
 def test_serving_engine_with_prefix_caching_on_the_paged_caches(checkpoints):
     """Continuous batching + prefix caching through the GPU runner's paged caches (snapshots of pages and
     state slots) gives the module path's tokens; every page is returned at the end."""
-    from fp4moe.engine.core import EngineCore
-    from fp4moe.engine.prefix_cache import PrefixCache
-    from fp4moe.engine.scheduler import SchedulerConfig
+    from fp4moe.engine.loop.prefix_cache import PrefixCache
+    from fp4moe.engine.loop.scheduler import SchedulerConfig
 
     path = checkpoints.quantized()
     p = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -91,8 +90,8 @@ def test_serving_engine_with_prefix_caching_on_the_paged_caches(checkpoints):
     if DEV == "cpu":
         _fused(llm)
     pc = PrefixCache(block_size=16, max_entries=8)
-    core = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32), prefix_cache=pc)
-    seqs = [core.make_sequences({"prompt_token_ids": x}, p)[0] for x in prompts]
+    core = llm.new_core(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32), prefix_cache=pc)
+    seqs = [llm.make_sequences({"prompt_token_ids": x}, p)[0] for x in prompts]
     core.add(seqs[:1])
     while not seqs[0].finished:
         core.step()
@@ -115,9 +114,8 @@ def test_mixed_steps_keep_decodes_on_the_fused_step(checkpoints, monkeypatch):
     """A step that mixes prefill chunks with decoding rows runs the chunks through the module path and the
     decodes through the fused step (they went through the module path before: issue 20's profile); plain
     greedy rows are sampled by one batched argmax. The tokens are the CPU module path's."""
-    from fp4moe.engine.core import EngineCore
-    from fp4moe.engine.model_runner import ModelRunner
-    from fp4moe.engine.scheduler import SchedulerConfig
+    from fp4moe.engine.loop.scheduler import SchedulerConfig
+    from fp4moe.engine.reference.model_runner import ModelRunner
 
     path = checkpoints.quantized()
     p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -142,8 +140,8 @@ def test_mixed_steps_keep_decodes_on_the_fused_step(checkpoints, monkeypatch):
 
     monkeypatch.setattr(ModelRunner, "run", module_run)
     monkeypatch.setattr(runner, "decode_step", decode_step)
-    core = EngineCore(llm, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16))
-    seqs = [core.make_sequences({"prompt_token_ids": x}, p)[0] for x in prompts]
+    core = llm.new_core(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16))
+    seqs = [llm.make_sequences({"prompt_token_ids": x}, p)[0] for x in prompts]
     core.add([seqs[0]])
     core.step()  # the first prompt's prefill: it decodes from the next step on
     core.add(seqs[1:])
@@ -265,7 +263,7 @@ def test_prefill_graph_groups_have_the_fewest_rows_and_replays():
     import itertools
     import random
 
-    from fp4moe.engine.prompt_buckets import REPLAY_ROWS
+    from fp4moe.engine.runner.prompt_buckets import REPLAY_ROWS
 
     served = [530] + [524] * 13 + [466]
     assert [b for _, b in _grouper(9216)(served)] == [(16, 576)]
@@ -321,7 +319,7 @@ def test_fresh_prompts_through_their_prefill_graph(checkpoints):
     (every other page as it was). The padding is what could go wrong: its decay and write strength are
     masked, or the states would have run on for the padded rows. (Tokens through the graphs: the GPU runs of
     this file.)"""
-    from fp4moe.engine.sequence import Sequence
+    from fp4moe.engine.request.sequence import Sequence
 
     path = checkpoints.bf16()  # (the experts' format is the MoE's business, the same on both paths)
     prompts = {
@@ -382,8 +380,8 @@ def test_a_prefill_graph_captured_without_an_eager_run_first(checkpoints, monkey
     order: exact). A capture that would compile falls back to the eager run first."""
     from contextlib import contextmanager
 
-    from fp4moe.engine import cuda_runner
-    from fp4moe.engine.sequence import Sequence
+    from fp4moe.engine.request.sequence import Sequence
+    from fp4moe.engine.runner import cuda_runner
     from fp4moe.kernels import compiles
 
     llm = LLM(checkpoints.quantized(), dtype="bfloat16", device="cuda", max_num_seqs=8)
@@ -436,7 +434,7 @@ def test_no_kernel_is_compiled_after_the_warm_up(checkpoints):
     llm = LLM(
         path, dtype="bfloat16", device="cuda", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024
     )
-    took = llm.warmup(256)
+    took = llm.warmup.run(256)
     phases = (
         "module path",
         "prompts through graphs",
@@ -445,8 +443,8 @@ def test_no_kernel_is_compiled_after_the_warm_up(checkpoints):
         "prefill graphs",
         "the rest",
     )
-    assert tuple(llm.warmup_phases) == phases and sum(llm.warmup_phases.values()) == pytest.approx(took)
-    done, total = llm.warmup_steps
+    assert tuple(llm.warmup.phases) == phases and sum(llm.warmup.phases.values()) == pytest.approx(took)
+    done, total = llm.warmup.steps
     assert done == total > 0  # the progress bar counted every generation and capture ahead
     assert llm.runner.direct_captures > 0  # prefill graphs whose kernels were compiled skipped the eager run
     rng = random.Random(20)

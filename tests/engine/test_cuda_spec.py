@@ -11,8 +11,8 @@ pytest.importorskip("triton")
 
 from runner_cases import DEV, PROMPTS, _agree, _all_pages_back, _emulate_graphs, _fused  # noqa: E402
 
-from fp4moe.engine.llm import LLM  # noqa: E402
-from fp4moe.engine.sampler import SamplingParams  # noqa: E402
+from fp4moe.engine.front.llm import LLM  # noqa: E402
+from fp4moe.engine.request.sampler import SamplingParams  # noqa: E402
 
 
 def test_speculation_through_the_gpu_runner_matches_plain_decoding(checkpoints):
@@ -48,7 +48,7 @@ def test_a_rejected_draft_head_stops_drafting_after_its_probe(checkpoints):
     """The tiny model's random MTP head: its drafts are almost never accepted, so after PROBE_ROUNDS fused
     rounds the sequence decodes plainly (not slower than without speculation, issue 20); the tokens stay
     plain greedy decoding's."""
-    from fp4moe.engine import spec_policy
+    from fp4moe.engine.spec import spec_policy
 
     prompts, params, ref, llm = _greedy_pair(checkpoints, 14)
     spec, rounds = llm.speculator, []
@@ -73,8 +73,8 @@ def test_rounds_that_lose_to_plain_steps_at_their_batch_stop(checkpoints, monkey
     rounds go on. The tokens stay plain greedy decoding's either way."""
     from contextlib import contextmanager
 
-    from fp4moe.engine import spec_policy
-    from fp4moe.engine.spec_cost import WINDOW, SpecCost
+    from fp4moe.engine.spec import spec_policy
+    from fp4moe.engine.spec.spec_cost import WINDOW, SpecCost
 
     monkeypatch.setattr(spec_policy, "MIN_ACCEPTED", 0.0)
     prompts, params, ref, llm = _greedy_pair(checkpoints, 16)
@@ -108,18 +108,17 @@ def test_first_drafts_on_the_fused_mtp_rows_are_the_module_paths(checkpoints, gr
     on the whole prompt, only each sequence's last row on through the MoE -- eagerly, or replaying the graph
     of the prompts' bucket (``FirstDrafts``; emulated on the CPU), padded rows and a padded sequence writing
     only the scratch slot. They are the module path's drafts up to a near tie of its draft logits (both bf16,
-    summed in other orders: the tie of fp4moe.engine.compare), and the head's cache and inputs end where the
+    summed in other orders: the tie of fp4moe.engine.reference.compare), and the head's cache and inputs end where the
     module path leaves them."""
-    from fp4moe.engine.core import EngineCore
-    from fp4moe.engine.scheduler import SchedulerConfig
+    from fp4moe.engine.loop.scheduler import SchedulerConfig
 
     llm = LLM(checkpoints.bf16(), dtype="bfloat16", device=DEV, num_speculative_tokens=2)
     if DEV == "cpu":
         _fused(llm, spec_tokens=2)
     spec, kv, states = llm.speculator, llm.runner.kv, llm.runner.states
-    core = EngineCore(llm, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256))
+    core = llm.new_core(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256))
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    seqs = [core.make_sequences({"prompt_token_ids": p}, greedy)[0] for p in PROMPTS]
+    seqs = [llm.make_sequences({"prompt_token_ids": p}, greedy)[0] for p in PROMPTS]
     core.add(seqs)
     core.step()  # the prompts, and each one's first token
     assert all(len(s.output_ids) == 1 and s.drafts is None for s in seqs)
@@ -218,8 +217,8 @@ def test_fused_speculative_round_samples(checkpoints, variant):
     (every one accepted: the sampled rows' bonus path); every token of a freely sampled sequence (the
     random MTP head's drafts, mostly rejected: residual draws) is one the target's filtered distribution at
     its position keeps."""
-    from fp4moe.engine.cuda_spec import GREEDY, SAMPLED, SORTED
-    from fp4moe.engine.sampler import filter_logits
+    from fp4moe.engine.request.sampler import filter_logits
+    from fp4moe.engine.spec.cuda_spec import GREEDY, SAMPLED, SORTED
     from fp4moe.eval.quality import window_outputs
 
     path = checkpoints.bf16()
@@ -314,7 +313,7 @@ def test_top_p_sequences_decode_plainly_next_to_speculating_ones(checkpoints):
     sampled_logits = {}  # run -> the top-p sequence's logits per step, as its sampler saw them
 
     def record(llm, run):
-        sample_all = llm.sample_all  # every sampling goes through it
+        sample_all = llm.sampler.sample_all  # every sampling goes through it
 
         def wrapped(results):
             for seq, logits in results:
@@ -322,7 +321,7 @@ def test_top_p_sequences_decode_plainly_next_to_speculating_ones(checkpoints):
                     sampled_logits.setdefault(run, []).append(logits.float().cpu().clone())
             return sample_all(results)
 
-        llm.sample_all = wrapped
+        llm.sampler.sample_all = wrapped
 
     record(plain, "plain")
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
@@ -368,8 +367,7 @@ def test_plain_steps_under_load_leave_the_mtp_cache_to_the_head(checkpoints):
     it writes the target's keys/values only, so the MTP layer's cache length stays where the head's own
     catch-up left it (else the catch-up would write past it); once the batch shrinks, drafting resumes and
     the tokens are plain greedy decoding's."""
-    from fp4moe.engine.core import EngineCore
-    from fp4moe.engine.scheduler import SchedulerConfig
+    from fp4moe.engine.loop.scheduler import SchedulerConfig
 
     path = checkpoints.bf16()
     lengths = (3, 6)
@@ -397,9 +395,9 @@ def test_plain_steps_under_load_leave_the_mtp_cache_to_the_head(checkpoints):
             checked.append((kv.length(mtp_layer, s.slot), s.mtp_cached))
 
     spec.plain_steps = plain_steps
-    core = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64))
+    core = llm.new_core(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64))
     seqs = [
-        core.make_sequences(
+        llm.make_sequences(
             {"prompt_token_ids": p}, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         )[0]
         for p, n in zip(PROMPTS, lengths, strict=False)

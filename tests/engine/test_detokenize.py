@@ -3,8 +3,8 @@ the output ids, the streamed deltas add up to it, and the work per token stays b
 
 import torch
 
-from fp4moe.engine.sampler import SampleResult, SamplingParams
-from fp4moe.engine.sequence import MAX_WINDOW, Sequence
+from fp4moe.engine.request.sampler import SampleResult, SamplingParams
+from fp4moe.engine.request.sequence import MAX_WINDOW, Sequence
 from fp4moe.models.tiny import train_tokenizer
 
 TOK = train_tokenizer(1000)

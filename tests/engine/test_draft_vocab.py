@@ -1,4 +1,4 @@
-"""The MTP head's draft vocabulary (``engine.draft_vocab``): which ids it holds, the lm_head's rows for them in
+"""The MTP head's draft vocabulary (``engine.spec.draft_vocab``): which ids it holds, the lm_head's rows for them in
 every weight format (``Linear.rows``: the same outputs as the full lm_head's columns, fp32 on the CPU, 1e-6 for
 the matmul's blocking), and the head's draft logits (-inf outside the ids, argmax among them). That outputs
 do not change with it is tests/engine/test_spec_decode.py's."""
@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from fp4moe.engine.draft_vocab import draft_token_ids
+from fp4moe.engine.spec.draft_vocab import draft_token_ids
 from fp4moe.formats import fp8, nvfp4
 from fp4moe.layers.linear import Linear
 from fp4moe.models.qwen3_5_moe_model import MTPHead

@@ -4,9 +4,9 @@ shape, dtype and device -- NVFP4, FP8 and bf16 where the checkpoint has them -- 
 import pytest
 import torch
 
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.loader import load_model
-from fp4moe.engine.sampler import SamplingParams
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.loading.loader import load_model
+from fp4moe.engine.request.sampler import SamplingParams
 
 
 def _layout(model) -> dict[str, tuple]:

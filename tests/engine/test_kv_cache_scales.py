@@ -1,4 +1,4 @@
-"""An fp8 KV cache's scales are fixed when the engine starts (``engine.kv_scales``): the checkpoint's
+"""An fp8 KV cache's scales are fixed when the engine starts (``engine.loading.kv_scales``): the checkpoint's
 calibrated ones where it has them, else calibrated on the packaged text; so a request's answer is the same
 bit for bit whatever the engine served before it (the scales once came from the first prefill)."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from runner_cases import DEV, _fused
 
-from fp4moe.engine import kv_scales
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.sampler import SamplingParams
-from fp4moe.engine.sequence import Sequence
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.loading import kv_scales
+from fp4moe.engine.request.sampler import SamplingParams
+from fp4moe.engine.request.sequence import Sequence
 from fp4moe.formats.checkpoint import CheckpointReader
 
 PREFIX = "model.language_model.layers."
@@ -25,7 +25,7 @@ def _answer(llm, before: list[list[int]]):
     core = llm.new_core()
 
     def serve(prompt, params):
-        (seq,) = core.make_sequences(prompt, params)
+        (seq,) = llm.make_sequences(prompt, params)
         core.add([seq])
         while core.has_work():
             core.step()

@@ -8,9 +8,9 @@ import torch
 from test_parity import ATOL, _flat_prefill, _prompts, _ref_logits, _reference  # noqa: I001
 
 from fixtures import load_all, no_eos, rewrite_tensors
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.loader import load_model
-from fp4moe.engine.sampler import SamplingParams
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.loading.loader import load_model
+from fp4moe.engine.request.sampler import SamplingParams
 from fp4moe.formats import nvfp4
 from fp4moe.quantize.dequant import dequantized_state_dict
 

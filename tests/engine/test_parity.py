@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from fixtures import no_eos
-from fp4moe.engine.context import StepContext
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.loader import load_model
-from fp4moe.engine.model_runner import ModelRunner
-from fp4moe.engine.sampler import SamplingParams
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.loading.loader import load_model
+from fp4moe.engine.reference.context import StepContext
+from fp4moe.engine.reference.model_runner import ModelRunner
+from fp4moe.engine.request.sampler import SamplingParams
 from fp4moe.models.tiny import CheckpointLayout
 from fp4moe.quantize.dequant import dequantized_state_dict
 
@@ -222,7 +222,7 @@ def _chunked_logits(llm: LLM, prompt: list[int], chunk: int, wanted: set[int], s
     chunk, which sets the scales, through the module path), then ``steps`` decode steps (on the GPU the fused,
     graph-captured step) feeding ``tokens`` (default: greedy from its own logits) -> ({position: fp32 logits
     of the token there} for ``wanted`` positions and every decode step, the sequence)."""
-    from fp4moe.engine.sequence import Sequence
+    from fp4moe.engine.request.sequence import Sequence
 
     runner, n = llm.runner, len(prompt)
     kv, states = runner.new_caches()

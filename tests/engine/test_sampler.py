@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.prompts import PromptError
-from fp4moe.engine.sampler import (
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.request.prompts import PromptError
+from fp4moe.engine.request.sampler import (
     SampleRow,
     SamplingParams,
     _finite,
@@ -212,8 +212,8 @@ class ByteTokenizer:
 
 
 def _stream(pieces: list[bytes], params: SamplingParams) -> tuple[list[str], str]:
-    from fp4moe.engine.sampler import SampleResult
-    from fp4moe.engine.sequence import Sequence
+    from fp4moe.engine.request.sampler import SampleResult
+    from fp4moe.engine.request.sequence import Sequence
 
     tok = ByteTokenizer(pieces)
     seq = Sequence(0, [0], params, slot=0)

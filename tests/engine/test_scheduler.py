@@ -2,10 +2,10 @@
 
 import pytest
 
-from fp4moe.engine.core import EngineCore
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.sampler import SamplingParams
-from fp4moe.engine.scheduler import QueueFullError, SchedulerConfig
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.loop.core import EngineCore
+from fp4moe.engine.loop.scheduler import QueueFullError, SchedulerConfig
+from fp4moe.engine.request.sampler import SamplingParams
 
 PROMPTS = ["a", "The Python tutorial " * 12, "x y z", "def f(x):\n    return x * 2\n" * 3, "Hello"]
 
@@ -21,9 +21,9 @@ def _reference(llm, max_tokens):
 
 
 def _serve(llm, config, max_tokens, arrivals=None):
-    core = EngineCore(llm, config)
+    core = llm.new_core(config)
     p = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    seqs = [core.make_sequences(x, p)[0] for x in PROMPTS]
+    seqs = [llm.make_sequences(x, p)[0] for x in PROMPTS]
     arrivals = arrivals or [0] * len(seqs)
     step, max_batch = 0, 0
     while any(not s.finished for s in seqs):
@@ -50,8 +50,8 @@ def test_continuous_batching_with_chunked_prefill_matches_sequential(llm):
 def test_whole_prompts_wait_for_a_step_rather_than_split():
     """``whole_prompts``: a fresh prompt that the next step could take whole (beside the running decodes)
     waits instead of being split; one that no step could take whole still is; FIFO holds."""
-    from fp4moe.engine.scheduler import Scheduler
-    from fp4moe.engine.sequence import Sequence
+    from fp4moe.engine.loop.scheduler import Scheduler
+    from fp4moe.engine.request.sequence import Sequence
 
     def admit(lens, whole, decoding=0, budget=32):
         sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, whole_prompts=whole))
@@ -86,18 +86,18 @@ def test_preemption_by_recompute_when_the_cache_is_full(llm):
 
 
 def test_bounded_waiting_queue(llm):
-    core = EngineCore(llm, SchedulerConfig(max_waiting=2))
+    core = llm.new_core(SchedulerConfig(max_waiting=2))
     p = SamplingParams(max_tokens=2)
-    core.add(core.make_sequences("a", p))
-    core.add(core.make_sequences("b", p))
+    core.add(llm.make_sequences("a", p))
+    core.add(llm.make_sequences("b", p))
     with pytest.raises(QueueFullError, match="waiting queue is full"):
-        core.add(core.make_sequences("c", p))
+        core.add(llm.make_sequences("c", p))
 
 
 def test_abort_frees_everything(llm):
-    core = EngineCore(llm, SchedulerConfig(max_num_seqs=2))
+    core = llm.new_core(SchedulerConfig(max_num_seqs=2))
     p = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
-    a, b = core.make_sequences("first", p)[0], core.make_sequences("second", p)[0]
+    a, b = llm.make_sequences("first", p)[0], llm.make_sequences("second", p)[0]
     core.add([a, b])
     for _ in range(3):
         core.step()
@@ -110,16 +110,16 @@ def test_abort_frees_everything(llm):
 
 
 def test_prefix_cache_reuses_kv_and_deltanet_states(llm):
-    from fp4moe.engine.prefix_cache import PrefixCache
+    from fp4moe.engine.loop.prefix_cache import PrefixCache
 
     pc = PrefixCache(block_size=16, max_entries=8)
-    core = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), prefix_cache=pc)
+    core = llm.new_core(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), prefix_cache=pc)
     p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     base = "The Python tutorial explains data structures. " * 4
     longer = base + "Then it moves on to modules and packages."
 
     def run(prompt):
-        seq = core.make_sequences(prompt, p)[0]
+        seq = llm.make_sequences(prompt, p)[0]
         core.add([seq])
         steps = 0
         while not seq.finished:
@@ -144,7 +144,7 @@ def test_prefix_cache_holds_at_most_its_bytes(llm):
     """Snapshots are bounded in host bytes as well as in number (a long-context prompt's snapshot is
     gigabytes): the oldest go first, and a prompt whose snapshot alone would pass the bound takes none (its
     prefill is not split at a snapshot boundary either) and still decodes the same tokens."""
-    from fp4moe.engine.prefix_cache import PrefixCache
+    from fp4moe.engine.loop.prefix_cache import PrefixCache
 
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     prompts = [
@@ -153,7 +153,7 @@ def test_prefix_cache_holds_at_most_its_bytes(llm):
     ]
 
     def run(core, prompt):
-        seq = core.make_sequences(prompt, p)[0]
+        seq = llm.make_sequences(prompt, p)[0]
         core.add([seq])
         split = seq.stop_at
         while not seq.finished:
@@ -162,13 +162,13 @@ def test_prefix_cache_holds_at_most_its_bytes(llm):
 
     probe = PrefixCache(block_size=16)
     run(
-        EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), prefix_cache=probe),
+        llm.new_core(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), prefix_cache=probe),
         prompts[0],
     )
     one = probe.bytes
     assert one > 0 and len(probe._entries) == 1
     pc = PrefixCache(block_size=16, max_entries=8, max_bytes=one * 3 // 2)
-    core = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), prefix_cache=pc)
+    core = llm.new_core(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), prefix_cache=pc)
     run(core, prompts[0])
     assert pc.bytes == one and len(pc._entries) == 1
     second, _ = run(core, prompts[1])  # the first snapshot makes room for the second
@@ -202,7 +202,11 @@ def test_fp8_kv_cache_stays_close_to_exact(checkpoints):
 
 
 def test_cache_budget_from_device_memory():
-    from fp4moe.engine.memory import cache_budget_tokens, deltanet_bytes_per_sequence, kv_bytes_per_token
+    from fp4moe.engine.device.memory import (
+        cache_budget_tokens,
+        deltanet_bytes_per_sequence,
+        kv_bytes_per_token,
+    )
     from fp4moe.models.qwen3_5_moe import REAL_TEXT_CONFIG, ModelArgs
 
     real = ModelArgs.from_text_config(REAL_TEXT_CONFIG)
@@ -232,7 +236,7 @@ def test_cache_budget_from_device_memory():
 def test_kv_pages_from_device_memory():
     """The GPU runner's KV pages: 90% of 141 GiB less the 40 GiB in use and a 4 GiB activation reserve,
     in pages of 64 tokens of 10,240 B, capped at what 64 sequences of 16K tokens fill (and one more)."""
-    from fp4moe.engine.memory import kv_pages
+    from fp4moe.engine.device.memory import kv_pages
 
     gib = 1 << 30
     # 0.9 * 141 GiB = 136,257,837,465.6 B, less 44 GiB (47,244,640,256 B): 89,013,197,209 B = 8,692,695 tokens
@@ -246,15 +250,15 @@ def test_kv_pages_from_device_memory():
 
 def test_requests_that_can_never_run_are_refused_or_ended(llm):
     p = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
-    core = EngineCore(llm, SchedulerConfig(max_cached_tokens=20))
+    core = llm.new_core(SchedulerConfig(max_cached_tokens=20))
     with pytest.raises(ValueError, match="does not fit the cache budget"):
-        core.add(core.make_sequences("word " * 30, p))
-    core = EngineCore(llm, SchedulerConfig(max_num_batched_tokens=8, enable_chunked_prefill=False))
+        core.add(llm.make_sequences("word " * 30, p))
+    core = llm.new_core(SchedulerConfig(max_num_batched_tokens=8, enable_chunked_prefill=False))
     with pytest.raises(ValueError, match="chunked prefill is off"):
-        core.add(core.make_sequences("word " * 30, p))
+        core.add(llm.make_sequences("word " * 30, p))
     # a lone sequence that outgrows the cache ends with "length" instead of being preempted forever
-    core = EngineCore(llm, SchedulerConfig(max_cached_tokens=12))
-    seq = core.make_sequences("hi there", p)[0]
+    core = llm.new_core(SchedulerConfig(max_cached_tokens=12))
+    seq = llm.make_sequences("hi there", p)[0]
     core.add([seq])
     for _ in range(40):
         if seq.finished:
@@ -270,9 +274,9 @@ def test_cache_budget_is_never_exceeded(llm):
     expected = _reference(llm, 10)
     budget = 100
     config = SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=24, max_cached_tokens=budget)
-    core = EngineCore(llm, config)
+    core = llm.new_core(config)
     p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    seqs = [core.make_sequences(x, p)[0] for x in PROMPTS]
+    seqs = [llm.make_sequences(x, p)[0] for x in PROMPTS]
     kv, sched = core.kv, core.scheduler
     attention_layers = {i for i, t in enumerate(llm.model.args.layer_types) if t == "full_attention"}
 
@@ -326,7 +330,7 @@ def test_generate_is_the_servers_engine_loop(checkpoints, monkeypatch):
 
 
 def test_sequence_token_access_copies_nothing_and_agrees_with_all_ids():
-    from fp4moe.engine.sequence import Sequence
+    from fp4moe.engine.request.sequence import Sequence
 
     seq = Sequence(0, [5, 6, 7], SamplingParams(), slot=0, output_ids=[8, 9])
     assert seq.num_tokens == len(seq.all_ids) == 5
@@ -394,8 +398,8 @@ def test_without_a_prefix_cache_a_step_continues_one_prompt_at_most(seed, chunke
     chunks that continue a prompt (cached tokens before it, more than the one token of a decode)."""
     import random
 
-    from fp4moe.engine.scheduler import Scheduler
-    from fp4moe.engine.sequence import Sequence
+    from fp4moe.engine.loop.scheduler import Scheduler
+    from fp4moe.engine.request.sequence import Sequence
 
     rng = random.Random(seed)
     budget = 64

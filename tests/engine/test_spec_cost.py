@@ -3,7 +3,7 @@ plain steps at the same batch bucket. The arithmetic is exact (fp64 on given tim
 
 from __future__ import annotations
 
-from fp4moe.engine.spec_cost import PLAIN_EVERY, WINDOW, SpecCost, batch_bucket
+from fp4moe.engine.spec.spec_cost import PLAIN_EVERY, WINDOW, SpecCost, batch_bucket
 
 
 def _rounds(cost: SpecCost, n: int, ms: float, tokens: float, count: int) -> list:
@@ -55,7 +55,7 @@ def test_nothing_is_judged_on_the_cpu():
 def test_timed_work_is_read_as_it_finishes(monkeypatch):
     """``timed`` reads what has finished each time (a server of plain steps alone asks for no verdict, and
     its events must not pile up); unfinished work waits, in order."""
-    import fp4moe.engine.spec_cost as sc
+    import fp4moe.engine.spec.spec_cost as sc
 
     class Event:  # a stand-in CUDA event: done once ``done`` says so
         done = set()

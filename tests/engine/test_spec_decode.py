@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.sampler import SamplingParams
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.request.sampler import SamplingParams
 from fp4moe.models.tiny import CheckpointLayout, TinySpec
 
 PROMPTS = ["Hello there", "The Python tutorial " * 10, [5, 6, 7]]
@@ -83,7 +83,7 @@ def test_rejection_sampling_reproduces_the_target_distribution(path):
     """The verify rule on synthetic target/draft distributions over 6 tokens: the first emitted token is
     distributed as the target's p (20,000 trials; total variation < 0.02, sampling noise ~0.006), and drafts
     are accepted at the theoretical rate sum(min(p, q))."""
-    from fp4moe.engine.sequence import Sequence
+    from fp4moe.engine.request.sequence import Sequence
 
     llm = LLM(path, dtype="float32", num_speculative_tokens=1)
     spec = llm.speculator
@@ -137,15 +137,14 @@ def test_no_mtp_head_is_a_clear_error(checkpoints):
 
 
 def test_continuous_batching_with_speculation_matches_sequential(path, reference):
-    from fp4moe.engine.core import EngineCore
-    from fp4moe.engine.scheduler import SchedulerConfig
+    from fp4moe.engine.loop.scheduler import SchedulerConfig
 
     for drafter in ("mtp", "oracle"):
         llm = LLM(path, dtype="float32", num_speculative_tokens=2)
         if drafter == "oracle":
             llm.speculator.drafter = _oracle(llm, reference)
-        core = EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16))
-        seqs = [core.make_sequences(p, GREEDY)[0] for p in PROMPTS]
+        core = llm.new_core(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16))
+        seqs = [llm.make_sequences(p, GREEDY)[0] for p in PROMPTS]
         core.add(seqs)
         for _ in range(200):
             if all(s.finished for s in seqs):
@@ -158,17 +157,16 @@ def test_continuous_batching_with_speculation_matches_sequential(path, reference
 
 
 def test_speculation_with_prefix_caching_and_fp8_kv(path, reference):
-    from fp4moe.engine.core import EngineCore
-    from fp4moe.engine.prefix_cache import PrefixCache
-    from fp4moe.engine.scheduler import SchedulerConfig
+    from fp4moe.engine.loop.prefix_cache import PrefixCache
+    from fp4moe.engine.loop.scheduler import SchedulerConfig
 
     def serve(llm, prompts, prefix_cache=None):
-        core = EngineCore(
-            llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32), prefix_cache=prefix_cache
+        core = llm.new_core(
+            SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32), prefix_cache=prefix_cache
         )
         outs = []
         for prompt in prompts:  # one after the other, so later ones can hit the prefix cache
-            seq = core.make_sequences(prompt, GREEDY)[0]
+            seq = llm.make_sequences(prompt, GREEDY)[0]
             core.add([seq])
             while not seq.finished:
                 core.step()
@@ -193,8 +191,7 @@ def test_speculation_pauses_under_load_and_resumes(path, reference, monkeypatch)
     once the batch shrinks, drafting resumes with the MTP head caught up -- tokens equal plain decoding.
     Prompts and plain steps take the runner's own step (``run``, one loop with plain decoding's): no
     forward of the runner outside it."""
-    from fp4moe.engine.core import EngineCore
-    from fp4moe.engine.scheduler import SchedulerConfig
+    from fp4moe.engine.loop.scheduler import SchedulerConfig
 
     llm = LLM(path, dtype="float32", num_speculative_tokens=2, speculative_disable_by_batch_size=1)
     llm.speculator.drafter = _oracle(llm, reference)
@@ -215,8 +212,8 @@ def test_speculation_pauses_under_load_and_resumes(path, reference, monkeypatch)
 
     monkeypatch.setattr(runner, "run", counted_run)
     monkeypatch.setattr(runner, "forward", counted_forward)
-    core = EngineCore(llm, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64))
-    seqs = [core.make_sequences(p, GREEDY)[0] for p in PROMPTS]
+    core = llm.new_core(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64))
+    seqs = [llm.make_sequences(p, GREEDY)[0] for p in PROMPTS]
     core.add(seqs[:2])
     for _ in range(3):
         core.step()

@@ -3,12 +3,12 @@ its latest rounds accepted; whether a fresh request starts backed off, judged on
 The batch judgement (what rounds cost at their batch) is tests/engine/test_spec_cost.py's and, end to end,
 tests/engine/test_cuda_spec.py's."""
 
-from fp4moe.engine import spec_policy
-from fp4moe.engine.sampler import SamplingParams
-from fp4moe.engine.sequence import Sequence
-from fp4moe.engine.spec_cost import SpecCost
-from fp4moe.engine.spec_policy import SpecPolicy
-from fp4moe.engine.spec_stats import SpecStats
+from fp4moe.engine.request.sampler import SamplingParams
+from fp4moe.engine.request.sequence import Sequence
+from fp4moe.engine.spec import spec_policy
+from fp4moe.engine.spec.spec_cost import SpecCost
+from fp4moe.engine.spec.spec_policy import SpecPolicy
+from fp4moe.engine.spec.spec_stats import SpecStats
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 

@@ -1,4 +1,4 @@
-"""The fused round's sampling as tensor code (engine.spec_sampling): the per-row filter keeps what the
+"""The fused round's sampling as tensor code (engine.spec.spec_sampling): the per-row filter keeps what the
 sampler keeps, inverse-CDF draws never pick a dropped token, and the vectorised acceptance step emits the
 target's distribution (checked on many synthetic rows at once)."""
 
@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from fp4moe.engine.sampler import SamplingParams, filter_logits
-from fp4moe.engine.spec_sampling import accept_drafts, filter_probs, needs_sort, row_params, sample_rows
+from fp4moe.engine.request.sampler import SamplingParams, filter_logits
+from fp4moe.engine.spec.spec_sampling import accept_drafts, filter_probs, needs_sort, row_params, sample_rows
 
 V = 64
 
@@ -179,8 +179,8 @@ def test_fused_round_emits_the_target_chain(params):
     tokens of each sampled group are distributed as sampling its filtered chain alone (pairs and the third
     token's marginal, TV < 0.03 with noise ~0.01), greedy sequences follow the argmax chain, and the
     rolled-back state is the one after the last accepted row."""
-    from fp4moe.engine.cuda_spec import SAMPLED, SORTED, FusedSpecRound
-    from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.engine.request.sampler import SamplingParams
+    from fp4moe.engine.spec.cuda_spec import SAMPLED, SORTED, FusedSpecRound
 
     v, k, n = 6, 2, 50_000
     g = torch.Generator().manual_seed(4)

@@ -9,9 +9,9 @@ import torch
 
 from fixtures import no_eos
 from fp4moe.cli import main
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.multimodal import ImageError, expand_image_tokens, mrope_positions
-from fp4moe.engine.sampler import SamplingParams
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.request.multimodal import ImageError, expand_image_tokens, mrope_positions
+from fp4moe.engine.request.sampler import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,7 @@ def test_cli_generate_sampling_flags(checkpoints, capsys):
 def test_positions_of_chunks_that_end_inside_an_image_prompt():
     """Chunked prefill asks for the positions of any span: one that ends inside the prompt (it raised: a
     reversed arange), one that straddles its end, one after it."""
-    from fp4moe.engine.sequence import Sequence
+    from fp4moe.engine.request.sequence import Sequence
 
     prompt_positions = torch.tensor([[0, 1, 1, 1, 2], [0, 1, 1, 2, 3], [0, 1, 2, 1, 4]])
     seq = Sequence(0, [1, 2, 3, 4, 5], SamplingParams(), 0, prompt_positions=prompt_positions, rope_delta=-1)

@@ -11,8 +11,8 @@ pytest.importorskip("triton")
 
 from kernel_refs import BF16, DEV, RTOL, rel  # noqa: E402
 
-from fp4moe.engine.cache import DeltaNetStates, KVCache  # noqa: E402
-from fp4moe.engine.context import StepContext  # noqa: E402
+from fp4moe.engine.reference.cache import DeltaNetStates, KVCache  # noqa: E402
+from fp4moe.engine.reference.context import StepContext  # noqa: E402
 from fp4moe.kernels import attention as attn_k  # noqa: E402
 from fp4moe.kernels import gpu_arch  # noqa: E402
 from fp4moe.layers.attention import GatedAttention  # noqa: E402
@@ -27,7 +27,7 @@ def _attention_layer(gen, h=4, hkv=2, d=32, hidden=64):
 
 
 def _scales(*layers: int, k: float = 0.012, v: float = 0.009) -> dict:
-    """Fixed fp8 k/v scales (an fp8 cache's are set before its first write: ``engine.kv_scales``); about
+    """Fixed fp8 k/v scales (an fp8 cache's are set before its first write: ``engine.loading.kv_scales``); about
     the amax / 448 of these tests' unit-normal keys and values."""
     return {i: (torch.tensor(k, device=DEV), torch.tensor(v, device=DEV)) for i in layers}
 
@@ -121,7 +121,7 @@ def test_paged_append_step_is_append_per_sequence(dtype):
     """A step's keys/values stored at once (one scatter, the step's device layout) against ``append`` one
     sequence at a time: the same pages, lengths and returned k/v (exact: copies, and the same fp8 rounding
     with the layer's fixed scales), fresh prompts and continuing chunks mixed."""
-    from fp4moe.engine.paged_cache import PagedKVCache
+    from fp4moe.engine.runner.paged_cache import PagedKVCache
 
     gen = torch.Generator().manual_seed(15)
     caches = [PagedKVCache([3], 64, 4, 2, 8, 6, 64, dtype, BF16, DEV) for _ in range(2)]
@@ -156,7 +156,7 @@ def test_paged_prefill_attention_is_attend_over_each_whole_cache(dtype, monkeypa
     of 4 (tiles cross pages), single-row decodes and a fresh prompt in the same step, GQA groups of 4.
     Relative L2 < 2e-2 per sequence (bf16 probabilities into the value dot, fp32 softmax); the same pages
     and lengths as ``append`` would leave."""
-    from fp4moe.engine.paged_cache import PagedKVCache
+    from fp4moe.engine.runner.paged_cache import PagedKVCache
 
     dtype = _by_bits(dtype, monkeypatch)
     gen = torch.Generator().manual_seed(16)

@@ -11,8 +11,8 @@ pytest.importorskip("triton")
 
 from kernel_refs import BF16, DEV, RTOL, rel  # noqa: E402
 
-from fp4moe.engine.cache import DeltaNetStates, KVCache  # noqa: E402
-from fp4moe.engine.context import StepContext  # noqa: E402
+from fp4moe.engine.reference.cache import DeltaNetStates, KVCache  # noqa: E402
+from fp4moe.engine.reference.context import StepContext  # noqa: E402
 from fp4moe.kernels import gdn_decode as gdn_k  # noqa: E402
 from fp4moe.layers.deltanet import GatedDeltaNet  # noqa: E402
 
@@ -261,7 +261,7 @@ def test_causal_conv_normalises_q_and_k_as_fla_does(k_dim, hk, conv_kernel):
 def test_slot_states_gather_and_scatter_are_get_and_set():
     """The GPU states' batched read/write of a step against the per-slot get/set: exact (copies), stale
     ring entries and states of a fresh sequence read as zeros, positions wrap around the ring."""
-    from fp4moe.engine.paged_cache import SlotStates
+    from fp4moe.engine.runner.paged_cache import SlotStates
 
     gen = torch.Generator().manual_seed(12)
     conv_dim, kc, hv, dk, dv = 24, 4, 2, 8, 8
@@ -311,7 +311,7 @@ def test_deltanet_varlen_prefill_is_each_sequence_alone(monkeypatch):
     layer one sequence at a time: outputs and the states left behind. On the GPU with fla's kernels; on the
     CPU with a torch stand-in for fla's varlen call (same math as the per-sequence path), which checks the
     batching: the offsets, the gathered and stored states, the conv across sequence boundaries."""
-    from fp4moe.engine.paged_cache import SlotStates
+    from fp4moe.engine.runner.paged_cache import SlotStates
     from fp4moe.layers import deltanet
 
     if not (DEV.type == "cuda" and deltanet._fla_chunk() is not None):

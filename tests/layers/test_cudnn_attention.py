@@ -126,20 +126,24 @@ def test_the_engine_thread_builds_its_own_cudnn_plans(checkpoints, monkeypatch):
     (``LLM.warm_thread`` at the start of ``AsyncEngine``'s loop), for the step budget the warm-up ran at."""
     import threading
 
-    from fp4moe.engine.async_engine import AsyncEngine
-    from fp4moe.engine.core import EngineCore
-    from fp4moe.engine.llm import LLM
-    from fp4moe.engine.scheduler import SchedulerConfig
+    from fp4moe.engine.front.async_engine import AsyncEngine
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.loop.scheduler import SchedulerConfig
 
     calls = []
     monkeypatch.setattr(
         attention, "warm_cudnn", lambda *a: calls.append((threading.current_thread().name, *a))
     )
     llm = LLM(checkpoints.bf16(), dtype="float32")
-    llm.warm_thread()
+    llm.warmup.warm_thread()
     assert calls == []  # nothing before a warm-up
-    llm._warm_tokens = 4096  # as ``warmup(4096)`` leaves it (the CPU runs no warm-up)
-    engine = AsyncEngine(EngineCore(llm, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256)))
+    llm.warmup.tokens = 4096  # as ``warmup(4096)`` leaves it (the CPU runs no warm-up)
+    engine = AsyncEngine(
+        llm.new_core(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256)),
+        llm.prompts,
+        llm.encode_images,
+        llm.warmup.warm_thread,
+    )
     try:
         a = llm.model.args
         for _ in range(100):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fp4moe.cli import main
-from fp4moe.engine.dummy import dummy_model
+from fp4moe.engine.loading.dummy import dummy_model
 from fp4moe.layers.linear import Linear
 from fp4moe.models import full_size
 from fp4moe.models.qwen3_5_moe import ModelArgs, text_config_dict

@@ -8,8 +8,8 @@ import pytest
 
 from fixtures import load_all, rewrite_tensors
 from fp4moe.cli import main
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.sampler import SamplingParams
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.request.sampler import SamplingParams
 from fp4moe.eval.quality import evaluate
 from fp4moe.quantize.inspect import inspect_checkpoint
 

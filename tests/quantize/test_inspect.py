@@ -8,7 +8,7 @@ import torch
 from fixtures import load_all, rewrite_tensors
 from fp4moe.cli import main
 from fp4moe.formats.checkpoint import CheckpointReader
-from fp4moe.quantize import inspect as inspect_module
+from fp4moe.quantize import source_compare
 from fp4moe.quantize.inspect import inspect_checkpoint
 
 E = "model.language_model.layers.1.mlp.experts.3."
@@ -103,7 +103,7 @@ def test_changed_value_against_reference(checkpoints, good, name):
 
 
 def test_changed_values_are_counted_across_chunks(checkpoints, good, monkeypatch):
-    monkeypatch.setattr(inspect_module, "COMPARE_CHUNK_BYTES", 64)  # 32 bf16 values a read
+    monkeypatch.setattr(source_compare, "COMPARE_CHUNK_BYTES", 64)  # 32 bf16 values a read
     name = "model.language_model.embed_tokens.weight"
     last = 1024 * 64 * 2 - 1  # the high byte of the last value
     _flip_bytes(good, name, [2 * 40, 2 * 1000, 2 * 1000 + 1, last])

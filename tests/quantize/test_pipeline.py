@@ -410,7 +410,7 @@ def test_text_only_single_file_checkpoint(checkpoints, tmp_path):
     """A text-only re-save: ``model.layers.*`` names, ``model_type: qwen3_5_moe_text``, one safetensors file."""
     from safetensors.torch import save_file
 
-    from fp4moe.engine.loader import load_model
+    from fp4moe.engine.loading.loader import load_model
     from fp4moe.quantize.pipeline import quantize
 
     src_dir = checkpoints.bf16()

@@ -1,13 +1,14 @@
 """Every benchmark script's ``--help`` explains every option (the standard the product CLI's
-``test_every_option_has_help`` holds): each ``add_argument`` call in ``benchmarks/*.py`` passes ``help=``.
-Read from the source, since several scripts need a GPU (or Triton) to import."""
+``test_every_option_has_help`` holds): each ``add_argument`` call in ``benchmarks/**/*.py`` (the tuning
+sweeps in ``benchmarks/tune/`` too) passes ``help=``. Read from the source, since several scripts need a GPU
+(or Triton) to import."""
 
 import ast
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = sorted((Path(__file__).parents[2] / "benchmarks").glob("*.py"))
+BENCHMARKS = sorted((Path(__file__).parents[2] / "benchmarks").rglob("*.py"))
 
 
 @pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.name)
@@ -25,3 +26,4 @@ def test_every_benchmark_option_has_help(path):
 
 def test_the_scripts_are_found():
     assert len(BENCHMARKS) > 10
+    assert len([p for p in BENCHMARKS if p.parent.name == "tune"]) == 9  # the tuning sweeps

@@ -8,10 +8,9 @@ import httpx
 import pytest
 import uvicorn
 
-from fp4moe.engine.async_engine import AsyncEngine
-from fp4moe.engine.core import EngineCore
-from fp4moe.engine.llm import LLM
-from fp4moe.engine.scheduler import SchedulerConfig
+from fp4moe.engine.front.async_engine import AsyncEngine
+from fp4moe.engine.front.llm import LLM
+from fp4moe.engine.loop.scheduler import SchedulerConfig
 from fp4moe.server.app import build_app
 from fp4moe.server.config import ServerConfig
 from fp4moe.server.uvicorn_server import Server
@@ -90,7 +89,12 @@ def start_server(
         max_model_len=max_model_len,
     )
     scheduler = SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 256, **sched})
-    engine = AsyncEngine(EngineCore(llm, scheduler, prefix_cache=prefix_cache))
+    engine = AsyncEngine(
+        llm.new_core(scheduler, prefix_cache=prefix_cache),
+        llm.prompts,
+        llm.encode_images,
+        llm.warmup.warm_thread,
+    )
     config = ServerConfig(
         served_model_name="tiny",
         api_key=api_key,

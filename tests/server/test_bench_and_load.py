@@ -226,7 +226,7 @@ def test_sigterm_lets_in_flight_streams_finish(checkpoints):
 
 def test_prefix_caching_over_http(checkpoints):
     from conftest import start_server
-    from fp4moe.engine.prefix_cache import PrefixCache
+    from fp4moe.engine.loop.prefix_cache import PrefixCache
 
     srv = start_server(checkpoints.bf16(), prefix_cache=PrefixCache(block_size=16))
     try:
@@ -293,7 +293,7 @@ def test_remote_images_only_from_allowed_domains(checkpoints, tmp_path):
 
 def test_server_with_mtp_reports_spec_decode_and_bench_reads_it(checkpoints, tmp_path, capsys, monkeypatch):
     from conftest import start_server
-    from fp4moe.engine import spec_policy
+    from fp4moe.engine.spec import spec_policy
     from fp4moe.models.tiny import CheckpointLayout
 
     # every round pays: the bench's requests draft (after the first request's rejected rounds, the random

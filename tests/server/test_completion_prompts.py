@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_limits import _assert_error, _post
 
-import fp4moe.engine.prompt_logprobs as prompt_logprobs
+import fp4moe.engine.reference.prompt_logprobs as prompt_logprobs
 
 ATOL = 1e-4
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -40,7 +40,7 @@ def _ref_logprobs(ref, ids: list[int]) -> torch.Tensor:
 
 
 def test_every_prompt_form_has_its_own_choices_in_order(server):
-    tok = server.engine.core.llm.tokenizer
+    tok = server.engine.prompts.tokenizer
     texts = ["def f(x):", "import os\n"]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     alone = [
@@ -61,7 +61,7 @@ def test_every_prompt_form_has_its_own_choices_in_order(server):
 
 
 def test_echo_logprobs_equal_transformers_in_vllms_shape(server, reference):
-    tok = server.engine.core.llm.tokenizer
+    tok = server.engine.prompts.tokenizer
     prompts = _prompts(0, (7, 70, 3))  # 70 > the Gated DeltaNet chunk of 64
     r = _post(server, "/completions", {"prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 2})
     assert r.status_code == 200, r.text
@@ -88,7 +88,7 @@ def test_echo_logprobs_equal_transformers_in_vllms_shape(server, reference):
 
 
 def test_echo_with_generation_puts_the_prompt_first(server):
-    tok = server.engine.core.llm.tokenizer
+    tok = server.engine.prompts.tokenizer
     ids = _prompts(1, (9,))[0]
     plain = _post(server, "/completions", {"prompt": ids, "max_tokens": 3, "logprobs": 1, **GREEDY}).json()
     echo = _post(
@@ -146,7 +146,7 @@ def test_an_echoed_stream_equals_the_whole_answer(server):
 
 
 def test_bad_prompts_are_400s(server):
-    vocab = server.engine.core.llm.model.args.vocab_size
+    vocab = server.engine.core.runner.model.args.vocab_size
     _assert_error(_post(server, "/completions", {"prompt": [[1, 2], [3, vocab]]}), 400, "out of range")
     _assert_error(_post(server, "/completions", {"prompt": [1, -1]}), 400, "prompt holds -1")
     _assert_error(_post(server, "/completions", {"prompt": [[1], [2, 1.5]]}), 400, "prompt[1] holds 1.5")
@@ -183,7 +183,7 @@ def test_a_prefix_cache_does_not_skip_prompt_logprobs(checkpoints):
     """A cached prefix is not run again, so it could not be scored: requests for prompt logprobs bypass the
     prefix cache (as vLLM's do) and get every prompt token's."""
     from conftest import start_server
-    from fp4moe.engine.prefix_cache import PrefixCache
+    from fp4moe.engine.loop.prefix_cache import PrefixCache
 
     ids = _prompts(4, (40,))[0]
     body = {"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0, **GREEDY}

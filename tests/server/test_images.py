@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 from conftest import start_server
-from fp4moe.engine.multimodal import ImageError, decode_image, load_image, open_image
-from fp4moe.engine.prompts import PromptError
+from fp4moe.engine.request.multimodal import ImageError, decode_image, load_image, open_image
+from fp4moe.engine.request.prompts import PromptError
 from fp4moe.server.errors import APIError
 from fp4moe.server.media import fetch_images
 

@@ -152,7 +152,7 @@ def test_deep_nesting_is_400(server, depth):
 
 
 def test_max_tokens_beyond_the_context_is_400(server):
-    room = server.engine.core.llm.max_model_len
+    room = server.engine.core.max_model_len
     for value in (10**9, 2**70, room):  # the prompt takes at least one token: `room` is one too many
         err = _assert_error(
             _post(server, "/completions", {"prompt": "x", "max_tokens": value}), 400, "more than"
@@ -177,13 +177,11 @@ def test_long_model_names_are_not_echoed(server):
 
 
 def test_a_500_closes_its_connection_and_the_next_request_works(server, monkeypatch):
-    core = server.engine.core
-
     def broken(prompt, params):
         raise RuntimeError("a bug")
 
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
-        monkeypatch.setattr(core, "make_sequences", broken)
+        monkeypatch.setattr(server.engine, "make_sequences", broken)
         r = client.post("/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 500 and r.headers["connection"] == "close"
         assert r.json()["error"] == {
@@ -209,13 +207,13 @@ def limited(checkpoints):
         server_config={"max_n_sequences": 4, "max_prompt_chars": 2000, "max_request_bytes": 20_000},
     )
     calls = []
-    real = srv.engine.core.make_sequences
+    real = srv.engine.make_sequences
 
     def counted(prompt, params):
         calls.append(prompt)
         return real(prompt, params)
 
-    srv.engine.core.make_sequences = counted
+    srv.engine.make_sequences = counted
     srv.tokenized = calls
     yield srv
     srv.stop()
@@ -242,7 +240,7 @@ def test_max_waiting_bounds_n_below_the_flag(checkpoints):
 def test_long_conversations_are_refused_before_templating(limited, monkeypatch):
     """The sum of the messages' text is checked before the chat template renders them (rendering 300,000
     messages took 10 s of the event loop)."""
-    llm = limited.engine.core.llm
+    llm = limited.engine.prompts
     rendered = []
     real = llm.apply_chat_template
     monkeypatch.setattr(llm, "apply_chat_template", lambda *a, **k: rendered.append(1) or real(*a, **k))

@@ -1,4 +1,4 @@
-"""The response models (``server/protocol.py``): what the routes send is exactly their shape -- every body and
+"""The response models (``server/responses.py``): what the routes send is exactly their shape -- every body and
 every stream event validates against its model with no extra key, fields OpenAI leaves out are left out
 (never sent as null), and the OpenAPI document names the models."""
 
@@ -8,7 +8,7 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
-from fp4moe.server.protocol import (
+from fp4moe.server.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionResponse,

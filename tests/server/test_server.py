@@ -12,8 +12,8 @@ import numpy as np
 import openai
 import pytest
 
-import fp4moe.engine.llm as llm_module
-from fp4moe.engine.sampler import SampleResult
+import fp4moe.engine.request.token_sampler as token_sampler_module
+from fp4moe.engine.request.sampler import SampleResult
 
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
 TOOLS = [
@@ -39,7 +39,7 @@ def client(server):
 @pytest.fixture
 def scripted(server, monkeypatch):
     """Make every sequence emit the tokens of a given text, then end (the random model cannot)."""
-    tok = server.engine.core.llm.tokenizer
+    tok = server.engine.prompts.tokenizer
     eos = tok.convert_tokens_to_ids("<|im_end|>")
 
     def script(text: str):
@@ -48,7 +48,7 @@ def scripted(server, monkeypatch):
         def fake_sample_batch(logits, rows):
             return [SampleResult(ids[min(len(r.output_ids), len(ids) - 1)]) for r in rows]
 
-        monkeypatch.setattr(llm_module, "sample_batch", fake_sample_batch)
+        monkeypatch.setattr(token_sampler_module, "sample_batch", fake_sample_batch)
 
     return script
 
@@ -704,7 +704,7 @@ def test_unknown_routes_and_model_lookup(server):
 
 
 def test_an_engine_failure_fails_only_its_requests(server, client, monkeypatch):
-    runner = server.engine.core.llm.runner
+    runner = server.engine.core.runner
     real = runner.run
     calls = {"n": 0}
 

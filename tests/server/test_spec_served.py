@@ -8,17 +8,19 @@ from __future__ import annotations
 import openai
 
 from conftest import start_server
-from fp4moe.engine import spec_policy
+from fp4moe.engine.spec import spec_policy
 
 TOKENS = 64
 
 
 def _served(path, k: int) -> tuple[list[tuple[str, dict]], int, object]:
     srv = start_server(path, num_speculative_tokens=k)
-    llm = srv.engine.core.llm
+    core = srv.engine.core
     rows = [0]
     # every target forward -- prefill, verification, recomputation, plain steps -- goes through the model
-    llm.model.register_forward_pre_hook(lambda _, args: rows.__setitem__(0, rows[0] + args[0].numel()))
+    core.runner.model.register_forward_pre_hook(
+        lambda _, args: rows.__setitem__(0, rows[0] + args[0].numel())
+    )
     try:
         client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
         stream = client.completions.create(
@@ -31,7 +33,7 @@ def _served(path, k: int) -> tuple[list[tuple[str, dict]], int, object]:
         ]  # fmt: skip
     finally:
         srv.stop()
-    return tokens, rows[0], llm.speculator
+    return tokens, rows[0], core.speculator
 
 
 def test_a_rejected_draft_head_costs_only_its_probe(checkpoints):

@@ -60,8 +60,8 @@ def run(args) -> int:
             "5. generating from the NVFP4 checkpoint with fp4moe's engine (experts kept packed; random weights,"
         )
         print("   so the text is noise -- the point is the path: load, prefill, decode, detokenize)")
-        from fp4moe.engine.llm import LLM
-        from fp4moe.engine.sampler import SamplingParams
+        from fp4moe.engine.front.llm import LLM
+        from fp4moe.engine.request.sampler import SamplingParams
 
         llm = LLM(dst)
         out = llm.chat(

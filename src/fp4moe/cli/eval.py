@@ -122,7 +122,7 @@ def run_tasks(args) -> int:
     """lm-eval's tasks on REF, then on MODEL (one model in memory at a time); the side-by-side table."""
     import json
 
-    from fp4moe.engine.config import EngineConfig
+    from fp4moe.engine.front.config import EngineConfig
     from fp4moe.eval.harness import run_tasks as harness_tasks
     from fp4moe.eval.harness import side_by_side
     from fp4moe.server.in_process import served

@@ -77,8 +77,8 @@ def add(sub) -> None:
 
 def run(args) -> int:
 
-    from fp4moe.engine.llm import LLM
-    from fp4moe.engine.sampler import SamplingParams
+    from fp4moe.engine.front.llm import LLM
+    from fp4moe.engine.request.sampler import SamplingParams
     from fp4moe.models.full_size import resolve
 
     args.model = resolve(args.model, args.load_format)

@@ -92,7 +92,7 @@ SPEC_HELP = (
 def add_engine_options(p, max_num_seqs: int | str, max_num_batched_tokens: int | str) -> None:
     """The options of every command that runs fp4moe's engine (generate, serve): one EngineConfig, in three
     argument groups of ``p``."""
-    from fp4moe.engine.config import AUTO_CPU_BATCHED_TOKENS, AUTO_GPU_BATCHED_TOKENS
+    from fp4moe.engine.front.config import AUTO_CPU_BATCHED_TOKENS, AUTO_GPU_BATCHED_TOKENS
 
     model = p.add_argument_group("model and precision")
     model.add_argument("--device", default="auto", help=DEVICE_HELP)
@@ -218,7 +218,7 @@ def limit_mm(value: str) -> dict[str, int]:
 
 def engine_config(args):
     """The EngineConfig of the parsed engine options (``--device auto`` resolved)."""
-    from fp4moe.engine.config import AUTO_CPU_BATCHED_TOKENS, AUTO_GPU_BATCHED_TOKENS, EngineConfig
+    from fp4moe.engine.front.config import AUTO_CPU_BATCHED_TOKENS, AUTO_GPU_BATCHED_TOKENS, EngineConfig
 
     try:
         overrides = json.loads(args.hf_overrides) if args.hf_overrides else None

@@ -160,7 +160,7 @@ def vllm_without_flashinfer() -> bool:
 
 def vllm_command(args) -> list[str]:
     """The reference recipe for stock vLLM (``models.vllm_recipe``), adapted to this checkpoint and machine."""
-    from fp4moe.engine.loader import load_config
+    from fp4moe.engine.loading.loader import load_config
     from fp4moe.models.vllm_recipe import vllm_serve_command
 
     k = getattr(args, "num_speculative_tokens", "auto")
@@ -193,7 +193,7 @@ def vllm_command(args) -> list[str]:
 def check_split(args) -> None:
     """Refuse a --tensor-parallel-size the checkpoint's shapes cannot be split over, with what breaks
     (``formats.sharding``), before vLLM fails in its loader."""
-    from fp4moe.engine.loader import load_config
+    from fp4moe.engine.loading.loader import load_config
     from fp4moe.formats import sharding
     from fp4moe.models.qwen3_5_moe import ModelArgs, text_config_dict
 
@@ -243,7 +243,7 @@ def run(args) -> int:
     import shlex
     import shutil
 
-    from fp4moe.engine.loader import load_config
+    from fp4moe.engine.loading.loader import load_config
     from fp4moe.models.full_size import resolve
 
     if args.tensor_parallel_size < 1:
@@ -264,8 +264,8 @@ def run(args) -> int:
             os.execvpe(cmd[0], cmd, {**os.environ, **env})
         print(shlex.join([f"{k}={v}" for k, v in env.items()] + cmd))
         return 0
-    from fp4moe.engine.async_engine import AsyncEngine
-    from fp4moe.engine.process import EngineProcess, EngineSpec, start_engine
+    from fp4moe.engine.front.async_engine import AsyncEngine
+    from fp4moe.engine.front.process import EngineProcess, EngineSpec, start_engine
     from fp4moe.server.app import build_app
     from fp4moe.server.config import ServerConfig
     from fp4moe.server.uvicorn_server import serve
@@ -281,7 +281,11 @@ def run(args) -> int:
     )
     spec = EngineSpec(str(args.model), config, args.warmup, args.max_waiting, prefix)
     own = args.engine_process if args.engine_process is not None else not config.device.startswith("cuda")
-    engine = EngineProcess(spec) if own else AsyncEngine(start_engine(spec)[1])
+    if own:
+        engine = EngineProcess(spec)
+    else:
+        llm, core = start_engine(spec)
+        engine = AsyncEngine(core, llm.prompts, llm.encode_images, llm.warmup.warm_thread)
     where = f"in its own process (pid {engine.pid})" if own else "on a thread of the server"
     print(f"fp4moe serve: the engine loop runs {where}", file=sys.stderr, flush=True)
     app = build_app(

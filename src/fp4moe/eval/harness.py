@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fp4moe.engine.config import EngineConfig
+from fp4moe.engine.front.config import EngineConfig
 
 
 def run_tasks(

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from fp4moe.data.windows import consecutive_windows
-from fp4moe.engine.context import StepContext
-from fp4moe.engine.sampler import SamplingParams
-from fp4moe.engine.sequence import Sequence
+from fp4moe.engine.reference.context import StepContext
+from fp4moe.engine.request.sampler import SamplingParams
+from fp4moe.engine.request.sequence import Sequence
 from fp4moe.eval.divergence import token_kl, top1_agrees
 
 
@@ -106,7 +106,7 @@ def evaluate(
     from tqdm import tqdm
 
     from fp4moe.data import corpus_text
-    from fp4moe.engine.llm import LLM
+    from fp4moe.engine.front.llm import LLM
 
     start = time.perf_counter()
     # one sequence of seq_len at a time: on a GPU each engine sizes its caches for just that

@@ -12,7 +12,7 @@
   serves every head that shares it; causal from each row's position, fp8 pages read as bytes.
 - ``output_gate``: a prefill's attention output times sigmoid(gate), the gate read where q_proj wrote it,
   rounded as the decode merge rounds it (and as torch's sigmoid and product do).
-References: ``layers.attention`` (``attend``) and ``engine.cache.KVCache`` (fp8 encoding)."""
+References: ``layers.attention`` (``attend``) and ``engine.reference.cache.KVCache`` (fp8 encoding)."""
 
 from __future__ import annotations
 

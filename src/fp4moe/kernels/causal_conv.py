@@ -28,12 +28,12 @@ from fp4moe.kernels.tl_helpers import round_bf16, wait_for_previous
 
 # (token rows, channels, warps) of a program: one tile shape for every token count -- per-count variants were
 # compiled on users' requests (py-spy on the H200 server at 16 streams: 30% of the engine thread in Triton's
-# compiler, all for this kernel); benchmarks/tune_conv.py times others
+# compiler, all for this kernel); benchmarks/tune/tune_conv.py times others
 TILE = (32, 128, 4)
 L2_EPS = 1e-6  # fla's l2norm_fwd default, which chunk_gated_delta_rule uses
 # FP4MOE_CONV_KERNEL=window: ``_conv_window_kernel`` (a 4-tap conv, each input row read and converted once into a
 # sliding window; sm90 SASS 31.6 instructions an output element against the taps kernel's 44, 128 registers
-# against 184-252). Off by default until timed on the H200 (benchmarks/tune_conv.py times both); (rows,
+# against 184-252). Off by default until timed on the H200 (benchmarks/tune/tune_conv.py times both); (rows,
 # channels, warps) of its programs
 WINDOW = os.environ.get("FP4MOE_CONV_KERNEL", "taps") == "window"
 WINDOW_TILE = (16, 1024, 4)

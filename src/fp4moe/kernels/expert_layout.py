@@ -5,7 +5,7 @@ tensor-core GEMV program (``nvfp4_mma_gemv``) reads, at each K step, a short run
 64-128 bytes at a stride of K/2 -- so DRAM serves many short bursts from many pages. Tiled, the rows a program
 reads at one step lie next to each other: per expert, per tile of rows (16 gate rows then the same 16 up rows,
 or 16 down rows), per K step of ``step`` bytes, the tile's rows of that step contiguous (2 KB for gate/up at
-64-byte steps). H200, full-size experts, the same launches on both orders (``benchmarks/tune_experts.py
+64-byte steps). H200, full-size experts, the same launches on both orders (``benchmarks/tune/tune_experts.py
 --tiled``): 16 tokens 51.1 + 28.2 us per layer row-major against 40.2 + 24.8 tiled (2.3 against 2.8 TB/s of
 distinct experts), 64 tokens 102.7 + 58.1 against 82.1 + 50.0.
 

@@ -228,7 +228,7 @@ def gdn_decode(
     if out is None:
         out = torch.empty(rows, hv * dv, dtype=proj.dtype, device=proj.device)
     if v_splits is None:  # more programs at small batch; H200, in the captured decode step
-        # (benchmarks/tune_decode.py): 4 splits at batch 1 1.4% faster than 8. Under Triton's interpreter (CI)
+        # (benchmarks/tune/tune_decode.py): 4 splits at batch 1 1.4% faster than 8. Under Triton's interpreter (CI)
         # one: each split recomputes the q/k conv (tests/kernels checks 2 and 4 splits)
         v_splits = 1 if INTERPRET else max(1, min(4, 256 // (b * hv), dv // 16))
         v_splits = 1 << (v_splits.bit_length() - 1)  # a power of two, so it divides Dv (a power of two)

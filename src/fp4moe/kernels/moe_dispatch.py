@@ -57,7 +57,7 @@ def moe_experts(experts: ExpertWeights, x: torch.Tensor, topk_ids: torch.Tensor,
 GEMV_MAX_TOKENS = int(os.environ.get("FP4MOE_GEMV_MAX_TOKENS", "4"))
 # from GEMV_MAX_TOKENS + 1 up to this many tokens, NVFP4 experts run as tensor-core GEMVs in blocks of up to 8
 # tokens of an expert (nvfp4_mma_gemv; sm89+, not under the interpreter). H200, full-size experts per layer
-# (benchmarks/tune_experts.py): 50 + 29 us at 16 tokens against the grouped GEMM's 81 + 43, 101 + 58 at 64
+# (benchmarks/tune/tune_experts.py): 50 + 29 us at 16 tokens against the grouped GEMM's 81 + 43, 101 + 58 at 64
 # against 156 + 87; at 1 token 7.9 + 4.4 against the CUDA-core GEMV's 7.7 + 5.1, and in the captured step
 # 0-4% slower than the GEMV, so those keep the one-token kernels. 0 turns every tensor-core GEMV off.
 MMA_GEMV_MAX_TOKENS = int(os.environ.get("FP4MOE_MMA_GEMV_MAX_TOKENS", "128"))
@@ -65,12 +65,12 @@ MMA_GEMV_MAX_TOKENS = int(os.environ.get("FP4MOE_MMA_GEMV_MAX_TOKENS", "128"))
 
 # FP4MOE_WGMMA_PREFILL=1: prefill-sized blocks (64 or 128 pairs) on an sm90 GPU run ``nvfp4_wgmma``'s Hopper kernels
 # (the dequantized weights as wgmma's register operand, K reordered). Off by default: built and compiled for sm90
-# without a GPU (2026-12-04), not yet measured or run on one (benchmarks/tune_prefill_experts.py --wgmma)
+# without a GPU (2026-12-04), not yet measured or run on one (benchmarks/tune/tune_prefill_experts.py --wgmma)
 WGMMA_PREFILL = os.environ.get("FP4MOE_WGMMA_PREFILL", "0") == "1"
 
 
 # up to GEMV_MAX_TOKENS tokens: the CUDA-core gate/up GEMV, then the tensor-core down (pairs, wk 2, kc 64): H200,
-# batch-1 step 1.4% faster (benchmarks/tune_decode.py; the down launch alone 4.4 against 5.1 us per layer). Needs
+# batch-1 step 1.4% faster (benchmarks/tune/tune_decode.py; the down launch alone 4.4 against 5.1 us per layer). Needs
 # int32 contiguous ids (the router kernel's): its programs read them before they wait, so no copy may be in flight
 ONE_TOKEN_MMA_DOWN = True
 

@@ -70,7 +70,7 @@ def route(
     """proj [T, >= E + 2S] -> (topk_ids [T, k] int32, topk_weights [T, k] fp32, shared act [T, S]);
     ``trigger``: when the kernel behind may start (``pdl_args``)."""
     t = proj.shape[0]
-    if num_warps is None:  # H200, in the captured decode step (benchmarks/tune_decode.py): one warp per
+    if num_warps is None:  # H200, in the captured decode step (benchmarks/tune/tune_decode.py): one warp per
         # program (shuffle-only reductions) 1.5% faster than 8 warps at batch 1, 0.8% at 16
         num_warps = 1 if t <= 32 else 2
     if out is None:

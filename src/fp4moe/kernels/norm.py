@@ -58,7 +58,7 @@ def add_rms_norm(h, add, weight, eps, h_out=None, x_out=None, num_warps: int | N
             f"a K-order output {tuple(x_k.shape)} for rows {tuple(h.shape)} (N a multiple of {STEP_K})"
         )
     t, n = h.shape
-    num_warps = num_warps or (16 if t <= 8 else 8)  # H200 sweep (benchmarks/tune_kernels.py)
+    num_warps = num_warps or (16 if t <= 8 else 8)  # H200 sweep (benchmarks/tune/tune_kernels.py)
     h_out = h if add is None else (torch.empty_like(h) if h_out is None else h_out)
     x_out = torch.empty_like(h) if x_out is None else x_out
     _add_norm_kernel[(t,)](
@@ -119,7 +119,7 @@ def moe_combine(
     """h_out = h + sum_k y[t*k + j] + sigmoid(proj[t, gate_col]) * shared[t]; x_out = next norm of h_out.
     ``shared`` None: no shared expert. y [T*k, N] (already weighted; bf16 or fp32), summed in fp32."""
     t, n = h.shape
-    # H200, in the captured decode step (benchmarks/tune_decode.py): 16 warps 2.4% faster than 4 at batch 1
+    # H200, in the captured decode step (benchmarks/tune/tune_decode.py): 16 warps 2.4% faster than 4 at batch 1
     num_warps = num_warps or 16
     h_out = torch.empty_like(h) if h_out is None else h_out
     x_out = torch.empty_like(h) if x_out is None else x_out

@@ -270,8 +270,8 @@ class Tiles:
 
 def plan(bm: int, tokens: int, mode: int | None = None) -> tuple[Tiles, Tiles]:
     """(gate/up, down) launch settings for a row block of ``bm`` and ``tokens`` tokens in the launch (H200
-    sweep, benchmarks/tune_experts.py: graph-replayed launches over 40 layers' experts; prefill blocks:
-    benchmarks/tune_prefill_experts.py), for dequantization ``mode`` (default ``DEQUANT_MODE``)."""
+    sweep, benchmarks/tune/tune_experts.py: graph-replayed launches over 40 layers' experts; prefill blocks:
+    benchmarks/tune/tune_prefill_experts.py), for dequantization ``mode`` (default ``DEQUANT_MODE``)."""
     if bm <= 16 and tokens <= 1:
         return Tiles(32, 256, 4, 3), Tiles(32, 128, 2, 3)
     if bm <= 16 and tokens <= 4:
@@ -408,7 +408,7 @@ def fp8_linear(x, weight, scale, out=None):
 def bf16_linear(x, weight, out=None):
     """x [M, K] @ weight [N, K]^T for a few bf16 rows (M <= 16), through the same kernel: cuBLAS picks a
     slow kernel for some thin shapes (H200, the fused router + shared-expert GEMM, N = 1281, K = 2048: 23.3 us
-    at M = 3 against 4.5 us at M = 1; this kernel: 6.6 us; benchmarks/tune_dense.py)."""
+    at M = 3 against 4.5 us at M = 1; this kernel: 6.6 us; benchmarks/tune/tune_dense.py)."""
     t = Tiles(16 if weight.shape[0] < 4096 else 32, 128, 4, 5)
     return _dense(x, weight, weight, 0, unit_scale(x.device), 0, out, t)
 

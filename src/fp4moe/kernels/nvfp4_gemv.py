@@ -180,7 +180,7 @@ class GemvTiles:
         )
 
 
-# H200, benchmarks/tune_experts.py --kernels gemv (40 layers' launches in a graph, full-size shapes): gate/up
+# H200, benchmarks/tune/tune_experts.py --kernels gemv (40 layers' launches in a graph, full-size shapes): gate/up
 # 7.6 / 17.2 us per layer at 1 / 3 tokens, down 5.1 / 11.3 (the grouped GEMM: 13.7 + 6.3 at one token)
 GATE_UP_TILES = GemvTiles(8, 512, 4, 3, sum_each=True)
 DOWN_TILES = GemvTiles(8, 256, 2, 3)
@@ -262,14 +262,14 @@ def gemv_down(
 
 
 def dense_tiles(n: int) -> GemvTiles:
-    """H200, one row, benchmarks/tune_dense.py --kernels gemv (cuBLAS in brackets): Gated DeltaNet in_proj
+    """H200, one row, benchmarks/tune/tune_dense.py --kernels gemv (cuBLAS in brackets): Gated DeltaNet in_proj
     12352 x 2048 13.4 us (15.5), attention qkv 9216 x 2048 10.7 (12.0), out_proj 2048 x 4096 6.6 (9.0: split-K
     and its reduce), router + shared gate/up 1281 x 2048 3.6 (4.6), shared down 2048 x 512 2.2 (3.8)."""
     return GemvTiles(16, 256, 4, 3) if n >= 8192 else GemvTiles(4, 1024, 8, 3, sum_each=True)
 
 
 # 2-4 rows (a batch-1 speculative verification, batches of 2-4) of the narrower projections -- out_proj and
-# o_proj 2048 x 4096, the MTP head's fc, shared down 2048 x 512: H200, 3 rows, benchmarks/tune_dense.py --kernels
+# o_proj 2048 x 4096, the MTP head's fc, shared down 2048 x 512: H200, 3 rows, benchmarks/tune/tune_dense.py --kernels
 # gemv: 8.0 and 2.6 us against cuBLAS's 8.8 (split-K and its reduce) and 3.8. Wider ones read their weight
 # once per row here (the in_proj's 12,352 x 2048: 20.8 us against 16.0) and stay with cuBLAS or the grouped
 # kernel.

@@ -264,7 +264,7 @@ class MmaTiles:
         return f"MmaTiles(wk={self.wk}, kc={self.kc}, rows={self.rows})"
 
 
-# H200, full-size experts (benchmarks/tune_experts.py, tune_decode.py): within 2% of the best of the sweep at 16 and
+# H200, full-size experts (benchmarks/tune/tune_experts.py, tune_decode.py): within 2% of the best of the sweep at 16 and
 # 64 tokens; one pair per block (batch 1, behind the CUDA-core gate/up) wants longer K steps
 GATE_UP_TILES = MmaTiles(4, 32)
 DOWN_TILES = MmaTiles(2, 32)

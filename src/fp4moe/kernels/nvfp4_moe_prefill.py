@@ -7,7 +7,7 @@ straight from global into shared memory. On sm90 that is a wgmma with its first 
 dequantized weights never go through shared memory, and the activations are not loaded into registers
 (``nvfp4_gemm._w4a16_kernel`` has the activations first: it stores every dequantized weight tile to shared
 memory for the MMA and reads the activations back out). H200, full-size experts, 8,192 tokens per layer:
-gate/up 1.02 ms against 1.37, down 0.78 against 0.86 (``benchmarks/tune_prefill_experts.py``); down with two row
+gate/up 1.02 ms against 1.37, down 0.78 against 0.86 (``benchmarks/tune/tune_prefill_experts.py``); down with two row
 tiles a program (WIDE, the default at 128-pair blocks since 2026-12-04) 0.668.
 
 The epilogues are the row kernel's, with its roundings: GATED (1) stores silu(gate) * up of gate rows n and up

@@ -88,7 +88,7 @@ def _fla_rule(q, k, v, g, beta, state, normed: bool = False):
     1/sqrt(Dk) query scale, as transformers' fla path asks it to (so the normalised q and k are rounded to bf16,
     where the CPU path and the decode kernel keep them in fp32). The decay and the state stay fp32. (Feeding
     fla fp32 q/k/v ran the rule at 1.96 ms per 8K-token layer against 0.76 in bf16 on the H200,
-    benchmarks/tune_prefill.py; the fp32 normalisation in torch before it was another chain of elementwise
+    benchmarks/tune/tune_prefill.py; the fp32 normalisation in torch before it was another chain of elementwise
     passes over q and k.)"""
     o, final = _fla_chunk()(
         q[None], k[None], v[None], g[None], beta[None], scale=q.shape[-1] ** -0.5,

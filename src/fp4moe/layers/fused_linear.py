@@ -96,7 +96,7 @@ def _dense_part(linears: list, pad: int = 0, trigger: str = ""):
         ):
             # 2-4 rows (a batch-1 speculative verification, small batches): cuBLAS was up to 5x slower than
             # at 1 row on the unpadded router GEMM, and is 1.1x slower on the padded one (H200,
-            # benchmarks/tune_dense.py); the grouped kernel is not
+            # benchmarks/tune/tune_dense.py); the grouped kernel is not
             return bf16_linear(x.reshape(rows, -1), weight).view(*x.shape[:-1], -1)
         if rows == 1 and gemv_fits(x, unpadded):  # our GEMV (router group 3.6 us against cuBLAS's 4.6)
             return bf16_gemv(x.reshape(1, -1), unpadded, trigger=trigger).view(*x.shape[:-1], -1)

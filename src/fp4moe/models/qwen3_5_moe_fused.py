@@ -17,7 +17,7 @@ The projections sharing an input are concatenated once (``FusedLinear``: qkv|z|b
 attention, router|shared gate|shared up|shared gate-scalar of the MoE), the modules' own weights becoming
 views into them. Reference: the torch modules (``Qwen3_5MoeModel``); ``tests/engine/test_cuda_runner.py``
 compares the runner's outputs with them. The buffers, caches and graphs are the runner's
-(``engine.cuda_runner``)."""
+(``engine.runner.cuda_runner``)."""
 
 from __future__ import annotations
 
@@ -287,7 +287,7 @@ class Qwen3_5MoeFused:
         e, k, s_inter = a.num_experts, a.top_k, a.shared_intermediate_size
         rp = router(x)
         # the expert GEMVs behind it start at once and wait (their weights depend on its output): H200, batch-1
-        # step 1.6% faster (benchmarks/tune_decode.py)
+        # step 1.6% faster (benchmarks/tune/tune_decode.py)
         topk_ids, topk_w, shared_act = moe_router.route(rp, e, k, s_inter, trigger="start")
         side = self.side_stream(x)
         if side is None:
@@ -317,7 +317,7 @@ class Qwen3_5MoeFused:
 @dataclass
 class _PromptLayout:
     """The step layout of graphed prompts, as the Gated DeltaNet states' ``scatter`` and the layers read a
-    step's (``engine.context.StepTensors``' fields): each sequence's slot, cached tokens, first row
+    step's (``engine.reference.context.StepTensors``' fields): each sequence's slot, cached tokens, first row
     and end, and each row's sequence -- all on the device."""
 
     slots: torch.Tensor

@@ -1,7 +1,7 @@
 """The qwen3_5_moe text model as torch modules of our engine (no transformers in the serving path).
 
 The forward takes a flat token batch -- ``input_ids`` [T] of several sequences back to back, ``positions``
-[3, T] (mRoPE T/H/W; equal rows for text) -- and a per-step context (``fp4moe.engine.context``) that says
+[3, T] (mRoPE T/H/W; equal rows for text) -- and a per-step context (``fp4moe.engine.reference.context``) that says
 where each sequence starts, how many of its tokens are cached, and which cache/state slot it owns.
 """
 
@@ -66,7 +66,7 @@ class Qwen3_5MoeModel(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size)
         self.rotary: Rotary | None = None
         self.mtp = None  # an MTPHead when the checkpoint has mtp.* tensors (set by the loader)
-        # the checkpoint's fp8 KV-cache scales by layer, (k, v) float32 0-D (set by the loader; engine.kv_scales)
+        # the checkpoint's fp8 KV-cache scales by layer, (k, v) float32 0-D (set by the loader; engine.loading.kv_scales)
         self.kv_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -111,7 +111,7 @@ class MTPHead(nn.Module):
         self.draft_head: Linear | None = None
 
     def use_draft_vocab(self, model, ids: torch.Tensor | None) -> None:
-        """Draft from the token ``ids`` alone (``engine.draft_vocab``): their rows of the target's lm_head
+        """Draft from the token ``ids`` alone (``engine.spec.draft_vocab``): their rows of the target's lm_head
         (None: the whole vocabulary again)."""
         if ids is None:
             self.draft_ids = self.draft_head = None

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from fp4moe.data.windows import random_windows
-from fp4moe.formats import fp8, kv_scales, layouts, nvfp4
+from fp4moe.formats import kv_scales, layouts
 from fp4moe.formats.checkpoint import (
     INDEX_NAME,
     CheckpointReader,
@@ -34,14 +34,13 @@ from fp4moe.formats.checkpoint import (
     recover_interrupted_output,
     write_json,
 )
-from fp4moe.formats.layouts import OutputFormat
 from fp4moe.formats.nvfp4 import BLOCK_SIZE, NVFP4Error
 from fp4moe.layers.norm import rms_norm_zero_centred
 from fp4moe.models import qwen3_5_moe as arch
 from fp4moe.quantize import calib_data, calibrate, card, extra
-from fp4moe.quantize.experts import QuantizedExperts, quantize_experts, quantize_weight, to_cpu
+from fp4moe.quantize.experts import quantize_experts
 from fp4moe.quantize.options import QuantizeError, QuantizeOptions, QuantizeReport
-from fp4moe.quantize.scales import ScaleMethod
+from fp4moe.quantize.writing import quantization_configs, write_experts, write_linear_group
 
 MTP_FILE = "model-mtp.safetensors"
 
@@ -112,64 +111,6 @@ def _validate_dims(cfg: arch.ModelArgs) -> None:
     for what, dim in (("hidden_size", cfg.hidden_size), ("moe_intermediate_size", cfg.moe_intermediate_size)):
         if dim % BLOCK_SIZE:
             raise NVFP4Error(f"{what} {dim} is not divisible by the NVFP4 group size {BLOCK_SIZE}")
-
-
-def write_experts(writer: ShardedWriter, fmt: OutputFormat, experts_prefix: str, q: QuantizedExperts) -> None:
-    """Per-expert NVFP4 tensors: gate/up share the global scale and input scale of the gate_up block."""
-    inter = q.intermediate_size
-    for e in range(q.gate_up.packed.shape[0]):
-        gu = q.gate_up[e]
-        parts = {
-            "gate_proj": (
-                type(gu)(gu.packed[:inter], gu.block_scales[:inter], gu.global_scale),
-                q.gate_up_amax[e],
-                q.gate_up_input_amax[e],
-            ),
-            "up_proj": (
-                type(gu)(gu.packed[inter:], gu.block_scales[inter:], gu.global_scale),
-                q.gate_up_amax[e],
-                q.gate_up_input_amax[e],
-            ),
-            "down_proj": (q.down[e], q.down_amax[e], q.down_input_amax[e]),
-        }
-        for proj, (qt, w_amax, in_amax) in parts.items():
-            for suffix, t in layouts.quantized_linear_tensors(fmt, qt, w_amax, in_amax).items():
-                writer.add(arch.per_expert_name(experts_prefix, e, proj, suffix), t.clone())
-
-
-def write_linear_group(
-    writer: ShardedWriter,
-    fmt: OutputFormat,
-    weights: dict[str, torch.Tensor],
-    input_amax: torch.Tensor,
-    method: ScaleMethod,
-    device: torch.device,
-    algo: str = "nvfp4",
-) -> None:
-    """NVFP4 (or per-tensor FP8) of a fused group of linears (module name -> weight) under one global scale
-    from their joint amax and one input scale, as vLLM's fused modules need."""
-    amax = torch.stack([w.abs().amax().float().cpu() for w in weights.values()]).max()
-    if algo == "fp8":
-        scale = fp8.scale_from_amax(amax)
-        for module, w in weights.items():
-            writer.add(f"{module}.weight", fp8.encode(w, scale))
-            writer.add(f"{module}.weight_scale", scale.reshape(()).clone())
-            writer.add(f"{module}.input_scale", (input_amax.float() / fp8.MAX).reshape(()).clone())
-        return
-    global_scale = nvfp4.global_scale_from_amax(amax).to(device)
-    for module, w in weights.items():
-        q = to_cpu(quantize_weight(w.to(device), method, module, global_scale))
-        for suffix, t in layouts.quantized_linear_tensors(fmt, q, amax, input_amax).items():
-            writer.add(f"{module}.{suffix}", t.clone())
-
-
-def _quantization_configs(fmt: OutputFormat, exclude: list[str], kv: str | None) -> tuple[dict, dict | None]:
-    if fmt is OutputFormat.MODELOPT:
-        return layouts.modelopt_quantization_config(exclude, kv), layouts.hf_quant_config(exclude, kv)
-    config = layouts.compressed_tensors_quantization_config(exclude, ["Linear"])
-    if kv == "FP8":
-        config["kv_cache_scheme"] = kv_scales.compressed_tensors_scheme()
-    return config, None
 
 
 @dataclass
@@ -370,7 +311,7 @@ def _write_config(run: _Run, cfg, tmp: Path, src: Path, has_mtp: bool, recipe: d
         if not arch.is_routed_expert(n) and n.removesuffix(".weight") not in run.quantized_modules
     }
     exclude = layouts.excluded_modules(tensors, options.format, arch.is_routed_expert)
-    qcfg, hf_qcfg = _quantization_configs(options.format, exclude, options.kv_cache_quant_algo)
+    qcfg, hf_qcfg = quantization_configs(options.format, exclude, options.kv_cache_quant_algo)
     if arch.uses_fp8(options.quantize_extra):  # some FP8, some NVFP4: ModelOpt MIXED_PRECISION
         layers = {f"{run.prefix}layers.{i}.mlp.experts": "nvfp4" for i in range(cfg.text.num_layers)}
         layers.update(run.quantized_modules)

@@ -21,8 +21,8 @@ import asyncio
 
 from fastapi import FastAPI
 
-from fp4moe.engine.async_engine import AsyncEngine
-from fp4moe.engine.process import EngineProcess
+from fp4moe.engine.front.async_engine import AsyncEngine
+from fp4moe.engine.front.process import EngineProcess
 from fp4moe.server.config import ServerConfig
 from fp4moe.server.errors import install_handlers
 from fp4moe.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, InternalErrorMiddleware

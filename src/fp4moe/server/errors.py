@@ -1,6 +1,6 @@
 """OpenAI-shaped errors: ``APIError`` (status, message, type, param), ``check`` for the boundary's 400s, and the
 app's handlers that turn every error -- ours, HTTP's and the request models' validation -- into the same JSON
-body (``protocol.error_body``), never a stack trace."""
+body (``responses.error_body``), never a stack trace."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fp4moe.server.middleware import log_client_closed
-from fp4moe.server.protocol import ErrorResponse, clip, error_body
+from fp4moe.server.protocol import clip
+from fp4moe.server.responses import ErrorResponse, error_body
 
 # the error answers a route documents in the OpenAPI schema (every one has ErrorResponse's body)
 ERROR_RESPONSES: dict[int | str, dict] = {

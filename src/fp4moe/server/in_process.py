@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from fp4moe.engine.config import EngineConfig
+from fp4moe.engine.front.config import EngineConfig
 
 
 @contextlib.contextmanager
@@ -18,14 +18,14 @@ def served(model: str | Path, config: EngineConfig) -> Iterator[tuple[str, int]]
     """``model`` served on a free local port for the duration -> (the ``/v1/completions`` URL, its context)."""
     import uvicorn
 
-    from fp4moe.engine.async_engine import AsyncEngine
-    from fp4moe.engine.process import EngineSpec, start_engine
+    from fp4moe.engine.front.async_engine import AsyncEngine
+    from fp4moe.engine.front.process import EngineSpec, start_engine
     from fp4moe.server.app import build_app
     from fp4moe.server.config import ServerConfig
     from fp4moe.server.uvicorn_server import Server
 
     llm, core = start_engine(EngineSpec(str(model), config))
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(core, llm.prompts, llm.encode_images, llm.warmup.warm_thread)
     app = build_app(engine, ServerConfig(served_model_name=Path(model).name))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

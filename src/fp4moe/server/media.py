@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 
-from fp4moe.engine.multimodal import ImageError, decode_image, open_image, plan_decode
+from fp4moe.engine.request.multimodal import ImageError, decode_image, open_image, plan_decode
 from fp4moe.server.errors import APIError, check
 from fp4moe.server.protocol import Message, clip
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from fp4moe.server.protocol import error_body
+from fp4moe.server.responses import error_body
 
 
 class APIKeyMiddleware:

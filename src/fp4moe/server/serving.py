@@ -9,10 +9,10 @@ import asyncio
 import dataclasses
 import threading
 
-from fp4moe.engine.core import EngineStoppedError
-from fp4moe.engine.multimodal import ImageError
-from fp4moe.engine.prompts import PromptError
-from fp4moe.engine.scheduler import QueueFullError
+from fp4moe.engine.loop.core import EngineStoppedError
+from fp4moe.engine.loop.scheduler import QueueFullError
+from fp4moe.engine.request.multimodal import ImageError
+from fp4moe.engine.request.prompts import PromptError
 from fp4moe.server.config import PROMPT_CHARS_PER_TOKEN, ServerConfig
 from fp4moe.server.errors import APIError, check
 from fp4moe.server.media import ImageDecoder

@@ -14,7 +14,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from fp4moe.server.errors import APIError
-from fp4moe.server.protocol import UsageInfo, error_body
+from fp4moe.server.responses import UsageInfo, error_body
 
 DONE = "data: [DONE]\n\n"
 

@@ -15,18 +15,17 @@ from fp4moe.server.errors import ERROR_RESPONSES, APIError, check
 from fp4moe.server.media import fetch_images, prepare_messages
 from fp4moe.server.parsers.reasoning import ReasoningParser
 from fp4moe.server.parsers.tool_calls import ToolCallParser, openai_tool_calls
-from fp4moe.server.protocol import (
+from fp4moe.server.protocol import ChatCompletionRequest, clip
+from fp4moe.server.responses import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprob,
     ChatLogprobs,
     ChatStreamChoice,
     DeltaMessage,
     TopLogprob,
-    clip,
 )
 from fp4moe.server.serving import Serving, serving
 from fp4moe.server.streaming import event_stream, usage

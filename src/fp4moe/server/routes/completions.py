@@ -13,13 +13,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from fp4moe.server.errors import ERROR_RESPONSES, APIError, check
-from fp4moe.server.protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    UsageInfo,
-)
+from fp4moe.server.protocol import CompletionRequest
+from fp4moe.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo
 from fp4moe.server.serving import serving
 from fp4moe.server.streaming import event_stream
 

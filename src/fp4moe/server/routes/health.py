@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from fp4moe.engine.core import EngineStoppedError
+from fp4moe.engine.loop.core import EngineStoppedError
 from fp4moe.server.errors import APIError
-from fp4moe.server.protocol import HealthStatus
+from fp4moe.server.responses import HealthStatus
 from fp4moe.server.serving import serving
 
 router = APIRouter()

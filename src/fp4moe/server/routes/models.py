@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from fp4moe.server.errors import ERROR_RESPONSES
-from fp4moe.server.protocol import ModelCard, ModelList
+from fp4moe.server.responses import ModelCard, ModelList
 from fp4moe.server.serving import serving
 
 router = APIRouter()
