@@ -39,6 +39,7 @@ class Mutant:
     replacement: str
     tests: tuple[str, ...]  # pytest node ids or files: the area's tests, cheapest killers first
     why: str = ""
+    xdist: bool = False  # run the tests under pytest-xdist (-n 2), as CI does (for what only shows there)
 
 
 CUDA = "tests/engine/test_cuda_runner.py"
@@ -217,6 +218,14 @@ MUTANTS = [
     ),
     # ---- the server's stop/abort logic ----------------------------------------------------------------------
     Mutant(
+        "read-ahead-threads", "quantizer (read-ahead worker)", "src/fp4moe/quantize/pipeline.py",
+        "initializer=torch.set_num_threads, initargs=(1,)",
+        "initializer=None, initargs=()",
+        ("tests/quantize/test_read_ahead.py",),
+        "the read-ahead worker runs torch on the caller's thread count (under xdist, as CI runs it)",
+        xdist=True,
+    ),
+    Mutant(
         "stop-string-window", "stop strings", "src/fp4moe/engine/sequence.py",
         "search_from = max(0, previous_len - longest + 1)",
         "search_from = max(0, previous_len)",
@@ -285,8 +294,8 @@ def run_mutant(m: Mutant, base: Path, python: str, timeout: float, workers: int)
         target.write_text(text.replace(m.original, m.replacement, 1))
         env = {**os.environ, "PYTHONPATH": str(tree / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
         cmd = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *m.tests]
-        if workers > 1:
-            cmd[4:4] = ["-n", str(workers)]
+        if workers > 1 or m.xdist:
+            cmd[4:4] = ["-n", str(max(workers, 2))]
         start = time.monotonic()
         try:
             proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)

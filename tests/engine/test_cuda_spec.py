@@ -1,6 +1,7 @@
 """Speculative decoding on the GPU runner: MTP drafts on the fused rows, the fused verification round (greedy
 tokens and sampling), the back-off of a rejected head, top-p sequences beside speculating ones, plain steps
-under load. Agreement as in test_cuda_runner.py (greedy tokens up to the reference's near ties)."""
+under load. Agreement as in test_cuda_runner.py (greedy tokens up to the reference's near ties no wider than
+the measured drift: ``runner_cases._agree``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from runner_cases import DEV, PROMPTS, _agree, _all_pages_back, _emulate_graphs, _fused  # noqa: E402
+from runner_cases import DECODE, DEV, GPU, PROMPTS, _agree, _all_pages_back, _emulate_graphs, _fused  # noqa: E402
 
 from fp4moe.engine.llm import LLM  # noqa: E402
 from fp4moe.engine.sampler import SamplingParams  # noqa: E402
@@ -108,7 +109,7 @@ def test_first_drafts_on_the_fused_mtp_rows_are_the_module_paths(checkpoints, gr
     on the whole prompt, only each sequence's last row on through the MoE -- eagerly, or replaying the graph
     of the prompts' bucket (``FirstDrafts``; emulated on the CPU), padded rows and a padded sequence writing
     only the scratch slot. They are the module path's drafts up to a near tie of its draft logits (both bf16,
-    summed in other orders: the tie of fp4moe.engine.compare), and the head's cache and inputs end where the
+    summed in other orders: the measured decode drift's tie, ``runner_cases.DECODE``), and the head's cache and inputs end where the
     module path leaves them."""
     from fp4moe.engine.core import EngineCore
     from fp4moe.engine.scheduler import SchedulerConfig
@@ -140,7 +141,8 @@ def test_first_drafts_on_the_fused_mtp_rows_are_the_module_paths(checkpoints, gr
         for want, row, token in zip(drafts, logits, got, strict=True):
             if token != want:  # a later draft follows another token: the comparison ends here
                 logprobs = torch.log_softmax(row.float(), -1)
-                assert logprobs[want] - logprobs[token] < 0.1, (drafts, got)
+                tie = (GPU if DEV == "cuda" else DECODE)["tie"]
+                assert logprobs[want] - logprobs[token] < tie, (drafts, got)
                 break
             compared += 1
     print(f"{compared} of {2 * len(seqs)} drafts compared")
@@ -200,9 +202,10 @@ def test_fused_speculative_round_gives_plain_greedy_tokens(checkpoints, drafts):
     assert stats.drafts > 0
     if drafts == "oracle":  # every draft is the reference's continuation: most are accepted ...
         assert stats.accepted_per_position[1] > 0
-        # ... all of them while the engine's tokens are the reference's (a near-tie split makes the later
-        # oracle drafts wrong for the engine's own continuation)
-        assert stats.mean_acceptance_length > 2.5 or not agree.identical, stats.mean_acceptance_length
+        # ... all of them: the engine's tokens are the reference's (identical on the CPU, measured; a split
+        # would make the later oracle drafts wrong for the engine's own continuation, and is not excused
+        # here: the drafts are checked, not the tokens)
+        assert agree.identical and stats.mean_acceptance_length > 2.5, (agree, stats.mean_acceptance_length)
     if drafts == "second-wrong":
         assert stats.accepted_per_position[1] == 0
         assert stats.accepted_per_position[0] > 0
