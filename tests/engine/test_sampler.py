@@ -358,7 +358,9 @@ def test_batched_draws_follow_the_reference_distribution():
     computed, and tokens the filters drop are never drawn."""
     vocab = 24
     base = torch.randn(vocab, generator=torch.Generator().manual_seed(5)) * 2
-    sampled = [SampleRow(p, *_history(j)) for j, p in enumerate(p for p in BATCH_PARAMS if not p.greedy)]
+    # (and a min-p large enough to drop tokens above min_p x the top probability but below min_p)
+    params = [p for p in BATCH_PARAMS if not p.greedy] + [SamplingParams(temperature=1.0, min_p=0.3)]
+    sampled = [SampleRow(p, *_history(j)) for j, p in enumerate(params)]
     targets = [_reference_probs(base, row) for row in sampled]
     counts = [needed_draws(t) for t in targets]
     rows = [row for row, n in zip(sampled, counts, strict=True) for _ in range(n)]
