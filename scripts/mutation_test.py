@@ -45,6 +45,20 @@ class Mutant:
 CUDA = "tests/engine/test_cuda_runner.py"
 SPEC = "tests/engine/test_cuda_spec.py"
 SAMPLER = "tests/engine/test_sampler.py"
+# the sampler's unit tests (no engine): distributions, exact greedy rows, filters, penalties, seeds
+SAMPLER_UNITS = tuple(
+    f"{SAMPLER}::{name}"
+    for name in (
+        "test_batched_draws_follow_the_reference_distribution",
+        "test_seeded_draws_follow_the_reference_distribution",
+        "test_batched_greedy_rows_and_logprobs_are_exact_against_the_reference",
+        "test_seeded_rows_depend_on_their_seed_alone",
+        "test_top_k_only_draws_the_k_best",
+        "test_top_p_keeps_the_smallest_set_reaching_p",
+        "test_min_p_drops_tokens_below_a_fraction_of_the_top",
+        "test_penalties_change_only_what_they_should",
+    )
+)
 SPEC_SAMPLING = "tests/engine/test_spec_sampling.py"
 
 # fmt: off
@@ -120,35 +134,35 @@ MUTANTS = [
         "sampler-race", "sampler (batched)", "src/fp4moe/engine/sampler.py",
         "tokens[d] = (probs / q).argmax(-1)",
         "tokens[d] = (probs / q.sqrt()).argmax(-1)",
-        (SAMPLER,),
+        SAMPLER_UNITS,
         "the exponential race with the wrong noise: a distribution sharper than p",
     ),
     Mutant(
         "sampler-top-p-batched", "sampler (batched top-p)", "src/fp4moe/engine/sampler.py",
         "drop = (probs.cumsum(-1) - probs) >= p\n",
         "drop = probs.cumsum(-1) >= p\n",
-        (SAMPLER,),
+        SAMPLER_UNITS,
         "top-p drops the token that crosses p (the smallest set reaching p loses its last member)",
     ),
     Mutant(
         "sampler-min-p-batched", "sampler (batched min-p)", "src/fp4moe/engine/sampler.py",
         "floor = to_device(min_p, torch.float32, device)[:, None] * probs.amax(-1, keepdim=True)",
         "floor = to_device(min_p, torch.float32, device)[:, None] * probs.sum(-1, keepdim=True)",
-        (SAMPLER,),
+        SAMPLER_UNITS,
         "min-p relative to the total (1) instead of the top probability",
     ),
     Mutant(
         "sampler-repetition-sign", "sampler (batched penalties)", "src/fp4moe/engine/sampler.py",
         "x = torch.where(mask, torch.where(x > 0, x / r, x * r), x)",
         "x = torch.where(mask, torch.where(x > 0, x / r, x / r), x)",
-        (SAMPLER,),
+        SAMPLER_UNITS,
         "repetition penalty divides negative logits too (makes repeated unlikely tokens likelier)",
     ),
     Mutant(
         "sampler-seed-ignored", "sampler (seeded rows)", "src/fp4moe/engine/sampler.py",
         "noise.manual_seed(int(torch.randint(1 << 62, (), generator=gen)))",
         "noise.manual_seed(int(torch.randint(1 << 62, (), generator=gen)) % 2)",
-        (SAMPLER,),
+        SAMPLER_UNITS,
         "seeded rows share one of two noise streams whatever their seed",
     ),
     Mutant(
@@ -184,7 +198,7 @@ MUTANTS = [
         "kv-free-leak", "KV cache (free list)", "src/fp4moe/engine/paged_cache.py",
         "self._free.extend(reversed(self._pages.pop(slot, [])))",
         "self._free.extend(reversed(self._pages.pop(slot, [])[1:]))",
-        ("tests/engine/test_scheduler.py", f"{CUDA}::test_more_prompts_than_state_slots_run_in_waves"),
+        ("tests/engine/test_scheduler.py::test_abort_frees_everything", f"{CUDA}::test_more_prompts_than_state_slots_run_in_waves"),
         "a freed slot's first page never comes back",
     ),
     Mutant(
@@ -229,14 +243,14 @@ MUTANTS = [
         "stop-string-window", "stop strings", "src/fp4moe/engine/sequence.py",
         "search_from = max(0, previous_len - longest + 1)",
         "search_from = max(0, previous_len)",
-        ("tests/engine/test_detokenize.py", SAMPLER),
+        ("tests/engine/test_detokenize.py", f"{SAMPLER}::test_stop_string_split_across_tokens_is_never_streamed"),
         "a stop string split across tokens is missed",
     ),
     Mutant(
         "stop-token-ids", "stop tokens", "src/fp4moe/engine/sequence.py",
         "or token in self.params.stop_token_ids\n",
         "or token in self.params.stop_token_ids[1:]\n",
-        (SAMPLER,),
+        (f"{SAMPLER}::test_stop_token_ids_and_length",),
         "the first stop token id ignored",
     ),
     Mutant(
