@@ -257,7 +257,7 @@ MUTANTS = [
         "abort-waiting", "abort (scheduler)", "src/fp4moe/engine/scheduler.py",
         "        if seq in self.waiting:\n            self.waiting.remove(seq)\n",
         "",
-        ("tests/engine/test_scheduler.py",),
+        ("tests/engine/test_scheduler.py::test_abort_frees_everything", "tests/engine/test_scheduler.py"),
         "an aborted request that has not started stays queued",
     ),
     Mutant(
