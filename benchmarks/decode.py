@@ -4,8 +4,9 @@
 
 1. Correctness gate: a tiny random qwen3_5_moe (bf16, and its NVFP4 quantization; bf16 and fp8 KV) generates
    greedily on the CPU reference path and on the GPU engine (paged cache, fused kernels, CUDA graphs): tokens
-   must agree up to a near tie of the reference (top-2 margin < 0.1 nats) and the chosen tokens' logprobs
-   within 0.2 nats (bf16 noise; measured up to 0.11), else the script stops (fp4moe.engine.reference.compare).
+   must agree up to a near tie of the reference (top-2 margin < 0.1 nats, or a router near tie) and the chosen
+   tokens' logprobs within 0.2 nats (bf16 noise; measured up to 0.18), with at least 20% of the tokens
+   compared (``GATE_MIN_COMPARED``), else the script stops (fp4moe.engine.reference.compare).
 2. The full-size Qwen3.5-35B-A3B text model with random weights built on the GPU (routed experts NVFP4,
    the rest bf16; and all-bf16 for comparison).
 3. Decode steps at batch B and context C (each sequence its own slot, pages and context; caches filled
@@ -33,11 +34,52 @@ from provenance import write_result
 
 # ---- 1. correctness gate ------------------------------------------------------------------------------
 
+# The share of the reference's tokens each gate comparison must have compared (``min_compared``). Router near
+# ties excuse every difference after them, and on the tiny random model they often sit at the prefill: without
+# a floor, a run whose every token after the first tie is wrong passed (0-2 of 120 tokens compared). The H200
+# compared 36-65 of 120 tokens (30-54%) with the five prompts and 0-17 of 24 with the one alone
+# (decode-h200-2026-12-03-7e0105d.json): the floor is on both together, 36 + 0 of 144 = 25% the lowest seen.
+GATE_MIN_COMPARED = 0.2
+
+
+def gate_agreement(ref, got, margins, one_ref, one_got, one_margins):
+    """The gate's two comparisons (five prompts together, and the third alone at batch 1) -> (agreement of
+    the five, agreement of the one, whether the gate passes): each within compare's near-tie rules, and
+    together at least ``GATE_MIN_COMPARED`` of their tokens compared."""
+    from fp4moe.engine.reference.compare import greedy_agreement
+
+    agree = greedy_agreement(ref, got, router_margins=margins, min_compared=0.0)
+    one = greedy_agreement(one_ref, one_got, router_margins=one_margins, min_compared=0.0)
+    enough = agree.compared + one.compared >= GATE_MIN_COMPARED * (agree.total + one.total)
+    return agree, one, agree.ok and one.ok and enough
+
+
+def gate_prompts() -> tuple[list[dict], object]:
+    """The gate's five prompts (1-130 tokens: one page to nine) and its greedy sampling parameters."""
+    from fp4moe.engine.request.sampler import SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        {"prompt_token_ids": torch.randint(0, 1000, (n,), generator=gen).tolist()}
+        for n in (1, 7, 60, 130, 33)
+    ]
+    return prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def gate_reference(cpu_llm, prompts, params) -> tuple[list, list[list[float]]]:
+    """The CPU reference one prompt at a time -> (outputs, router near-tie margins per prompt and forward)."""
+    from fp4moe.engine.reference.compare import RouterMargins
+
+    ref, margins = [], []
+    for prompt in prompts:
+        with RouterMargins(len(cpu_llm.model.layers)) as rm:
+            ref += cpu_llm.generate([prompt], params)
+        margins.append(rm.forwards)
+    return ref, margins
+
 
 def correctness_gate() -> dict:
     from fp4moe.engine.front.llm import LLM
-    from fp4moe.engine.reference.compare import RouterMargins, greedy_agreement
-    from fp4moe.engine.request.sampler import SamplingParams
     from fp4moe.models.tiny import TinySpec, write_tiny_checkpoint
     from fp4moe.quantize.options import QuantizeOptions
     from fp4moe.quantize.pipeline import quantize
@@ -49,21 +91,12 @@ def correctness_gate() -> dict:
         src = write_tiny_checkpoint(Path(tmp) / "bf16", spec=TinySpec(moe_intermediate_size=64))
         dst = Path(tmp) / "nvfp4"
         quantize(src, dst, QuantizeOptions(num_samples=8, seq_len=64, overwrite=True))
-        gen = torch.Generator().manual_seed(0)
-        prompts = [
-            {"prompt_token_ids": torch.randint(0, 1000, (n,), generator=gen).tolist()}
-            for n in (1, 7, 60, 130, 33)
-        ]
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+        prompts, params = gate_prompts()
         for name, path in (("bf16", src), ("nvfp4", dst)):
             for kv in ("auto", "fp8"):
                 # the reference one prompt at a time, recording its router near ties per forward
                 cpu_llm = LLM(path, dtype="bfloat16", device="cpu", kv_cache_dtype=kv)
-                ref, margins = [], []
-                for prompt in prompts:
-                    with RouterMargins(len(cpu_llm.model.layers)) as rm:
-                        ref += cpu_llm.generate([prompt], params)
-                    margins.append(rm.forwards)
+                ref, margins = gate_reference(cpu_llm, prompts, params)
                 gpu_llm = LLM(
                     path,
                     dtype="bfloat16",
@@ -73,16 +106,14 @@ def correctness_gate() -> dict:
                     max_model_len=1024,
                 )
                 got = gpu_llm.generate(prompts, params)
-                agree = greedy_agreement(ref, got, router_margins=margins)
                 # and one prompt alone: batch 1 takes the one-row kernels (GEMVs, their early starts) and
                 # the batch-1 graph, the path of the headline number
-                one = greedy_agreement(
-                    [ref[2]], gpu_llm.generate([prompts[2]], params), router_margins=[margins[2]]
-                )
+                one_got = gpu_llm.generate([prompts[2]], params)
+                agree, one, ok = gate_agreement(ref, got, margins, [ref[2]], one_got, [margins[2]])
                 graphs = sorted(gpu_llm.runner.graphs)
                 result[f"{name}/{kv}"] = dict(vars(agree), graphs=graphs, batch1=vars(one))
                 log(f"gate {name:5s} kv={kv:4s}: {agree}; batch 1: {one}; graphs {graphs}")
-                if not agree.ok or not one.ok or 1 not in graphs:
+                if not ok or 1 not in graphs:
                     raise SystemExit(f"correctness gate failed for {name}/{kv}: {result[f'{name}/{kv}']}")
     return result
 

@@ -14,16 +14,63 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[5, 17, 300, 2, 9], list(range(40, 110)), [7]]
 
 
-def _agree(ref, got, **kwargs):
-    """Greedy agreement up to near ties (lengths equal unless a sequence parted at a near tie); prints what
-    it compared (``pytest -s`` or a failure shows it). A comparison that ended at the first token everywhere
-    would check nothing: at least one token per sequence and a third of all must have been compared (the
-    tiny random model's logits are flat, so near ties are common: 1 in ~20 tokens here)."""
-    agree = greedy_agreement(ref, got, **kwargs)
+# How far the fused path may drift from the module path, measured (2026-12-05, Triton's interpreter on this
+# x86 CPU, every comparison of test_cuda_runner.py, test_cuda_spec.py and test_async_steps.py): decode steps
+# after prompts through the modules moved the chosen token's logprob by at most 0.031 nats and the
+# reference's top-2 gap by at most 0.031, every token identical. Both bounds at 0.05 (1.6x): a token may part
+# only where the reference's two best were closer than the gap can move (``tie``).
+DECODE = dict(tol=0.05, tie=0.05)
+# The fused prefill rounds differently at one op: it sums the experts in fp32 where the modules round each
+# expert's output to bf16 (and, with an fp8 cache, sets each layer's scales from its own keys): 0.046 nats and a
+# gap moved by 0.047 (two splits, at margins 0.016 and 0.047). Bounds at 0.08 (1.7x).
+FUSED_PREFILL = dict(tol=0.08, tie=0.08)
+# On the GPU (cuBLAS and the compiled kernels, not the interpreter's numpy): compare's defaults, measured by
+# benchmarks/decode.py's gate on the H200 (up to 0.18 nats with NVFP4 experts).
+GPU = dict(tol=0.2, tie=0.1)
+# The GPU with an fp8 cache (decode steps and the fused prefill): the gate measured up to 0.087 nats (bf16
+# experts) and 0.101 (NVFP4 experts) on the H200; 0.15 (1.5x).
+GPU_FP8 = dict(tol=0.15, tie=0.1)
+
+
+def _agree(ref, got, fused_prefill: bool = False, bounds: dict | None = None):
+    """Greedy agreement within the measured drift (``DECODE``, ``FUSED_PREFILL``; ``GPU`` on CUDA): tokens
+    equal but where the reference's top-2 margin is below ``tie`` (the sequence's comparison ends there; its
+    length is then free), chosen-token logprobs within ``tol``, and at least half of all tokens and one per
+    sequence compared (the fused round parted at a 0.016-nat margin after 4 of 14 tokens: 18 of 28 compared). Prints what it compared (``pytest -s`` or a failure shows it)."""
+    bounds = bounds or (GPU if DEV == "cuda" else FUSED_PREFILL if fused_prefill else DECODE)
+    agree = greedy_agreement(ref, got, **bounds)
     print(f"agreement: {agree}")
+    _log_drift(ref, got, agree)
     assert agree.ok, str(agree)
-    assert agree.compared >= max(len(ref), agree.total / 3), str(agree)
+    assert agree.compared >= max(len(ref), agree.total / 2), str(agree)
     return agree
+
+
+def _log_drift(ref, got, agree) -> None:
+    """With FP4MOE_DRIFT_LOG=path, appends what the bounds above were measured from (one JSON line a
+    comparison: worst chosen-token drift, worst top-2 gap drift, margins where sequences parted)."""
+    import json
+    import os
+
+    if not os.environ.get("FP4MOE_DRIFT_LOG"):
+        return
+    gap_drift, split_margins = 0.0, []
+    for r, g in zip(ref, got, strict=True):
+        ids = list(g) if isinstance(g, list | tuple) else list(g.outputs[0].token_ids)
+        lps = None if isinstance(g, list | tuple) else g.outputs[0].logprobs
+        for j, step in enumerate(r.outputs[0].logprobs):
+            top = sorted(step.top_logprobs.values(), reverse=True)
+            if j >= len(ids) or ids[j] != step.token_id:
+                split_margins.append(top[0] - top[1])
+                break
+            if lps:
+                mine = sorted(lps[j].top_logprobs.values(), reverse=True)
+                gap_drift = max(gap_drift, abs((top[0] - top[1]) - (mine[0] - mine[1])))
+    line = dict(test=os.environ.get("PYTEST_CURRENT_TEST"), identical=agree.identical, compared=agree.compared,
+                total=agree.total, logprob_drift=agree.max_logprob_diff, gap_drift=gap_drift,
+                split_margins=split_margins)  # fmt: skip
+    with open(os.environ["FP4MOE_DRIFT_LOG"], "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def _all_pages_back(runner) -> bool:

@@ -35,10 +35,15 @@ def test_a_split_without_a_near_tie_fails_and_a_logprob_jump_fails():
 def test_a_divergence_after_a_router_near_tie_is_excused_before_it_is_not():
     jump = _output([(1, -0.5, -2.0), (2, -0.3, -3.0), (3, -0.9, -2.5), (4, -0.4, -2.0)])
     tie_at_2 = [[0.5, 0.4, 0.001, 0.3]]  # the reference's router was nearly tied in the forward of step 2
-    a = greedy_agreement([REF], [jump], router_margins=tie_at_2)
-    assert a.ok and a.router_tie_splits == 1
+    a = greedy_agreement([REF], [jump], router_margins=tie_at_2, min_compared=0.5)
+    assert a.ok and a.router_tie_splits == 1 and (a.compared, a.checkable) == (2, 2)
     tie_at_3 = [[0.5, 0.4, 0.3, 0.001]]  # a tie later does not excuse step 2
-    assert not greedy_agreement([REF], [jump], router_margins=tie_at_3).ok
+    assert not greedy_agreement([REF], [jump], router_margins=tie_at_3, min_compared=0.5).ok
+    # the floor: excused from step 2 on, 2 of 4 tokens compared
+    a = greedy_agreement([REF], [jump], router_margins=tie_at_2, min_compared=0.75)
+    assert not a.ok and "only 2 of 4 tokens compared" in a.detail
+    with pytest.raises(ValueError, match="min_compared"):
+        greedy_agreement([REF], [jump], router_margins=tie_at_2)
 
 
 def test_router_margins_recorded_per_forward():

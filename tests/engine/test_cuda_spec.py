@@ -1,6 +1,7 @@
 """Speculative decoding on the GPU runner: MTP drafts on the fused rows, the fused verification round (greedy
 tokens and sampling), the back-off of a rejected head, top-p sequences beside speculating ones, plain steps
-under load. Agreement as in test_cuda_runner.py (greedy tokens up to the reference's near ties)."""
+under load. Agreement as in test_cuda_runner.py (greedy tokens up to the reference's near ties no wider than
+the measured drift: ``runner_cases._agree``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from runner_cases import DEV, PROMPTS, _agree, _all_pages_back, _emulate_graphs, _fused  # noqa: E402
+from runner_cases import DECODE, DEV, GPU, PROMPTS, _agree, _all_pages_back, _emulate_graphs, _fused  # noqa: E402
 
 from fp4moe.engine.front.llm import LLM  # noqa: E402
 from fp4moe.engine.request.sampler import SamplingParams  # noqa: E402
@@ -73,11 +74,14 @@ def test_rounds_that_lose_to_plain_steps_at_their_batch_stop(checkpoints, monkey
     rounds go on. The tokens stay plain greedy decoding's either way."""
     from contextlib import contextmanager
 
-    from fp4moe.engine.spec import spec_policy
-    from fp4moe.engine.spec.spec_cost import WINDOW, SpecCost
+    from fp4moe.engine.spec import spec_cost, spec_policy
+    from fp4moe.engine.spec.spec_cost import SpecCost
 
     monkeypatch.setattr(spec_policy, "MIN_ACCEPTED", 0.0)
-    prompts, params, ref, llm = _greedy_pair(checkpoints, 16)
+    # windows of 4 rounds, not 8: every round runs Triton's interpreter (12 tokens where 16 were)
+    monkeypatch.setattr(spec_cost, "WINDOW", 4)
+    WINDOW = spec_cost.WINDOW
+    prompts, params, ref, llm = _greedy_pair(checkpoints, 12)
     spec = llm.speculator
     spec.policy.cost, times, kinds = SpecCost(True), {"round": round_ms, "plain": 2.0}, []
 
@@ -108,7 +112,7 @@ def test_first_drafts_on_the_fused_mtp_rows_are_the_module_paths(checkpoints, gr
     on the whole prompt, only each sequence's last row on through the MoE -- eagerly, or replaying the graph
     of the prompts' bucket (``FirstDrafts``; emulated on the CPU), padded rows and a padded sequence writing
     only the scratch slot. They are the module path's drafts up to a near tie of its draft logits (both bf16,
-    summed in other orders: the tie of fp4moe.engine.reference.compare), and the head's cache and inputs end where the
+    summed in other orders: the measured decode drift's tie, ``runner_cases.DECODE``), and the head's cache and inputs end where the
     module path leaves them."""
     from fp4moe.engine.loop.scheduler import SchedulerConfig
 
@@ -139,7 +143,8 @@ def test_first_drafts_on_the_fused_mtp_rows_are_the_module_paths(checkpoints, gr
         for want, row, token in zip(drafts, logits, got, strict=True):
             if token != want:  # a later draft follows another token: the comparison ends here
                 logprobs = torch.log_softmax(row.float(), -1)
-                assert logprobs[want] - logprobs[token] < 0.1, (drafts, got)
+                tie = (GPU if DEV == "cuda" else DECODE)["tie"]
+                assert logprobs[want] - logprobs[token] < tie, (drafts, got)
                 break
             compared += 1
     print(f"{compared} of {2 * len(seqs)} drafts compared")
@@ -199,9 +204,11 @@ def test_fused_speculative_round_gives_plain_greedy_tokens(checkpoints, drafts):
     assert stats.drafts > 0
     if drafts == "oracle":  # every draft is the reference's continuation: most are accepted ...
         assert stats.accepted_per_position[1] > 0
-        # ... all of them while the engine's tokens are the reference's (a near-tie split makes the later
-        # oracle drafts wrong for the engine's own continuation)
-        assert stats.mean_acceptance_length > 2.5 or not agree.identical, stats.mean_acceptance_length
+        # ... all of them while the engine's tokens are the reference's; after a split (only at a reference
+        # margin below the measured drift) the later oracle drafts are wrong for the engine's own
+        # continuation, and only the rounds before it accept everything
+        want = 2.5 if agree.identical else 2.0
+        assert stats.mean_acceptance_length > want, (agree, stats.mean_acceptance_length)
     if drafts == "second-wrong":
         assert stats.accepted_per_position[1] == 0
         assert stats.accepted_per_position[0] > 0
@@ -263,12 +270,17 @@ def test_fused_speculative_round_samples(checkpoints, variant):
 
     rounds = []  # per round: whether a sampled sequence was in it
     fused.launch, fused.launch_chained = oracle_launch, chained
-    runs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for _ in range(2)]
-    assert runs[0] == runs[1]  # the same engine, the same seeds: the same arithmetic, the same tokens
+    # the same engine, the same seeds: the same arithmetic, the same tokens (checked once: the host's
+    # generators feed both graph variants alike, and every run costs the interpreter minutes)
+    runs = [
+        [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        for _ in range(1 + (variant == "sorted"))
+    ]
+    assert runs[0] == runs[-1]
     got = runs[0]
     _agree([ref[0], ref[2]], [got[0], got[2]])
     want = SORTED if variant == "sorted" else SAMPLED
-    assert sum(rounds) >= 4  # >= 2 sampled rounds per run ...
+    assert sum(rounds) >= 2 * len(runs)  # >= 2 sampled rounds per run ...
     # ... in the graph variant that fits them (on the GPU the forwards ran once, to capture each variant)
     assert want in modes and set(modes) <= {GREEDY, want}
     assert DEV == "cpu" or {mode for _, mode in fused.graphs} == set(modes)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from goodness_of_fit import ALPHA, assert_follows, needed_draws, p_value
 
 from fp4moe.engine.front.llm import LLM
 from fp4moe.engine.request.prompts import PromptError
@@ -14,6 +15,7 @@ from fp4moe.engine.request.sampler import (
     filter_logits,
     sample,
     sample_batch,
+    sample_tokens,
 )
 
 
@@ -349,25 +351,28 @@ def test_batched_greedy_rows_and_logprobs_are_exact_against_the_reference():
 
 
 def test_batched_draws_follow_the_reference_distribution():
-    """Every sampled parameter set, 6,000 rows each in one batch (so rows with and without each filter sit
-    side by side): each token's frequency within 5 standard errors of the probability ``sample`` draws it
-    with, and tokens the filters drop never drawn."""
-    n, vocab = 6000, 24
+    """Every sampled parameter set (plain temperature, top-k, top-p, min-p, penalties), each on as many rows
+    as a chi-square test needs to catch a 0.02 total-variation bias with probability 0.99
+    (tests/engine/goodness_of_fit.py: 31-55 thousand here), all in one batch (so rows with and without each
+    filter sit side by side): each set's draws follow the distribution ``sample`` draws from, exactly
+    computed, and tokens the filters drop are never drawn."""
+    vocab = 24
     base = torch.randn(vocab, generator=torch.Generator().manual_seed(5)) * 2
-    sampled = [p for p in BATCH_PARAMS if not p.greedy]
-    rows = [SampleRow(p, *_history(j)) for j, p in enumerate(sampled) for _ in range(n)]
+    # (and a min-p large enough to drop tokens above min_p x the top probability but below min_p)
+    params = [p for p in BATCH_PARAMS if not p.greedy] + [SamplingParams(temperature=1.0, min_p=0.3)]
+    sampled = [SampleRow(p, *_history(j)) for j, p in enumerate(params)]
+    targets = [_reference_probs(base, row) for row in sampled]
+    counts = [needed_draws(t) for t in targets]
+    rows = [row for row, n in zip(sampled, counts, strict=True) for _ in range(n)]
     torch.manual_seed(1)
-    tokens = torch.tensor([r.token_id for r in sample_batch(base.expand(len(rows), vocab), rows)])
-    for j in range(len(sampled)):
-        probs = _reference_probs(base, rows[j * n])
-        freq = torch.bincount(tokens[j * n : (j + 1) * n], minlength=vocab).double() / n
-        bound = 5 * (probs.double() * (1 - probs.double()) / n).sqrt() + 1e-9
-        assert ((freq - probs.double()).abs() <= bound).all(), (sampled[j], freq, probs)
-        assert (freq[probs == 0] == 0).all()
+    tokens = sample_tokens(base.expand(len(rows), vocab), rows).split(counts)
+    for row, target, drawn in zip(sampled, targets, tokens, strict=True):
+        assert_follows(drawn, target, row.params)
 
 
 def test_batched_draws_match_the_per_sequence_sampler():
-    """The two samplers' empirical distributions of one parameter set agree (two-sample, 5 standard errors)."""
+    """The two samplers' empirical distributions of one parameter set agree (two-sample, 5 standard errors;
+    ``sample`` is torch.multinomial after the filters, which the filter tests above and the exact greedy rows check)."""
     n, vocab = 4000, 24
     base = torch.randn(vocab, generator=torch.Generator().manual_seed(6)) * 2
     p = SamplingParams(temperature=0.8, top_k=8, top_p=0.95, repetition_penalty=1.1)
@@ -384,16 +389,29 @@ def test_batched_draws_match_the_per_sequence_sampler():
 
 def test_seeded_draws_follow_the_reference_distribution():
     """Seeded rows (each its own seed, as requests are) draw each token with the probability ``sample``
-    gives it: frequencies over 4,000 rows within 5 standard errors; filtered tokens never drawn."""
-    n, vocab = 4000, 24
+    gives it: chi-square at the power stated in goodness_of_fit.py; filtered tokens never drawn."""
+    vocab = 24
     base = torch.randn(vocab, generator=torch.Generator().manual_seed(8)) * 2
     p = SamplingParams(temperature=0.7, top_k=10, top_p=0.9, seed=0)
+    target = _reference_probs(base, SampleRow(p, [], []))
+    n = needed_draws(target)
     rows = [SampleRow(p, [], [], torch.Generator().manual_seed(1000 + j)) for j in range(n)]
-    tokens = torch.tensor([r.token_id for r in sample_batch(base.expand(n, vocab), rows)])
-    probs = _reference_probs(base, rows[0]).double()
-    freq = torch.bincount(tokens, minlength=vocab).double() / n
-    assert ((freq - probs).abs() <= 5 * (probs * (1 - probs) / n).sqrt() + 1e-9).all(), (freq, probs)
-    assert (freq[probs == 0] == 0).all()
+    assert_follows(sample_tokens(base.expand(n, vocab), rows), target, p)
+
+
+def test_a_sampler_002_off_fails_the_check():
+    """The check's power, seen: draws from a distribution 0.02 (total variation) from the target -- the bias
+    proportional to the target, the hardest to see -- fail it at the sample size it asks for."""
+    target = (torch.randn(24, generator=torch.Generator().manual_seed(5)) * 2).softmax(-1).double()
+    sign = torch.where(torch.arange(24) % 2 == 0, 1.0, -1.0).double()
+    shift = target * (sign - (target * sign).sum())  # sums to 0
+    off = target + 0.02 * shift / (0.5 * shift.abs().sum())
+    assert abs(0.5 * float((off - target).abs().sum()) - 0.02) < 1e-9 and (off >= 0).all()
+    n = needed_draws(target)
+    biased = torch.multinomial(off, n, replacement=True, generator=torch.Generator().manual_seed(0))
+    assert p_value(biased, target) < ALPHA
+    fair = torch.multinomial(target, n, replacement=True, generator=torch.Generator().manual_seed(0))
+    assert p_value(fair, target) >= ALPHA
 
 
 def test_seeded_rows_depend_on_their_seed_alone():

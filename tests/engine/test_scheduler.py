@@ -98,9 +98,13 @@ def test_abort_frees_everything(llm):
     core = llm.new_core(SchedulerConfig(max_num_seqs=2))
     p = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
     a, b = llm.make_sequences("first", p)[0], llm.make_sequences("second", p)[0]
-    core.add([a, b])
+    queued = llm.make_sequences("third", p)[0]  # two slots: it waits
+    core.add([a, b, queued])
     for _ in range(3):
         core.step()
+    assert queued in core.scheduler.waiting
+    core.abort(queued)  # aborted before it ever ran: out of the queue
+    assert queued not in core.scheduler.waiting
     core.abort(a)
     assert a.slot == -1
     slots = {k[1] for k in core.kv._kv} | {k[1] for k in core.states._states}

@@ -182,17 +182,28 @@ def test_bit_identical_to_compressed_tensors(kind, dtype):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_modelopt_decode_matches_ct_decode_within_rounding(seed):
-    """code * (block * fl(amax / 2688)) against code * (block / fl(2688 / amax)): the same real value, six fp32
-    roundings apart (the two scales' divisions, the two scale products, the two products with the code;
-    ModelOpt's path rounds once where ours rounds the reciprocal's reciprocal), each of relative size at most
-    u = 2^-24. The old bound, 2e-7 ("one ulp"), failed on one random draw in CI (2.04e-7)."""
+def test_modelopt_and_ct_decodes_match_an_independent_float64_decode(seed):
+    """Both decoders against the codes' real values computed here in float64, from the OCP E2M1 table, the
+    nibbles (low first), the e4m3 block scales and each convention's own global scale: ModelOpt's code *
+    (block * s2) and ours, code * (block / gs), each round twice in fp32 (the scale, then the product with the
+    code: relative error at most 2u, u = 2^-24). And the real values are the source's within NVFP4's step (at
+    most one unit of the block's scale: the E2M1 grid's widest half-gap, between 4 and 6)."""
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(seed)) * 3
     q = nvfp4.quantize(w)
     s2 = nvfp4.weight_scale_2_from_amax(w.abs().amax())
-    a = nvfp4.dequantize_modelopt(q.packed, q.block_scales, s2)
-    b = q.dequantize()
-    torch.testing.assert_close(a, b, rtol=6 * 2**-24 * (1 + 1e-6), atol=0)
+    magnitudes = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
+    table = torch.cat([magnitudes, -magnitudes])  # code 8 + m: the sign bit
+    packed = q.packed.long()
+    values = table[torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)]  # [16, 64]
+    block = q.block_scales.double().repeat_interleave(16, dim=-1)
+    two_roundings = 2 * 2**-24 * (1 + 1e-6)
+    modelopt = nvfp4.dequantize_modelopt(q.packed, q.block_scales, s2).double()
+    torch.testing.assert_close(modelopt, values * block * s2.double(), rtol=two_roundings, atol=0)
+    ct = q.dequantize().double()
+    torch.testing.assert_close(ct, values * block / q.global_scale.double(), rtol=two_roundings, atol=0)
+    assert (
+        (values * block / q.global_scale.double() - w.double()).abs() <= block / q.global_scale.double()
+    ).all()
 
 
 @pytest.mark.gpu

@@ -89,3 +89,21 @@ def test_head_norm_rope_is_the_norm_then_the_rotary(heads, rotary):
     with pytest.raises(ValueError, match="rotary dims"):
         odd = torch.zeros(t, 3, dtype=BF16, device=DEV)
         norm.head_norm_rope(q, w, eps, odd, odd)
+
+
+def test_add_norm_rounds_like_the_modules():
+    """Where the kernel's arithmetic is the modules' (the residual sum rounded to bf16, as the modules' bf16 add
+    does; the norm in fp32 from that bf16 residual), it is held to their rounding, not the 2e-2 of a kernel
+    in another order: the residual bit for bit, the normed output with at most 1 element in 200 one bf16 ulp
+    off (the fp32 mean of squares summed in another order flips a last bit now and then). Norming the
+    unrounded sum instead moved a third of the outputs by an ulp."""
+    gen = torch.Generator().manual_seed(7)
+    t, n = 16, 256
+    h, a = (torch.randn(t, n, generator=gen).to(BF16).to(DEV) for _ in range(2))
+    w = (0.1 * torch.randn(n, generator=gen)).to(BF16).to(DEV)
+    h_out, x = norm.add_rms_norm(h, a, w, 1e-6)
+    assert torch.equal(h_out, h + a)
+    ref = rms_norm_zero_centred(h + a, w, 1e-6)
+    off = (x.float() - ref.float()).abs()
+    ulp = ref.float().abs() * 2**-7  # one bf16 ulp is at most 2^-7 of the value
+    assert (off <= ulp).all() and (off > 0).float().mean() <= 1 / 200, (off > 0).float().mean()

@@ -53,7 +53,7 @@ def test_gptq_output_is_valid_nvfp4_with_dead_columns():
     assert q.packed.shape == (16, 32) and q.block_scales.shape == (16, 4)
     deq = q.dequantize()
     assert torch.isfinite(deq).all() and (deq[:, 5] == 0).all()
-    assert (q.block_scales.float() > 0).all() or (deq.abs().amax(-1) == 0).any()
+    assert (q.block_scales.float() > 0).all()  # (an all-zero block too: e4m3's epsilon, never 0)
 
 
 def _hessian_error(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

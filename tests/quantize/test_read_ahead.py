@@ -103,12 +103,23 @@ def test_layer_reader_hands_over_each_layer_once_and_keeps_no_reference(checkpoi
 
 def test_the_worker_runs_torch_on_one_thread_and_the_caller_keeps_its_own(checkpoints, monkeypatch):
     """A second thread's parallel torch ops made the caller's 2.8x slower (OpenMP teams contending): the
-    worker runs on one thread; the caller's thread count, and the default for later threads, stay."""
+    worker runs on one thread; the caller's thread count, and the default for later threads, stay. The caller
+    runs on two threads here: under xdist conftest.py already set one, and the worker's one would be no news."""
+    original = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _worker_on_one_thread(checkpoints, monkeypatch)
+    finally:
+        torch.set_num_threads(original)
+
+
+def _worker_on_one_thread(checkpoints, monkeypatch):
     reader = pipeline.CheckpointReader(checkpoints.bf16())
     cfg = pipeline.arch.ModelConfig.from_dir(checkpoints.bf16())
     prefix = pipeline.arch.text_prefix(reader)
     blocks = [pipeline.arch.expert_block(reader, f"{prefix}layers.0.mlp.experts.", cfg.text)]
     before, seen = torch.get_num_threads(), []
+    assert before == 2
     read = pipeline._read_layer
 
     def watched(*args):

@@ -450,7 +450,9 @@ def test_non_stream_disconnect_aborts_the_request(request, which, path, body):
     assert srv.metric("fp4moe:generation_tokens_total") - generated < max_tokens / 2
     core = srv.engine.core
     assert not core.scheduler.has_work() and core.kv._kv == {} and core.states._states == {}
-    assert took < 1.0, took
+    # promptly: fewer than half the tokens were generated (above); the server's own delay, generously (a
+    # loaded 2-core machine), only to catch an abort that waited for something else
+    assert took < 10, took
 
 
 def test_queued_request_is_aborted_when_its_client_leaves(keyed_server):
@@ -500,7 +502,9 @@ def test_queued_request_is_aborted_when_its_client_leaves(keyed_server):
                     "the queued request of a client that timed out was not aborted",
                 )
             took = aborts.times[0] - gave_up[0]  # the server's decision, not this test's polling
-            assert took < 1.0, took
+            # promptly: while the long request still runs (below); the delay itself generously (a loaded
+            # 2-core machine), only to catch an abort that waited for something else
+            assert took < 10, took
             assert srv.metric("fp4moe:num_requests_running") == 1 and len(admitted) == 1
             assert srv.metric("fp4moe:request_aborted_total") == aborted + 1
         _wait_until(lambda: srv.metric("fp4moe:num_requests_running") == 0, 10, "stream not aborted")

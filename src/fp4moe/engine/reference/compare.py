@@ -27,10 +27,12 @@ class Agreement:
     router_tie_splits: int = 0
     compared: int = 0  # tokens found equal before any excused split (what the comparison really checked)
     total: int = 0  # tokens in the reference
+    checkable: int = 0  # tokens before each sequence's first excusable step (near tie or router near tie)
 
     def __str__(self) -> str:
         return (
-            f"{self.compared} of {self.total} tokens compared, {self.near_tie_splits} near-tie split(s), "
+            f"{self.compared} of {self.total} tokens compared ({self.checkable} before any excusable step), "
+            f"{self.near_tie_splits} near-tie split(s), "
             f"{self.router_tie_splits} router near-tie split(s), chosen-token logprobs within "
             f"{self.max_logprob_diff:.4f}" + (f"; {self.detail}" if self.detail else "")
         )
@@ -45,7 +47,13 @@ def _tokens_and_logprobs(out) -> tuple[list[int], list | None]:
 
 
 def greedy_agreement(
-    ref, got, tie: float = 0.1, tol: float = 0.2, router_margins=None, router_tie: float = 0.02
+    ref,
+    got,
+    tie: float = 0.1,
+    tol: float = 0.2,
+    router_margins=None,
+    router_tie: float = 0.02,
+    min_compared: float | None = None,
 ) -> Agreement:
     """``ref``: RequestOutputs from generate(..., SamplingParams(temperature=0, logprobs>=2)); ``got``: the
     same from the engine under test, or its token ids alone (then only tokens are compared).
@@ -57,10 +65,18 @@ def greedy_agreement(
     prefill first, then one per decode step), the smallest gap between the k-th and (k+1)-th router logit
     over its layers and rows. From the first forward whose gap is below ``router_tie`` on, a difference
     (token or logprob) ends that sequence's comparison as a router near tie: a last-bit difference in the
-    hidden state may pick another expert there, a jump no tolerance on the logits can absorb."""
+    hidden state may pick another expert there, a jump no tolerance on the logits can absorb.
+
+    ``min_compared``: the fraction of the reference's tokens that must have been compared. Excused splits
+    end comparisons, so without a floor a comparison that excused everything passes having checked nothing
+    (with ``router_margins`` it is required: the tiny random model's router ties often sit at the prefill)."""
+    if router_margins is not None and min_compared is None:
+        raise ValueError(
+            "router_margins excuse whole sequences: give min_compared, the floor on tokens compared"
+        )
     if len(ref) != len(got):
         raise ValueError(f"{len(got)} outputs to compare with {len(ref)} reference outputs")
-    splits, router_splits, worst, problems, compared, total = 0, 0, 0.0, [], 0, 0
+    splits, router_splits, worst, problems, compared, total, checkable = 0, 0, 0.0, [], 0, 0, 0
     identical = True
     for i, (r, g) in enumerate(zip(ref, got, strict=True)):
         ref_ids, ref_lps = _tokens_and_logprobs(r)
@@ -71,6 +87,9 @@ def greedy_agreement(
         identical &= ref_ids == got_ids
         margins = router_margins[i] if router_margins is not None else []
         first_tie = next((j for j, m in enumerate(margins) if m < router_tie), len(ref_ids))
+        checkable += min(
+            first_tie, next((j for j, ra in enumerate(ref_lps) if _margin(ra) < tie), len(ref_ids))
+        )
         excused = False
         for step, (ra, token) in enumerate(zip(ref_lps, got_ids)):  # noqa: B905 (lengths checked below)
             same = ra.token_id == token
@@ -79,8 +98,7 @@ def greedy_agreement(
                 router_splits, excused = router_splits + 1, True
                 break
             if not same:
-                top = sorted(ra.top_logprobs.values(), reverse=True)
-                margin = top[0] - top[1] if len(top) > 1 else float("inf")
+                margin = _margin(ra)
                 if margin < tie:
                     splits, excused = splits + 1, True
                 else:
@@ -94,9 +112,17 @@ def greedy_agreement(
             problems.append(f"sequence {i}: {len(got_ids)} tokens where the reference has {len(ref_ids)}")
     if worst > tol:
         problems.append(f"chosen-token logprobs differ by {worst:.4f} > {tol}")
+    if min_compared is not None and compared < min_compared * total:
+        problems.append(f"only {compared} of {total} tokens compared (floor {min_compared:.0%})")
     return Agreement(
-        not problems, identical, splits, worst, "; ".join(problems), router_splits, compared, total
+        not problems, identical, splits, worst, "; ".join(problems), router_splits, compared, total, checkable
     )
+
+
+def _margin(step) -> float:
+    """The reference's gap between its two best logprobs at a step (inf with fewer than two)."""
+    top = sorted(step.top_logprobs.values(), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
 
 
 class RouterMargins:
