@@ -2,7 +2,8 @@
 
     python benchmarks/decode.py --out results.json            # on one GPU (the H200)
 
-1. Correctness gate: a tiny random qwen3_5_moe (bf16, and its NVFP4 quantization; bf16 and fp8 KV) generates
+1. Correctness gate: a tiny random qwen3_5_moe (bf16, and its NVFP4 quantization; bf16 and fp8 KV; and a bf16
+   one that routes every token to every expert, where no router tie excuses a wrong token) generates
    greedily on the CPU reference path and on the GPU engine (paged cache, fused kernels, CUDA graphs): tokens
    must agree up to a near tie of the reference (top-2 margin < 0.1 nats, or a router near tie) and the chosen
    tokens' logprobs within 0.2 nats (bf16 noise; measured up to 0.18), with at least 20% of the tokens
@@ -40,6 +41,12 @@ from provenance import write_result
 # compared 36-65 of 120 tokens (30-54%) with the five prompts and 0-17 of 24 with the one alone
 # (decode-h200-2026-12-03-7e0105d.json): the floor is on both together, 36 + 0 of 144 = 25% the lowest seen.
 GATE_MIN_COMPARED = 0.2
+
+# The gate's third model: every expert chosen for every token (top-k = the 8 experts), so the router makes no
+# choice a last-bit difference could flip and excuses nothing (``RouterMargins`` records no near tie): a wrong
+# token is seen wherever the reference's own top-2 margin is decisive. The experts' weighted sum, the kernels
+# and the cache are the same code; only the top-k selection is not exercised (the other two models do that).
+ALL_EXPERTS = dict(moe_intermediate_size=64, num_experts_per_tok=8)
 
 
 def gate_agreement(ref, got, margins, one_ref, one_got, one_margins):
@@ -91,9 +98,11 @@ def correctness_gate() -> dict:
         src = write_tiny_checkpoint(Path(tmp) / "bf16", spec=TinySpec(moe_intermediate_size=64))
         dst = Path(tmp) / "nvfp4"
         quantize(src, dst, QuantizeOptions(num_samples=8, seq_len=64, overwrite=True))
+        every = write_tiny_checkpoint(Path(tmp) / "all-experts", spec=TinySpec(**ALL_EXPERTS))
         prompts, params = gate_prompts()
-        for name, path in (("bf16", src), ("nvfp4", dst)):
-            for kv in ("auto", "fp8"):
+        kvs = ("auto", "fp8")
+        for name, path, caches in (("bf16", src, kvs), ("nvfp4", dst, kvs), ("all-experts", every, ("auto",))):
+            for kv in caches:
                 # the reference one prompt at a time, recording its router near ties per forward
                 cpu_llm = LLM(path, dtype="bfloat16", device="cpu", kv_cache_dtype=kv)
                 ref, margins = gate_reference(cpu_llm, prompts, params)
@@ -112,7 +121,7 @@ def correctness_gate() -> dict:
                 agree, one, ok = gate_agreement(ref, got, margins, [ref[2]], one_got, [margins[2]])
                 graphs = sorted(gpu_llm.runner.graphs)
                 result[f"{name}/{kv}"] = dict(vars(agree), graphs=graphs, batch1=vars(one))
-                log(f"gate {name:5s} kv={kv:4s}: {agree}; batch 1: {one}; graphs {graphs}")
+                log(f"gate {name:11s} kv={kv:4s}: {agree}; batch 1: {one}; graphs {graphs}")
                 if not ok or 1 not in graphs:
                     raise SystemExit(f"correctness gate failed for {name}/{kv}: {result[f'{name}/{kv}']}")
     return result

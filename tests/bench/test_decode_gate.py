@@ -47,3 +47,34 @@ def test_the_gate_passes_the_reference_and_fails_a_planted_wrong_token(gate):
     # (a single wrong token is excused on this model: every prompt's prefill has a router near tie, and
     # scaling the router up moves its logits' rounding with its gaps -- no tie becomes decisive that way)
     assert first_ties == [0] * 5
+
+
+def test_with_every_expert_chosen_a_single_wrong_token_fails_the_gate(checkpoints):
+    """The gate's all-experts model: the router chooses nothing, so no router near tie excuses anything, and
+    one wrong token where the reference's top-2 margin is decisive fails the gate (on the top-2 model above a
+    single one is excused)."""
+    decode = load_script("benchmarks/decode.py")
+    path = checkpoints.bf16(spec=TinySpec(**decode.ALL_EXPERTS))
+    prompts, params = decode.gate_prompts()
+    ref, margins = decode.gate_reference(LLM(path, dtype="bfloat16", device="cpu"), prompts, params)
+    assert all(m == float("inf") for ms in margins for m in ms)  # no router choice, no router tie
+    agree, one, ok = _check(decode, ref, margins, ref)
+    assert ok and agree.compared == agree.total == 120 and one.compared == 24
+    tie = 0.1  # greedy_agreement's default near tie of the reference's logits
+    wrong = 0
+    for i, r in enumerate(ref):
+        steps = r.outputs[0].logprobs
+        decisive = [j for j, s in enumerate(steps) if _top2_margin(s) >= tie]
+        assert decisive, f"prompt {i} has no decisive step"
+        j = decisive[0]
+        planted = [list(x.outputs[0].token_ids) for x in ref]
+        planted[i][j] = _wrong(planted[i][j])
+        agree, one, ok = _check(decode, ref, margins, planted)
+        assert not ok and f"sequence {i} step {j}" in agree.detail, (i, j, agree)
+        wrong += 1
+    assert wrong == 5
+
+
+def _top2_margin(step) -> float:
+    top = sorted(step.top_logprobs.values(), reverse=True)
+    return top[0] - top[1]

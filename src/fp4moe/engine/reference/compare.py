@@ -14,6 +14,7 @@ so near ties are common. An indexing or scale bug moves logprobs by whole nats."
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -128,8 +129,8 @@ def _margin(step) -> float:
 class RouterMargins:
     """Records, while active, the smallest gap between the k-th and (k+1)-th router logit of every forward
     through the engine's CPU modules (``SparseMoE.route``): ``forwards`` gets one number per model
-    forward (the minimum over its MoE layers and rows). Use one sequence at a time to map forwards to
-    steps."""
+    forward (the minimum over its MoE layers and rows; infinite where every expert is chosen). Use one
+    sequence at a time to map forwards to steps."""
 
     def __init__(self, num_moe_layers: int):
         self.num_moe_layers, self.gaps, self._orig = num_moe_layers, [], None
@@ -143,8 +144,12 @@ class RouterMargins:
         gaps = self.gaps
 
         def route(moe, x):
-            top = torch.topk(moe.gate(x).float(), moe.top_k + 1, dim=-1).values
-            gaps.append(float((top[:, -2] - top[:, -1]).min()))
+            logits = moe.gate(x).float()
+            if moe.top_k >= logits.shape[-1]:  # every expert chosen: no choice to get wrong
+                gaps.append(math.inf)
+            else:
+                top = torch.topk(logits, moe.top_k + 1, dim=-1).values
+                gaps.append(float((top[:, -2] - top[:, -1]).min()))
             return orig(moe, x)
 
         SparseMoE.route = route
