@@ -21,8 +21,8 @@ PROMPTS = [[5, 17, 300, 2, 9], list(range(40, 110)), [7]]
 # only where the reference's two best were closer than the gap can move (``tie``).
 DECODE = dict(tol=0.05, tie=0.05)
 # The fused prefill rounds differently at one op: it sums the experts in fp32 where the modules round each
-# expert's output to bf16 (and, with an fp8 cache, sets each layer's scales from its own keys): 0.046 nats and a
-# gap moved by 0.047 (two splits, at margins 0.016 and 0.047). Bounds at 0.08 (1.7x).
+# expert's output to bf16: 0.046 nats and a gap moved by 0.047 (two splits, at margins 0.016 and 0.047). Bounds
+# at 0.08 (1.7x).
 FUSED_PREFILL = dict(tol=0.08, tie=0.08)
 # On the GPU (cuBLAS and the compiled kernels, not the interpreter's numpy): compare's defaults, measured by
 # benchmarks/decode.py's gate on the H200 (up to 0.18 nats with NVFP4 experts).
@@ -35,14 +35,17 @@ GPU_FP8 = dict(tol=0.15, tie=0.1)
 def _agree(ref, got, fused_prefill: bool = False, bounds: dict | None = None):
     """Greedy agreement within the measured drift (``DECODE``, ``FUSED_PREFILL``; ``GPU`` on CUDA): tokens
     equal but where the reference's top-2 margin is below ``tie`` (the sequence's comparison ends there; its
-    length is then free), chosen-token logprobs within ``tol``, and at least half of all tokens and one per
-    sequence compared (the fused round parted at a 0.016-nat margin after 4 of 14 tokens: 18 of 28 compared). Prints what it compared (``pytest -s`` or a failure shows it)."""
+    length is then free), chosen-token logprobs within ``tol``, and a floor on the tokens compared: as many as
+    there are sequences, and half of all tokens -- or, where the reference itself has a near tie sooner, every
+    token before it (``checkable``: a short run may part there on any CPU; the fused round parted at a
+    0.016-nat margin after 4 of 14 tokens, a 3 + 6-token run after 2). Prints what it compared (``pytest -s``
+    or a failure shows it)."""
     bounds = bounds or (GPU if DEV == "cuda" else FUSED_PREFILL if fused_prefill else DECODE)
     agree = greedy_agreement(ref, got, **bounds)
     print(f"agreement: {agree}")
     _log_drift(ref, got, agree)
     assert agree.ok, str(agree)
-    assert agree.compared >= max(len(ref), agree.total / 2), str(agree)
+    assert agree.compared >= max(len(ref), min(agree.total / 2, agree.checkable)), str(agree)
     return agree
 
 
