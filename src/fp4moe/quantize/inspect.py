@@ -10,7 +10,6 @@ byte-identical to the source's (streamed a chunk at a time).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,81 +19,10 @@ from fp4moe.formats.checkpoint import CheckpointReader
 from fp4moe.formats.layouts import SUFFIXES, OutputFormat, detect_format
 from fp4moe.formats.nvfp4 import BLOCK_SIZE
 from fp4moe.models import qwen3_5_moe as arch
+from fp4moe.quantize.inspect_report import InspectReport, Problems
 from fp4moe.quantize.source_compare import compare_with_source
 
-MAX_LISTED = 20  # problems of one kind listed before "... and N more"
 SCALAR_SHAPES = ((), (1,))
-
-
-@dataclass
-class InspectReport:
-    path: str
-    format: str | None = None
-    num_layers: int = 0
-    num_experts: int = 0
-    experts_quantized: int = 0
-    experts_bf16: int = 0
-    experts_fused_nvfp4: int = 0
-    exclude_entries: int = 0
-    mtp_tensors: int = 0
-    vision_tensors: int = 0
-    kv_cache: str = "-"  # "fp8, calibrated scales" where the config declares an fp8 KV cache
-    bytes_on_disk: int = 0
-    bytes_bf16_equivalent: int = 0
-    problems: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def to_json(self) -> str:
-        return json.dumps({**asdict(self), "ok": self.ok}, indent=2)
-
-    def table(self) -> str:
-        gb = 1e9
-        ratio = self.bytes_on_disk / self.bytes_bf16_equivalent if self.bytes_bf16_equivalent else 0.0
-        rows = [
-            ("checkpoint", self.path),
-            ("format", self.format or "-"),
-            ("layers x experts", f"{self.num_layers} x {self.num_experts}"),
-            ("experts NVFP4 (per-expert)", str(self.experts_quantized)),
-            ("experts NVFP4 fused (needs convert)", str(self.experts_fused_nvfp4)),
-            ("experts left bf16", str(self.experts_bf16)),
-            ("exclude-list entries", str(self.exclude_entries)),
-            ("MTP tensors", str(self.mtp_tensors)),
-            ("vision tensors", str(self.vision_tensors)),
-            ("KV cache", self.kv_cache),
-            (
-                "size",
-                f"{self.bytes_on_disk / gb:.3f} GB ({ratio:.1%} of {self.bytes_bf16_equivalent / gb:.3f} GB bf16)",
-            ),
-            ("result", "OK" if self.ok else f"{len(self.problems)} problem(s)"),
-        ]
-        width = max(len(k) for k, _ in rows)
-        out = [f"{k:<{width}}  {v}" for k, v in rows]
-        out += [f"PROBLEM: {p}" for p in self.problems]
-        out += [f"warning: {w}" for w in self.warnings]
-        return "\n".join(out)
-
-
-class _Problems:
-    """Collects problems, listing at most MAX_LISTED of each kind."""
-
-    def __init__(self, report: InspectReport):
-        self.report = report
-        self.counts: dict[str, int] = {}
-
-    def add(self, kind: str, message: str) -> None:
-        n = self.counts.get(kind, 0) + 1
-        self.counts[kind] = n
-        if n <= MAX_LISTED:
-            self.report.problems.append(message)
-
-    def finish(self) -> None:
-        for kind, n in self.counts.items():
-            if n > MAX_LISTED:
-                self.report.problems.append(f"... and {n - MAX_LISTED} more problems of kind '{kind}'")
 
 
 def _expert_naming(reader: CheckpointReader) -> OutputFormat | None:
@@ -183,7 +111,7 @@ def _check_hf_quant_config(path: Path, report: InspectReport) -> None:
         report.problems.append(f"hf_quant_config.json group_size {q.get('group_size')} is not {BLOCK_SIZE}")
 
 
-def _declared_kv_cache(config: dict, path: Path, fmt: OutputFormat, problems: _Problems) -> bool:
+def _declared_kv_cache(config: dict, path: Path, fmt: OutputFormat, problems: Problems) -> bool:
     """Whether the quantization config declares an fp8 KV cache (ModelOpt: ``kv_cache_quant_algo``, in
     config.json and hf_quant_config.json alike; compressed-tensors: ``kv_cache_scheme``)."""
     qc = config.get("quantization_config") or {}
@@ -256,7 +184,7 @@ def _check_expert(
     e: int,
     hidden: int,
     inter: int,
-    problems: _Problems,
+    problems: Problems,
 ) -> dict[str, torch.Tensor] | None:
     """Check one per-expert NVFP4 expert; returns its global scales by projection (None if broken)."""
     packed_sfx, block_sfx, global_sfx, input_sfx = SUFFIXES[fmt]
@@ -305,7 +233,7 @@ def _check_expert(
     return scales
 
 
-def _check_layer_experts(reader, fmt, cfg, prefix: str, report: InspectReport, problems: _Problems) -> None:
+def _check_layer_experts(reader, fmt, cfg, prefix: str, report: InspectReport, problems: Problems) -> None:
     h, i_size, num_e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     if f"{prefix}gate_up_proj_weight_scale" in reader or (
         f"{prefix}gate_up_proj" in reader and reader.info(f"{prefix}gate_up_proj").dtype == "U8"
@@ -342,7 +270,7 @@ def _check_layer_experts(reader, fmt, cfg, prefix: str, report: InspectReport, p
             )
 
 
-def _check_exclude_list(reader, fmt, entries: list[str], cfg, prefix: str, problems: _Problems) -> None:
+def _check_exclude_list(reader, fmt, entries: list[str], cfg, prefix: str, problems: Problems) -> None:
     modules = sorted({layouts.module_of(n) for n in reader.names()})
     for entry in entries:
         if not any(layouts.exclude_entry_matches(entry, m, fmt) for m in modules):
@@ -455,7 +383,7 @@ def inspect_checkpoint(
     can split the shapes over that many GPUs (``formats.sharding``)."""
     path = Path(path)
     report = InspectReport(path=str(path))
-    problems = _Problems(report)
+    problems = Problems(report)
     # a path that is no checkpoint of this model (no config.json, another model_type, files safetensors would
     # refuse): an error (exit 2), never a report
     reader = CheckpointReader(path)
