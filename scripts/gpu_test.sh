@@ -12,7 +12,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${OUT:-/tmp}/gpu-test.log
 jobs=${JOBS:-1}
-parts=" ${PARTS:-kernels engine} "
+parts=" ${PARTS:-kernels kernels2 marked runner spec server} "
+parts=${parts/ engine / marked runner spec server }  # engine: every part but the kernels
+parts=${parts/ kernels / kernels kernels2 }  # kernels: both halves
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl/*.whl || { echo "installing the carried wheels failed (run scripts/gpu_wheels.sh here first)"; exit 2; }
 export PYTHONPATH=/tmp/site:src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -21,20 +23,33 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
 "transformers", transformers.__version__)' | tee -a "$log"
 echo "tree: ${FP4MOE_COMMIT:-unknown commit (set FP4MOE_COMMIT)}" | tee -a "$log"
-pytest=(python3 -m pytest -q -p no:cacheprovider -rfEs)
+pytest=(python3 -m pytest -q -p no:cacheprovider -rfEs --durations=15)
 parallel=()
 [ "$jobs" -gt 1 ] && parallel=(-n "$jobs" --dist loadfile)
-status=0
-if [[ $parts == *" kernels "* ]]; then
-  echo "== kernels and layers ($jobs processes)" | tee -a "$log"
-  "${pytest[@]}" "${parallel[@]}" tests/kernels tests/layers "$@" 2>&1 | tee -a "$log" || status=1
+# FP4MOE_TEST_BUDGET_S: past it (from now) pytest stops after the test in hand and prints its summary, failures
+# named (tests/conftest.py reads FP4MOE_TEST_DEADLINE); a signal from outside would cut that summary
+if [ -n "${FP4MOE_TEST_BUDGET_S:-}" ]; then
+  export FP4MOE_TEST_DEADLINE=$(($(date +%s) + FP4MOE_TEST_BUDGET_S))
 fi
-[[ $parts == *" engine "* ]] || exit $status
-echo "== the other gpu-marked tests" | tee -a "$log"
-"${pytest[@]}" -m gpu tests --ignore=tests/kernels --ignore=tests/layers "$@" 2>&1 | tee -a "$log" || status=1
-echo "== runner, speculative sampling, server" | tee -a "$log"
-"${pytest[@]}" -m "not gpu" tests/engine/test_cuda_runner.py tests/engine/test_cuda_spec.py \
-  tests/engine/test_async_steps.py tests/engine/test_spec_sampling.py tests/engine/test_kv_cache_scales.py tests/server \
-  --ignore=tests/server/test_fuzz.py "$@" 2>&1 | tee -a "$log" \
-  || status=1  # the fuzz suite (schemathesis, not carried) exercises the HTTP layer: the CPU's CI runs it
+status=0
+part() {  # part NAME DESCRIPTION PYTEST-ARGS...: run one part if PARTS names it; tee -i keeps the log on a cut
+  local name=$1 what=$2
+  shift 2
+  [[ $parts == *" $name "* ]] || return 0
+  echo "== $name: $what" | tee -a "$log"
+  "${pytest[@]}" "$@" "${extra[@]}" 2>&1 | tee -i -a "$log" || status=1
+}
+extra=("$@")
+# kernels and layers: in JOBS processes, most of their time Triton compiling; two halves, each inside one call
+part kernels "kernel tests, first half ($jobs processes)" "${parallel[@]}" tests/kernels/test_[a-f]*.py
+part kernels2 "kernel tests, second half, and layers ($jobs processes)" "${parallel[@]}" tests/kernels/test_[g-z]*.py \
+  tests/layers
+# the rest one process at a time: each engine sizes its KV cache from the GPU memory left free
+part marked "the other gpu-marked tests" -m gpu tests --ignore=tests/kernels --ignore=tests/layers
+part runner "the CUDA runner and the KV-cache scales" -m "not gpu" tests/engine/test_cuda_runner.py \
+  tests/engine/test_kv_cache_scales.py
+part spec "speculation: rounds, sampling, async steps" -m "not gpu" tests/engine/test_cuda_spec.py \
+  tests/engine/test_spec_sampling.py tests/engine/test_async_steps.py
+# the fuzz suite (schemathesis, not carried) exercises the HTTP layer alone: the CPU's CI runs it
+part server "the server on the GPU" -m "not gpu" tests/server --ignore=tests/server/test_fuzz.py
 exit $status
