@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Re-measure every figure of BENCHMARKS.md's current table on one GPU (the device tool's H200: no network, Python
-# 3.12 with torch/triton; the rest from the wheels carried in .whl/, as scripts/gpu_test.sh installs them).
+# Re-measure every figure of BENCHMARKS.md's current table on one GPU (the device tool's H200 or H100: no network,
+# Python 3.12 with torch/triton; the rest from the wheels carried in .whl/, as scripts/gpu_test.sh installs them).
 #
-#   benchmarks/verify_gpu.sh [--dry-run] STAGE...   STAGE: kernels | tests | engine | served | all (= the four)
+#   benchmarks/verify_gpu.sh [--dry-run] STAGE...
+#   STAGE: kernels | kernels2 | marked | runner | spec | server | engine | served
+#          tests (= marked runner spec server) | all (= every stage)
 #
-# One stage per device call, each held under 9.5 minutes by a time budget (FP4MOE_STAGE_BUDGET_S, default 570 s:
-# each command runs under `timeout` with what is left of it; the scripts save as they go, so a cut run keeps
-# its rows); about 30 minutes in all, a session's whole device time: run the stages that the change needs:
-#   kernels PARTS=kernels scripts/gpu_test.sh: the kernel and layer tests in JOBS (14) processes (in 8 on an
-#           H100 they ran past 465 s, most of it Triton compiling)
-#   tests   PARTS=engine scripts/gpu_test.sh: the runner, speculation, server and other gpu-marked tests, one
-#           process at a time (each engine sizes its KV cache from the GPU memory left free)
+# One stage per device call, each held under 9.5 minutes by a time budget (FP4MOE_STAGE_BUDGET_S, default 540 s:
+# each command runs under `timeout` with what is left of it; the test stages' pytest stops 45 s before it and
+# still prints its summary, failures named; the scripts save as they go, so a cut run keeps its rows):
+#   kernels, kernels2  the two halves of the kernel and layer tests in JOBS (14) processes (scripts/gpu_test.sh)
+#   marked, runner, spec, server   the other GPU tests, one process at a time (scripts/gpu_test.sh's parts)
 #   engine  long_context.py: decode at 1K/32K/128K/512K x batch 1/16/64, fp8 KV, prefill 8K/32K/128K, each 3
 #           runs (~5 min); spec_decode.py --full-size: rounds against plain steps at batch 1/8/32 with and
 #           without the 32K draft vocabulary, under the profiler (~2-3 min)
@@ -30,13 +30,15 @@ stages=()
 for a in "$@"; do
   case "$a" in
     --dry-run) dry=1 ;;
-    kernels | tests | engine | served) stages+=("$a") ;;
-    all) stages+=(kernels tests engine served) ;;
-    -h | --help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "unknown stage or option: $a (kernels, tests, engine, served, all; --dry-run)" >&2; exit 2 ;;
+    kernels | kernels2 | marked | runner | spec | server | engine | served) stages+=("$a") ;;
+    tests) stages+=(marked runner spec server) ;;
+    all) stages+=(kernels kernels2 marked runner spec server engine served) ;;
+    -h | --help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "unknown stage or option: $a (kernels, kernels2, marked, runner, spec, server, tests, engine, served," \
+      "all; --dry-run)" >&2; exit 2 ;;
   esac
 done
-[ ${#stages[@]} -gt 0 ] || { echo "usage: $0 [--dry-run] kernels|tests|engine|served|all ..." >&2; exit 2; }
+[ ${#stages[@]} -gt 0 ] || { echo "usage: $0 [--dry-run] STAGE... (--help lists them)" >&2; exit 2; }
 
 commit=${FP4MOE_COMMIT:-$(git rev-parse --short=7 HEAD 2>/dev/null || echo unknown)}
 commit=${commit%-dirty}
@@ -49,7 +51,7 @@ device=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1
 device=${device:-gpu}
 date=$(date -u +%F)
 results=${OUT:-out/verify}
-budget=${FP4MOE_STAGE_BUDGET_S:-570}
+budget=${FP4MOE_STAGE_BUDGET_S:-540}
 name() { echo "$results/$1-$device-$date-$commit.json"; }
 
 stage_start=0
@@ -78,13 +80,15 @@ setup() {
   python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"' || exit 2
 }
 
-stage_kernels() {  # the kernel and layer tests in JOBS processes (scripts/gpu_test.sh)
-  run env JOBS="${JOBS:-14}" PARTS=kernels scripts/gpu_test.sh
+gpu_tests() {  # one part of scripts/gpu_test.sh; its pytest stops 45 s inside the stage's budget, summary printed
+  run env JOBS="${JOBS:-14}" PARTS="$1" FP4MOE_TEST_BUDGET_S=$((budget - 45)) scripts/gpu_test.sh
 }
-
-stage_tests() {  # the rest of the GPU tests, one process at a time
-  run env PARTS=engine scripts/gpu_test.sh
-}
+stage_kernels() { gpu_tests kernels; }
+stage_kernels2() { gpu_tests kernels2; }
+stage_marked() { gpu_tests marked; }
+stage_runner() { gpu_tests runner; }
+stage_spec() { gpu_tests spec; }
+stage_server() { gpu_tests server; }
 
 stage_engine() {
   run python3 benchmarks/long_context.py --skip kernel,capacity --prefill 8192,32768,131072 \

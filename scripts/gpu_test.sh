@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# On the GPU machine (the device tool's H200; no network): install the wheels carried in .whl/ (made here by
-# scripts/gpu_wheels.sh) over the image's torch/triton/transformers, then run every GPU test: the kernel and
-# layer tests (in JOBS parallel processes: most of their time is Triton compiling), then, one process at a
-# time (each engine sizes its KV cache from the GPU memory left free), the other gpu-marked tests and the
-# runner, speculative-sampling and server tests. Logs go to $OUT (the device tool's return folder) when set,
-# else /tmp.
-# Usage: [JOBS=8] [PARTS="kernels engine"] scripts/gpu_test.sh [extra pytest arguments]
-# PARTS: kernels (the kernel and layer tests: ~9 min on an H100 in 8 processes, most of it compiling), engine
-# (the rest); both by default. One part fits one device call of 10 minutes.
+# On the GPU machine (the device tool's H200 or H100; no network): install the wheels carried in .whl/ (made here
+# by scripts/gpu_wheels.sh) over the image's torch/triton/transformers, then run the GPU tests in parts, each
+# sized to end inside one device call of 10 minutes:
+#   kernels   tests/kernels/test_[a-f]*   in JOBS processes (most of their time is Triton compiling)
+#   kernels2  tests/kernels/test_[g-z]* and tests/layers, in JOBS processes
+#   marked    the other gpu-marked tests          \
+#   runner    the CUDA runner, the KV-cache scales  | one process at a time: each engine sizes its KV cache
+#   spec      speculation: rounds, sampling, async  | from the GPU memory left free
+#   server    the server on the GPU                /
+# Logs go to $OUT (the device tool's return folder) when set, else /tmp; pytest names every failure (-rfE).
+# FP4MOE_TEST_BUDGET_S=N: N seconds from the start, pytest stops after the test in hand and still prints its
+# summary (a part cut from outside by a signal loses it).
+# Usage: [JOBS=14] [PARTS="kernels kernels2 marked runner spec server"] [FP4MOE_TEST_BUDGET_S=540] \
+#        scripts/gpu_test.sh [extra pytest arguments]      (PARTS=engine: every part but the two kernel halves)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${OUT:-/tmp}/gpu-test.log
@@ -45,7 +50,10 @@ part kernels "kernel tests, first half ($jobs processes)" "${parallel[@]}" tests
 part kernels2 "kernel tests, second half, and layers ($jobs processes)" "${parallel[@]}" tests/kernels/test_[g-z]*.py \
   tests/layers
 # the rest one process at a time: each engine sizes its KV cache from the GPU memory left free
-part marked "the other gpu-marked tests" -m gpu tests --ignore=tests/kernels --ignore=tests/layers
+# (tests/eval/test_lm_eval.py holds no gpu-marked test: its server runs on the CPU, in CI; lm-eval and its needs,
+# datasets and pyarrow among them, are larger than a device call carries)
+part marked "the other gpu-marked tests" -m gpu tests --ignore=tests/kernels --ignore=tests/layers \
+  --ignore=tests/eval/test_lm_eval.py
 part runner "the CUDA runner and the KV-cache scales" -m "not gpu" tests/engine/test_cuda_runner.py \
   tests/engine/test_kv_cache_scales.py
 part spec "speculation: rounds, sampling, async steps" -m "not gpu" tests/engine/test_cuda_spec.py \

@@ -1,5 +1,4 @@
 import os
-import time
 
 import pytest
 import torch
@@ -38,23 +37,7 @@ def _slow_first(items: list) -> None:
     items[:] = ordered
 
 
-# FP4MOE_TEST_DEADLINE (seconds since the epoch): past it the session stops after the test in hand and prints its
-# summary as usual (failures named), where a signal from outside would cut the summary too. The GPU stages set
-# it from their budget (scripts/gpu_test.sh), so that a stage cut for time still says what failed.
-_DEADLINE = float(os.environ.get("FP4MOE_TEST_DEADLINE") or "inf")
-
-
-def pytest_runtest_logfinish(nodeid, location):
-    if time.time() > _DEADLINE and _SESSION is not None and not _SESSION.shouldstop:
-        _SESSION.shouldstop = f"FP4MOE_TEST_DEADLINE passed after {nodeid}: the tests after it did not run"
-
-
-_SESSION = None
-
-
-def pytest_sessionstart(session):
-    global _SESSION
-    _SESSION = session
+pytest_plugins = ["deadline_plugin"]  # FP4MOE_TEST_DEADLINE: the GPU parts stop in time, summary printed
 
 
 def pytest_collection_modifyitems(config, items):

@@ -174,7 +174,11 @@ def test_verify_gpu_dry_run():
     assert out.returncode == 0, out.stderr
     assert [x for x in out.stdout.splitlines() if x.startswith("== ")] == [
         "== kernels",
-        "== tests",
+        "== kernels2",
+        "== marked",
+        "== runner",
+        "== spec",
+        "== server",
         "== engine",
         "== served",
     ]
