@@ -37,7 +37,8 @@ gpu-test:
 	scripts/gpu_test.sh
 
 # on the GPU machine: the GPU tests and every benchmark behind BENCHMARKS.md's current table, one stage per
-# device call (STAGES: tests, engine, served or all; each under 9.5 min), results with provenance in $OUT
+# device call (STAGES: kernels, kernels2, marked, runner, spec, server, engine, served; tests = marked runner
+# spec server; all; each under 9.5 min), results with provenance in $OUT
 STAGES ?= all
 gpu-verify:
 	benchmarks/verify_gpu.sh $(STAGES)
