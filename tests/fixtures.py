@@ -93,3 +93,25 @@ def load_script(relative: str):
     sys.modules[path.stem] = module  # as an import does (dataclasses look their module up there)
     spec.loader.exec_module(module)
     return module
+
+
+# transformers' Gated DeltaNet functions, which it swaps for flash-linear-attention's where fla imports
+_TRANSFORMERS_GDN = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                     "causal_conv1d_update")  # fmt: skip
+
+
+def transformers_reference(path: Path, dtype: torch.dtype = torch.float32):
+    """transformers' Qwen3_5MoeForConditionalGeneration from ``path`` on the CPU, in eval mode, on its own torch
+    Gated DeltaNet. Where fla is installed (the GPU machine's carried wheels) transformers binds fla's kernels at
+    import, CUDA-only, and its CPU forward fails ("cannot be accessed from Triton (cpu tensor?)"); fla in fp32
+    would multiply in TF32 too. The torch functions are the wrappers' ``__wrapped__``."""
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as modeling
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    for name in _TRANSFORMERS_GDN:
+        fn = getattr(modeling, name, None)
+        while fn is not None and hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        if fn is not None:
+            setattr(modeling, name, fn)
+    return Qwen3_5MoeForConditionalGeneration.from_pretrained(str(path), dtype=dtype).eval()

@@ -75,11 +75,12 @@ def _lm_eval(out: Path, model: str, model_args: dict, tasks: str, *extra: str) -
 
 @pytest.fixture(scope="module")
 def reference(served):
-    from transformers import AutoTokenizer, Qwen3_5MoeForConditionalGeneration
+    from transformers import AutoTokenizer
+
+    from fixtures import transformers_reference
 
     path = served[1]
-    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(str(path))
+    return transformers_reference(path), AutoTokenizer.from_pretrained(str(path))
 
 
 @torch.no_grad()

@@ -25,11 +25,9 @@ def _prompts(seed: int, lengths) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
-    from transformers import Qwen3_5MoeForConditionalGeneration
+    from fixtures import transformers_reference
 
-    return Qwen3_5MoeForConditionalGeneration.from_pretrained(
-        str(checkpoints.bf16()), dtype=torch.float32
-    ).eval()
+    return transformers_reference(checkpoints.bf16())
 
 
 @torch.no_grad()
