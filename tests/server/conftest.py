@@ -6,7 +6,6 @@ import time
 
 import httpx
 import pytest
-import torch
 import uvicorn
 
 from fp4moe.engine.front.async_engine import AsyncEngine
@@ -24,12 +23,11 @@ def free_port() -> int:
 
 
 def start_cli_server(path, *args: str) -> tuple[subprocess.Popen, str]:
-    """``fp4moe serve PATH`` in its own process (fp32 on ``start_server``'s device: the GPU where there is one, so
-    that the two compute alike; a free port, ``args`` appended) -> (process, root URL) once /health answers;
-    stderr is piped for the caller to read."""
+    """``fp4moe serve PATH`` in its own process (fp32 on the CPU, a free port, ``args`` appended) -> (process,
+    root URL) once /health answers; stderr is piped for the caller to read."""
     port = free_port()
     cmd = [sys.executable, "-m", "fp4moe.cli", "serve", str(path), "--port", str(port)]
-    cmd += ["--dtype", "float32", "--device", "cuda" if torch.cuda.is_available() else "cpu", *args]
+    cmd += ["--dtype", "float32", "--device", "cpu", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     root = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
