@@ -97,13 +97,6 @@ def _fla_rule(q, k, v, g, beta, state, normed: bool = False):
     return o[0], final[0]
 
 
-def _fla_runs(v: torch.Tensor) -> bool:
-    """Whether the chunked rule over values v runs through fla: on the GPU in bf16 (or fp16), never in fp32.
-    fla's kernels multiply in TF32 (Triton's default for fp32 dots), about 1e-3 relative, so an fp32 model on
-    the GPU -- the parity mode, held to transformers' fp32 forward within 1e-4 -- takes our fp32 rule."""
-    return v.is_cuda and v.dtype != torch.float32 and _fla_chunk() is not None
-
-
 def _conv_kernel_runs(x: torch.Tensor) -> bool:
     """Whether the conv of x [n, C] runs as the GPU kernel (a bf16 prefill chunk of more than one row)."""
     return x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 1
@@ -201,14 +194,14 @@ class GatedDeltaNet(nn.Module):
     def rule(self, qkv, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, normed: bool = False):
         """The gated delta rule over one sequence's conv output qkv [n, conv_dim] (or its planar (q, k, v))
         from the fp32 state [Hv, Dk, Dv] -> (output [n, Hv, Dv] in qkv's dtype, the new state): fla's
-        chunked kernel on the GPU for more than one bf16 token (``_fla_runs``), else ours in fp32 (chunked;
-        token-wise for one token). ``normed``: q's and k's heads are L2-normalised already (``conv_norm``)."""
+        chunked kernel on the GPU for more than one token, else ours in fp32 (chunked; token-wise for one
+        token). ``normed``: q's and k's heads are L2-normalised already (``conv_norm``)."""
         q, k, v = self.split_qkv(qkv)
         n = q.shape[0]
         q = q.view(n, self.num_k_heads, self.k_dim)
         k = k.view(n, self.num_k_heads, self.k_dim)
         v = v.view(n, self.num_v_heads, self.v_dim)
-        if n > 1 and _fla_runs(v):
+        if n > 1 and v.is_cuda and _fla_chunk() is not None:
             # grouped values: fla reads key head j // (Hv / Hk) for value head j itself
             o, new = _fla_rule(q, k, v, g, beta, state, normed)
         else:
@@ -229,7 +222,7 @@ class GatedDeltaNet(nn.Module):
         and k's heads are L2-normalised already (``conv_norm``)."""
         q, k, v = self.split_qkv(qkv)
         n = q.shape[0] // batch
-        if not _fla_runs(v):
+        if not (v.is_cuda and _fla_chunk() is not None):
             zero = v.new_zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
             outs = [self.rule(tuple(p[i * n : (i + 1) * n] for p in (q, k, v)), g[i * n : (i + 1) * n],
                               beta[i * n : (i + 1) * n], zero if initial is None else initial[i], normed)
