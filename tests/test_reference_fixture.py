@@ -7,6 +7,7 @@ import functools
 
 import pytest
 import torch
+
 from fixtures import _TRANSFORMERS_GDN, transformers_reference
 
 
