@@ -511,7 +511,9 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
         )
         check.path = dst.name  # the card names the checkpoint, not its temporary folder
         card.write_card(tmp, src, dst, options, report, check.table(), cfg.raw, cfg.has_vision)
-    if options.target is not None and not options.sensitivity:
-        search_pass.saved_table_path(dst).unlink(missing_ok=True)  # the output holds it now
+    if options.target is not None:  # the output holds the table now
+        saved = search_pass.saved_table_path(dst)
+        if not options.sensitivity or Path(options.sensitivity).resolve() == saved:
+            saved.unlink(missing_ok=True)
     report.seconds = time.perf_counter() - t0
     return report

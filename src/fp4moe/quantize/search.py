@@ -52,7 +52,9 @@ class SearchTarget:
         if budget is not None:
             key, _, value = str(budget).partition("=")
             if key.strip() != "kl" or not value:
-                raise ValueError(f"--budget {budget!r}: write it as kl=X, X the mean KL in nats (e.g. kl=0.01)")
+                raise ValueError(
+                    f"--budget {budget!r}: write it as kl=X, X the mean KL in nats (e.g. kl=0.01)"
+                )
             try:
                 return cls("kl", float(value))
             except ValueError:
@@ -64,9 +66,11 @@ class SearchTarget:
         return None
 
     def __str__(self) -> str:
-        return {"kl": f"kl={self.value:g}", "bytes": f"{int(self.value)} bytes", "bpw": f"{self.value:g} bpw"}[
-            self.kind
-        ]
+        return {
+            "kl": f"kl={self.value:g}",
+            "bytes": f"{int(self.value)} bytes",
+            "bpw": f"{self.value:g} bpw",
+        }[self.kind]
 
 
 @dataclass
@@ -117,7 +121,13 @@ def ceil_sig(x: float, digits: int = 4) -> float:
 def _knapsack(weights: list[list[float]], costs: list[list[float]], cap: float) -> list[int] | None:
     """Per group one choice, least total cost with total weight <= cap (weights rounded up to cap/GRID);
     None if no choice set fits."""
-    unit = cap / GRID if cap > 0 else 1.0
+    unit = cap / GRID
+
+    def grid_steps(w: float) -> int:
+        if w <= 0:
+            return 0
+        return GRID + 1 if cap <= 0 else math.ceil(w / unit)  # cap 0: only weightless choices fit
+
     dp = np.zeros(GRID + 1)
     dp[1:] = np.inf  # dp[k]: least cost with rounded weight exactly k
     back = []
@@ -125,7 +135,7 @@ def _knapsack(weights: list[list[float]], costs: list[list[float]], cap: float) 
     for ws, cs in zip(weights, costs, strict=True):
         new = np.full(GRID + 1, np.inf)
         arg = np.full(GRID + 1, -1, dtype=np.int64)
-        step = [int(math.ceil(w / unit - 1e-9)) if w > 0 else 0 for w in ws]
+        step = [grid_steps(w) for w in ws]
         for c, (k, cost) in enumerate(zip(step, cs, strict=True)):
             if k > GRID:
                 continue
@@ -168,7 +178,10 @@ def search(table, target: SearchTarget) -> Assignment:
         # fewest bytes; among equal sizes the smaller KL (the tie-break adds well under one byte in total)
         costs = [[s + 0.5 * k / (max_kl * len(rows)) for s, k in zip(ss, ks, strict=True)]
                  for ss, ks in zip(sizes, kls, strict=True)]  # fmt: skip
-        choice = _knapsack(kls, costs, target.value)
+        # each part's KL above its least, against the budget above the floor: the floor itself weighs 0
+        # on the grid, so an assignment always exists
+        extra = [[k - min(ks) for k in ks] for ks in kls]
+        choice = _knapsack(extra, costs, target.value - least_kl)
     else:
         cap = target.value - table.fixed_bytes if target.kind == "bytes" else target.value * params / 8
         if cap < parts_least:
@@ -182,9 +195,8 @@ def search(table, target: SearchTarget) -> Assignment:
                 f"--target-bpw {target.value:g} is under the fewest bits per weight the search can write "
                 f"(all NVFP4: {least_bpw:.3f}); ask for at least {ceil_sig(least_bpw):g}"
             )
-        choice = _knapsack([[float(s) for s in ss] for ss in sizes], kls, cap)
-    if choice is None:  # only reachable through grid rounding at a target right at the floor
-        choice = [int(np.argmin(s)) for s in sizes]
+        choice = _knapsack([[float(s - min(ss)) for s in ss] for ss in sizes], kls, cap - parts_least)
+    assert choice is not None  # the all-least choice weighs 0 and the cap is >= 0
     formats = {(r.layer, r.part): opts[c] for r, opts, c in zip(rows, options, choice, strict=True)}
     chosen_bytes = sum(ss[c] for ss, c in zip(sizes, choice, strict=True))
     return Assignment(

@@ -33,7 +33,7 @@ def split_held_out(ids: list[int], options) -> tuple[list[int], torch.Tensor]:
             f"windows of {options.seq_len} for the search and calibrate on the rest (lower --sensitivity-samples "
             "or --seq-len, or give more text)"
         )
-    windows = consecutive_windows(ids[cut:], options.seq_len, options.sensitivity_samples, min_len=options.seq_len)
+    windows = consecutive_windows(ids[cut:], options.seq_len, need, min_len=options.seq_len)
     return ids[:cut], torch.tensor(windows[: options.sensitivity_samples])
 
 
@@ -47,7 +47,9 @@ def fixed_bytes(reader, costs: list) -> int:
     return reader.total_bytes() - sum(c.bytes[P.BF16] for c in costs)
 
 
-def measure_table(pipe, tokens: torch.Tensor, held: torch.Tensor, take, blocks, show: bool) -> SensitivityTable:
+def measure_table(
+    pipe, tokens: torch.Tensor, held: torch.Tensor, take, blocks, show: bool
+) -> SensitivityTable:
     """The sensitivity pass: ``pipe`` (the pipeline's run state: reader, options, device, dtype, prefix,
     text config, rotary), ``take(i)`` the layer reader's, ``tokens``/``held`` the calibration and held-out
     windows. Calibration hidden states are carried only where ``--gptq`` needs Hessians."""

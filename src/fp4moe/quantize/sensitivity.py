@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
 from fp4moe.errors import UserError
 from fp4moe.eval.divergence import token_kl
 from fp4moe.layers.norm import rms_norm_zero_centred
@@ -128,7 +129,9 @@ class FinalLogits:
     def kl_sum(self, ref: torch.Tensor, other: torch.Tensor) -> float:
         """Sum over tokens of KL(ref || other), both [B, S, H] before the final norm."""
         total = 0.0
-        for a, b in zip(ref.flatten(0, 1).split(LOGIT_ROWS), other.flatten(0, 1).split(LOGIT_ROWS), strict=True):
+        for a, b in zip(
+            ref.flatten(0, 1).split(LOGIT_ROWS), other.flatten(0, 1).split(LOGIT_ROWS), strict=True
+        ):
             total += float(token_kl(self.logprobs(a), self.logprobs(b)).sum())
         return total
 
@@ -180,7 +183,9 @@ class Measurement:
                 {f: P.part_bytes(shapes, part, f, self.itemsize) for f in (P.BF16, *formats)}, {P.BF16: 0.0},
             ))  # fmt: skip
             for fmt in formats:
-                weights = P.part_weights(tensors, part, fmt, opts.scale_method, self.device, self.dtype, stats)
+                weights = P.part_weights(
+                    tensors, part, fmt, opts.scale_method, self.device, self.dtype, stats
+                )
                 with P.Swapped(layer, weights):
                     out = calibrate.run_layer(layer, self.held_out, self.rotary, bs)
                 self.pending.append(_Candidate(i, part, fmt, out))
@@ -218,4 +223,3 @@ class KLTracker:
 
     def finish(self, final: FinalLogits) -> float:
         return final.kl_sum(self.ref, self.quant) / (self.ref.shape[0] * self.ref.shape[1])
-
