@@ -69,24 +69,11 @@ REFERENCE_SPEC = TinySpec(
 TINY_SPEC = TinySpec(init_std=0.02)
 # the reference architecture cut to what 2 CPU cores train in ~15 minutes (no GPU): 4 layers (3 Gated DeltaNet,
 # 1 gated attention), 16 experts top-4 + shared, trained on the packaged calibration split
-CPU_SPEC = TinySpec(
-    hidden_size=128,
-    num_layers=4,
-    num_experts=16,
-    num_experts_per_tok=4,
-    moe_intermediate_size=64,
-    shared_expert_intermediate_size=64,
-    vocab_size=4096,
-    tokenizer_vocab=4000,
-    init_std=0.02,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_head_dim=32,
-    mrope_section=(2, 1, 1),
-)
+CPU_SPEC = dataclasses.replace(
+    REFERENCE_SPEC, hidden_size=128, num_layers=4, num_experts=16, moe_intermediate_size=64,
+    shared_expert_intermediate_size=64, vocab_size=4096, tokenizer_vocab=4000, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_head_dim=32, mrope_section=(2, 1, 1),
+)  # fmt: skip
 
 
 class MTPHead(nn.Module):
