@@ -80,8 +80,12 @@ def main() -> None:
                        lm_eval=score(dst, tasks, args) if tasks else None)  # fmt: skip
             rows.append(row)
             print(line(row), flush=True)
-            if name.startswith("search"):
+            if len(rows) == 1:  # the table measured by the first build, kept beside the result
                 (tmp / "table.json").write_bytes((dst / "sensitivity.json").read_bytes())
+                out = Path(args.out)
+                for suffix in ("json", "png"):
+                    data = (dst / f"sensitivity.{suffix}").read_bytes()
+                    out.with_name(f"{out.stem}-sensitivity.{suffix}").write_bytes(data)
 
         base_lm = score(Path(args.reference), tasks, args) if tasks else None
         # the table, measured once: the search with no constraint that binds gives the all-NVFP4 assignment

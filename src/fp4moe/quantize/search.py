@@ -4,9 +4,9 @@ measured sensitivity table (``quantize.sensitivity``), one format per decoder la
 The predictor is first order: the KL of an assignment is taken as the sum of each part's KL measured with
 only that part quantized (bf16: 0). ``--budget`` picks the fewest bytes whose predicted KL is within X;
 the byte and bits-per-weight targets pick the least predicted KL within the size. Both are a
-multiple-choice knapsack, solved exactly on a grid of ``GRID`` steps of the constraint, each part's
-constrained quantity rounded up to the grid -- so the answer always meets the constraint, and misses the
-true optimum by at most one grid step a part.
+multiple-choice knapsack solved by dynamic programming on a grid of ``GRID`` steps of the predicted KL (each
+part's KL above its least rounded up to the grid), with the bytes kept exact: the answer always meets the
+target, and its bytes (``--budget``) or KL (byte targets) miss the optimum by at most one grid step a part.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fp4moe.errors import UserError
 from fp4moe.formats.checkpoint import parse_size
 from fp4moe.quantize import parts as P
 
-GRID = 4000
+GRID = 8000
 KINDS = ("kl", "bytes", "bpw")
 
 
@@ -118,9 +118,9 @@ def ceil_sig(x: float, digits: int = 4) -> float:
     return math.ceil(x / step - 1e-9) * step
 
 
-def _knapsack(weights: list[list[float]], costs: list[list[float]], cap: float) -> list[int] | None:
-    """Per group one choice, least total cost with total weight <= cap (weights rounded up to cap/GRID);
-    None if no choice set fits."""
+def _grid_dp(weights: list[list[float]], costs: list[list[float]], cap: float):
+    """The table behind both searches: per group one choice, ``dp[k]`` the least total cost whose weights,
+    each rounded up to ``cap / GRID``, sum to k steps; with the choices to backtrack."""
     unit = cap / GRID
 
     def grid_steps(w: float) -> int:
@@ -129,9 +129,8 @@ def _knapsack(weights: list[list[float]], costs: list[list[float]], cap: float) 
         return GRID + 1 if cap <= 0 else math.ceil(w / unit)  # cap 0: only weightless choices fit
 
     dp = np.zeros(GRID + 1)
-    dp[1:] = np.inf  # dp[k]: least cost with rounded weight exactly k
-    back = []
-    steps = []
+    dp[1:] = np.inf
+    back, steps = [], []
     for ws, cs in zip(weights, costs, strict=True):
         new = np.full(GRID + 1, np.inf)
         arg = np.full(GRID + 1, -1, dtype=np.int64)
@@ -146,15 +145,37 @@ def _knapsack(weights: list[list[float]], costs: list[list[float]], cap: float) 
         dp = new
         back.append(arg)
         steps.append(step)
-    if not np.isfinite(dp).any():
-        return None
-    k = int(np.argmin(dp))
+    return dp, back, steps
+
+
+def _backtrack(back: list, steps: list, k: int) -> list[int]:
     choice = []
     for arg, step in zip(reversed(back), reversed(steps), strict=True):
         c = int(arg[k])
         choice.append(c)
         k -= step[c]
     return choice[::-1]
+
+
+def _knapsack(weights: list[list[float]], costs: list[list[float]], cap: float) -> list[int] | None:
+    """Per group one choice, least total cost with total weight <= cap (weights rounded up to cap/GRID);
+    None if no choice set fits."""
+    dp, back, steps = _grid_dp(weights, costs, cap)
+    if not np.isfinite(dp).any():
+        return None
+    return _backtrack(back, steps, int(np.argmin(dp)))
+
+
+def _least_weight_within(weights: list[list[float]], costs: list[list[float]], limit: float) -> list[int]:
+    """Per group one choice, (near) least total weight whose exact total cost is <= ``limit``: the grid runs
+    over the weights (each rounded up to 1/GRID of their largest possible total) and the cost is kept
+    exact, so the limit holds exactly and the weight is within a grid step a group of the optimum. The
+    least-cost choice of every group must meet the limit."""
+    # a step of span / (GRID - groups): every rounded total, the largest included, stays on the grid
+    span = sum(max(ws) for ws in weights) or 1.0
+    dp, back, steps = _grid_dp(weights, costs, span * GRID / (GRID - len(weights)))
+    k = int(np.flatnonzero(dp <= limit)[0])
+    return _backtrack(back, steps, k)
 
 
 def search(table, target: SearchTarget) -> Assignment:
@@ -195,8 +216,11 @@ def search(table, target: SearchTarget) -> Assignment:
                 f"--target-bpw {target.value:g} is under the fewest bits per weight the search can write "
                 f"(all NVFP4: {least_bpw:.3f}); ask for at least {ceil_sig(least_bpw):g}"
             )
-        choice = _knapsack([[float(s - min(ss)) for s in ss] for ss in sizes], kls, cap - parts_least)
-    assert choice is not None  # the all-least choice weighs 0 and the cap is >= 0
+        # the byte limit exact (a build at exactly a hand mix's size can be that mix), the KL on the grid
+        extra = [[k - min(ks) for k in ks] for ks in kls]
+        room = [[s - min(ss) for s in ss] for ss in sizes]
+        choice = _least_weight_within(extra, room, cap - parts_least)
+    assert choice is not None  # the floor of each constraint weighs 0 and fits
     formats = {(r.layer, r.part): opts[c] for r, opts, c in zip(rows, options, choice, strict=True)}
     chosen_bytes = sum(ss[c] for ss, c in zip(sizes, choice, strict=True))
     return Assignment(

@@ -34,7 +34,7 @@ def plot_table(table, out: Path) -> None:
     finite = np.concatenate([g[np.isfinite(g) & (g > 0)] for g in grids] or [np.array([1.0])])
     norm = LogNorm(vmin=float(finite.min()), vmax=float(max(finite.max(), finite.min() * 1.01)))
     layers = grids[0].shape[0]
-    fig, axes = plt.subplots(1, len(formats), figsize=(2.6 * len(formats) + 1.5, 0.28 * layers + 2),
+    fig, axes = plt.subplots(1, len(formats), figsize=(2.8 * len(formats) + 2, 0.28 * layers + 2.4),
                              squeeze=False, sharey=True)  # fmt: skip
     for ax, fmt, grid in zip(axes[0], formats, grids, strict=True):
         ax.set_facecolor("#dddddd")
@@ -43,7 +43,7 @@ def plot_table(table, out: Path) -> None:
         ax.set_xticks(range(len(P.PARTS)), P.PARTS, rotation=45, ha="right")
         ax.set_yticks(range(layers))
     axes[0][0].set_ylabel("decoder layer")
-    fig.colorbar(image, ax=axes[0].tolist(), label="KL(bf16 || model) per MB saved (nats/token/MB)")
-    fig.suptitle(f"sensitivity: only that part in that format ({table.held_out_tokens} held-out tokens)")
+    fig.colorbar(image, ax=axes[0].tolist(), label="KL per MB saved vs bf16 (nats/token/MB)")
+    fig.suptitle(f"only that part in that format, {table.held_out_tokens} held-out tokens", y=1.0)
     fig.savefig(out, dpi=100, bbox_inches="tight")
     plt.close(fig)
