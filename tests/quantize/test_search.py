@@ -278,3 +278,17 @@ def test_sensitivity_table_round_trips_and_validates(tmp_path):
     assert SensitivityTable.load(tmp_path / "t.json") == t
     with pytest.raises(ValueError, match="unknown part"):
         PartCost(0, "router", 1, {}, {})
+
+
+def test_gptq_is_a_candidate_for_the_experts_per_layer(checkpoints, tmp_path):
+    """With --gptq the routed experts are measured with and without GPTQ (same bytes) and each layer takes
+    the one of lower KL; the build's measured KL stays within the fixture's predictor range."""
+    out = tmp_path / "q"
+    s = quantize(checkpoints.bf16(), out, _options(gptq=True, target=SearchTarget("kl", 100.0))).search
+    table = _table(out)
+    chosen = {(r["layer"], r["part"]): r["format"] for r in s["formats"]}
+    for c in (c for c in table.parts if c.part == "experts"):
+        assert c.bytes[P.NVFP4_GPTQ] == c.bytes[P.NVFP4]
+        best = min((P.NVFP4, P.NVFP4_GPTQ), key=c.kl.__getitem__)
+        assert chosen[(c.layer, "experts")] == best
+    assert 0.3 <= s["measured_kl"] / s["predicted_kl"] <= 1.1
