@@ -188,8 +188,10 @@ def _precision_rows(options: QuantizeOptions) -> list[str]:
         f"input scales | {WHY['experts']} |"
     )
     if options.target is not None:
-        rows.append("| shared experts, attention, Gated DeltaNet projections | per layer, bf16, FP8 or NVFP4 as the "
-                    "search chose (table below) | the fewest bytes within the stated quality target |")
+        rows.append(
+            "| shared experts, attention, Gated DeltaNet projections | per layer, bf16, FP8 or NVFP4 as the "
+            "search chose (table below) | the fewest bytes within the stated quality target |"
+        )
     for option in options.quantize_extra:
         group, algo = arch.split(option)
         what = "FP8-E4M3, one scale per tensor" if algo == "fp8" else "NVFP4, as the experts"
@@ -249,7 +251,8 @@ def write_card(
         )
         + ".",
         f"- Mix: experts{''.join(', ' + o for o in options.quantize_extra)}"
-        + (", the rest per layer as searched (below)" if options.target is not None else "") + ".",
+        + (", the rest per layer as searched (below)" if options.target is not None else "")
+        + ".",
         f"- KV cache: {kv}.",
         f"- Calibration text: {report.calibration}; {report.calibration_tokens:,} tokens "
         f"({options.num_samples} sequences of {options.seq_len}, seed {options.seed}), run on {report.device} "

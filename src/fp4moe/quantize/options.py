@@ -54,9 +54,13 @@ class QuantizeOptions:
             )
         self.scale_method = ScaleMethod(self.scale_method)
         if self.target is not None and self.quantize_extra:
-            raise ValueError("--budget/--target-bytes/--target-bpw choose the formats themselves: drop --quantize")
+            raise ValueError(
+                "--budget/--target-bytes/--target-bpw choose the formats themselves: drop --quantize"
+            )
         if self.sensitivity is not None and self.target is None:
-            raise ValueError("--sensitivity is the table a search reuses: give --budget, --target-bytes or --target-bpw")
+            raise ValueError(
+                "--sensitivity is the table a search reuses: give --budget, --target-bytes or --target-bpw"
+            )
         for name in ("num_samples", "seq_len", "batch_size", "sensitivity_samples"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")

@@ -417,13 +417,12 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
 
         pipe = _Run(reader, None, options, prefix, text_config, calibrate.rotary_for(text_config, device),
                     device, dtype, timer)  # fmt: skip
-        layers = LayerReader(reader, prefix, blocks, timer, ahead=options.read_ahead)
-        try:
-            with timer("sensitivity"):
-                table, assignment = search_pass.prepare(pipe, src, dst, tokens, held, layers.take, blocks)
-        finally:
-            layers.close()
-        del pipe
+
+        def layer_reader() -> LayerReader:
+            return LayerReader(reader, prefix, blocks, timer, ahead=options.read_ahead)
+
+        with timer("sensitivity"):
+            table, assignment = search_pass.prepare(pipe, src, dst, tokens, held, layer_reader, blocks)
 
     with atomic_output_dir(dst, overwrite=options.overwrite) as tmp:
         writer = ShardedWriter(tmp, options.max_shard_bytes)
@@ -433,11 +432,7 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
         embed = _finite(embed_name, reader.get(embed_name))
         hidden = F.embedding(tokens.to(device), embed.to(device=device, dtype=dtype))  # [B, S, H]
         if assignment is not None:
-            from fp4moe.quantize.sensitivity import KLTracker
-
-            run.assignment = assignment
-            held_hidden = F.embedding(held.to(device), embed.to(device=device, dtype=dtype))
-            run.tracker = KLTracker(held_hidden, run.rotary, options, device, dtype)
+            run.assignment, run.tracker = assignment, search_pass.tracker(run, embed, held)
         writer.add(embed_name, embed)
         run.done.add(embed_name)
         del embed
@@ -465,17 +460,7 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             writer.close()
         for bar in (layer_bar, expert_bar, shard_bar):
             bar.close()
-        search = None
-        if assignment is not None:
-            from fp4moe.quantize import search_pass
-            from fp4moe.quantize.sensitivity import FinalLogits
-
-            with timer("measure"):
-                final = FinalLogits(reader, prefix, text_config, device, dtype)
-                assignment.measured_kl = run.tracker.finish(final)
-            search = {**assignment.to_json(), "held_out_tokens": table.held_out_tokens,
-                      "sensitivity_seconds": table.seconds}  # fmt: skip
-            search_pass.write_outputs(tmp, table)
+        search = None if assignment is None else search_pass.finish(run, tmp, table)
         _write_config(
             run, cfg, tmp, src, bool(mtp_names), card.recipe(options, source, int(tokens.numel()), search)
         )
@@ -511,9 +496,7 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
         )
         check.path = dst.name  # the card names the checkpoint, not its temporary folder
         card.write_card(tmp, src, dst, options, report, check.table(), cfg.raw, cfg.has_vision)
-    if options.target is not None:  # the output holds the table now
-        saved = search_pass.saved_table_path(dst)
-        if not options.sensitivity or Path(options.sensitivity).resolve() == saved:
-            saved.unlink(missing_ok=True)
+    if options.target is not None:
+        search_pass.drop_saved_table(dst, options)
     report.seconds = time.perf_counter() - t0
     return report

@@ -88,16 +88,23 @@ def measure_table(
     )
 
 
-def prepare(pipe, src: Path, dst: Path, tokens, held, take, blocks) -> tuple[SensitivityTable, Assignment]:
+def prepare(
+    pipe, src: Path, dst: Path, tokens, held, layer_reader, blocks
+) -> tuple[SensitivityTable, Assignment]:
     """The table (read from ``--sensitivity``, checked against this source and these settings, or measured
-    and saved beside DST) and the search's assignment for ``options.target``."""
+    and saved beside DST; ``layer_reader()`` opens the pipeline's ``LayerReader`` for the pass) and the
+    search's assignment for ``options.target``."""
     options = pipe.options
     fp = sensitivity.fingerprint(src, pipe.reader, options)
     if options.sensitivity:
         table = SensitivityTable.load(options.sensitivity)
         table.check(fp, options.sensitivity)
     else:
-        table = measure_table(pipe, tokens, held, take, blocks, options.progress)
+        layers = layer_reader()
+        try:
+            table = measure_table(pipe, tokens, held, layers.take, blocks, options.progress)
+        finally:
+            layers.close()
         table.fingerprint = fp
         table.save(saved_table_path(dst))
         if options.progress:
@@ -105,9 +112,31 @@ def prepare(pipe, src: Path, dst: Path, tokens, held, take, blocks) -> tuple[Sen
     return table, search(table, options.target)
 
 
-def write_outputs(tmp: Path, table: SensitivityTable) -> None:
-    """sensitivity.json and its figure into the output being written."""
+def tracker(run, embed: torch.Tensor, held: torch.Tensor) -> sensitivity.KLTracker:
+    """The quantize pass's measurement of the whole assignment, from the held-out windows' embeddings."""
+    hidden = F.embedding(held.to(run.device), embed.to(device=run.device, dtype=run.dtype))
+    return sensitivity.KLTracker(hidden, run.rotary, run.options, run.device, run.dtype)
+
+
+def finish(run, tmp: Path, table: SensitivityTable) -> dict:
+    """After the quantize pass: the assignment's measured KL, sensitivity.json and its figure written into the
+    output (``tmp``), and the report's ``search`` entry."""
     from fp4moe.quantize.sensitivity_plot import plot_table
 
+    with run.timer("measure"):
+        final = FinalLogits(run.reader, run.prefix, run.text_config, run.device, run.dtype)
+        run.assignment.measured_kl = run.tracker.finish(final)
     table.save(tmp / TABLE_NAME)
     plot_table(table, tmp / PLOT_NAME)
+    return {
+        **run.assignment.to_json(),
+        "held_out_tokens": table.held_out_tokens,
+        "sensitivity_seconds": table.seconds,
+    }
+
+
+def drop_saved_table(dst: Path, options) -> None:
+    """The table kept beside DST goes once the output holds it (also when the run resumed from it)."""
+    saved = saved_table_path(dst)
+    if not options.sensitivity or Path(options.sensitivity).resolve() == saved:
+        saved.unlink(missing_ok=True)
