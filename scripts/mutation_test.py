@@ -271,7 +271,8 @@ MUTANTS = [
     # ---- the format search (quantize --budget) ------------------------------------------------------------
     Mutant(
         "search-floor", "format search", "src/fp4moe/quantize/search.py",
-        "extra = [[k - min(ks) for k in ks] for ks in kls]", "extra = [[k for k in ks] for ks in kls]",
+        "choice = _knapsack(extra, costs, target.value - least_kl)",
+        "choice = _knapsack(kls, costs, target.value - least_kl)",
         (f"{SEARCH}::test_search_meets_every_target_and_is_optimal", SEARCH),
         "each part's KL counted whole against the budget above the floor",
     ),
