@@ -115,6 +115,10 @@ def test_search_meets_every_target_and_is_optimal():
             best = _brute_force(sizes, kls, target - table.fixed_bytes)
             span = sum(max(k) - min(k) for k in kls)
             assert a.predicted_kl <= best + 9 * span / (GRID - 9) + 1e-12
+        for bpw in (4.6, 6.0, 9.0):  # 9 parts of 1000 weights: B bits a weight is B x 9000 / 8 bytes
+            a = search(table, SearchTarget("bpw", bpw))
+            assert a.bits_per_weight <= bpw
+            assert a.predicted_kl <= _brute_force(sizes, kls, bpw * 9000 / 8) + 9 * span / (GRID - 9) + 1e-12
 
 
 def test_planted_sensitive_part_stays_bf16(planted):
