@@ -60,6 +60,7 @@ SAMPLER_UNITS = tuple(
     )
 )
 SPEC_SAMPLING = "tests/engine/test_spec_sampling.py"
+SEARCH = "tests/quantize/test_search.py"
 
 # fmt: off
 MUTANTS = [
@@ -266,6 +267,57 @@ MUTANTS = [
         "        self._inbox.append((\"abort\", seqs[1:]))",
         ("tests/server/test_server.py", "tests/server/test_hangups.py"),
         "an aborted request's queue and its first sequence are left running",
+    ),
+    # ---- the format search (quantize --budget) ------------------------------------------------------------
+    Mutant(
+        "search-floor", "format search", "src/fp4moe/quantize/search.py",
+        "choice = _knapsack(extra, costs, target.value - least_kl)",
+        "choice = _knapsack(kls, costs, target.value - least_kl)",
+        (f"{SEARCH}::test_search_meets_every_target_and_is_optimal", SEARCH),
+        "each part's KL counted whole against the budget above the floor",
+    ),
+    Mutant(
+        "search-knapsack-max", "format search", "src/fp4moe/quantize/search.py",
+        "better = shifted < new", "better = (shifted > new) & np.isfinite(shifted) | ~np.isfinite(new)",
+        (f"{SEARCH}::test_knapsack_matches_brute_force", SEARCH),
+        "the knapsack keeps the costlier choice",
+    ),
+    Mutant(
+        "sensitivity-start", "sensitivity pass", "src/fp4moe/quantize/sensitivity.py",
+        "        shapes = layer_shapes(tensors)\n",
+        "        shapes = layer_shapes(tensors)\n        self.held_out = calibrate.run_layer(layer, self.held_out, self.rotary, bs)\n",
+        (f"{SEARCH}::test_predictor_exact_on_one_layer_and_bounded_on_the_fixture", SEARCH),
+        "candidates start from the layer's output instead of its input",
+    ),
+    Mutant(
+        "sensitivity-swap-back", "sensitivity pass", "src/fp4moe/quantize/parts.py",
+        "            setattr(self.layer.get_submodule(module_name), attr, p)", "            pass",
+        (f"{SEARCH}::test_predictor_exact_on_one_layer_and_bounded_on_the_fixture", SEARCH),
+        "a candidate's quantized weights stay in the layer after it was measured",
+    ),
+    Mutant(
+        "search-card-command", "format search (card)", "src/fp4moe/quantize/card.py",
+        '        ("--sensitivity-samples", options.sensitivity_samples, d.sensitivity_samples),\n', "",
+        (f"{SEARCH}::test_card_command_carries_the_options_that_change_the_bytes", SEARCH),
+        "the rebuild command drops --sensitivity-samples (another held-out split, other calibration windows)",
+    ),
+    Mutant(
+        "search-groups-unwritten", "format search (pipeline)", "src/fp4moe/quantize/pipeline.py",
+        "            groups = run.assignment.layer_groups(i)", "            groups = []",
+        (f"{SEARCH}::test_part_bytes_match_the_written_tensors", SEARCH),
+        "the quantize pass writes the searched groups in bf16",
+    ),
+    Mutant(
+        "search-table-unsaved", "format search (resume)", "src/fp4moe/quantize/search_pass.py",
+        "        table.save(saved_table_path(dst))", "        pass",
+        (f"{SEARCH}::test_interrupted_search_leaves_no_output_and_resumes",),
+        "the measured table is not kept beside DST, so an interrupted run cannot resume",
+    ),
+    Mutant(
+        "search-nvfp4-bytes", "format search (sizes)", "src/fp4moe/quantize/parts.py",
+        "return n // 2 + n // nvfp4.BLOCK_SIZE + 2 * SCALAR_BYTES", "return n // 2 + 2 * SCALAR_BYTES",
+        (f"{SEARCH}::test_part_bytes_match_the_written_tensors",),
+        "NVFP4's bytes counted without the block scales",
     ),
 ]
 # fmt: on

@@ -65,6 +65,41 @@ def add(sub) -> None:
         help="GPTQ error compensation for the routed experts (9%% less KL than mse alone on the reference "
         "model; needs calibration text like your use; 4.3 GB more memory a layer at full size)",
     )
+    searching = p.add_argument_group(
+        "format search: the smallest build within a quality target (docs/quantize.md, 'Searching formats')"
+    )
+    search = searching.add_mutually_exclusive_group()
+    search.add_argument(
+        "--budget",
+        metavar="kl=X",
+        help="per layer, bf16/FP8/NVFP4 for the shared expert, attention and DeltaNet projections (experts "
+        "NVFP4): the fewest bytes whose predicted mean KL against bf16 (nats/token) is at most X",
+    )
+    search.add_argument(
+        "--target-bytes",
+        metavar="N",
+        help="instead: the least predicted KL within N bytes of tensors (e.g. 18GB); at least the all-NVFP4 size",
+    )
+    search.add_argument(
+        "--target-bpw",
+        type=float,
+        metavar="B",
+        help="instead: the least predicted KL within B stored bits per searched weight (all-NVFP4 is ~4.5)",
+    )
+    searching.add_argument(
+        "--sensitivity",
+        metavar="PATH",
+        help="search on this stored sensitivity table (an output's sensitivity.json, or the one an interrupted "
+        "run saved beside DST) instead of measuring one; it must match the source and settings",
+    )
+    searching.add_argument(
+        "--sensitivity-samples",
+        type=int,
+        metavar="N",
+        default=8,
+        help="held-out windows (of --seq-len tokens, from the tail of the calibration text) the search's KL is "
+        "measured on (default 8)",
+    )
     calib.add_argument(
         "--device", default="auto", help="calibration device: auto (cuda if present), cpu, cuda, cuda:N"
     )
@@ -118,6 +153,7 @@ def add(sub) -> None:
 def run(args) -> int:
     from fp4moe.quantize.options import QuantizeOptions
     from fp4moe.quantize.pipeline import quantize
+    from fp4moe.quantize.search import SearchTarget
 
     options = QuantizeOptions(
         format=args.format,
@@ -139,6 +175,9 @@ def run(args) -> int:
         read_ahead=not args.no_read_ahead,
         progress=not args.no_progress,
         base_model=args.base_model,
+        target=SearchTarget.parse(args.budget, args.target_bytes, args.target_bpw),
+        sensitivity=args.sensitivity,
+        sensitivity_samples=args.sensitivity_samples,
     )
     report = quantize(args.src, args.dst, options)
     print(report.summary())

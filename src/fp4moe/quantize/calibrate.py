@@ -201,19 +201,33 @@ def calibrate_layer(
         stats.gate_up_hessian = torch.zeros(num_experts, h_dim, h_dim, device=dev)
         stats.down_hessian = torch.zeros(num_experts, two_i // 2, two_i // 2, device=dev)
     tap = RouterTap(layer.mlp)
-    out = torch.empty_like(hidden)
-    seq_len = hidden.shape[1]
     cache = {} if kv_tap is None else {_cache_kwarg(layer): kv_tap}
+
+    def fold() -> None:
+        x, topk = tap.pop()
+        accumulate_expert_stats(stats, x, topk, layer.mlp.experts, all_experts)
+
     try:
-        for start in range(0, hidden.shape[0], batch_size):
-            h = hidden[start : start + batch_size]
-            pos = torch.arange(seq_len, device=h.device).view(1, 1, -1).expand(3, h.shape[0], -1)
-            cos_sin = rotary(h, pos)
-            out[start : start + batch_size] = layer(
-                h, position_embeddings=cos_sin, attention_mask=None, position_ids=pos[0], **cache
-            )
-            x, topk = tap.pop()
-            accumulate_expert_stats(stats, x, topk, layer.mlp.experts, all_experts)
+        out = run_layer(layer, hidden, rotary, batch_size, cache, after_batch=fold)
     finally:
         tap.remove()
     return out, stats
+
+
+@torch.no_grad()
+def run_layer(layer, hidden: torch.Tensor, rotary, batch_size: int = 8, cache: dict | None = None,
+              after_batch=None) -> torch.Tensor:  # fmt: skip
+    """``layer``'s output for ``hidden`` [B, S, H], ``batch_size`` sequences per forward (causal, positions
+    from 0); ``after_batch()`` is called after each forward (the calibration taps read their batch there)."""
+    out = torch.empty_like(hidden)
+    seq_len = hidden.shape[1]
+    for start in range(0, hidden.shape[0], batch_size):
+        h = hidden[start : start + batch_size]
+        pos = torch.arange(seq_len, device=h.device).view(1, 1, -1).expand(3, h.shape[0], -1)
+        cos_sin = rotary(h, pos)
+        out[start : start + batch_size] = layer(
+            h, position_embeddings=cos_sin, attention_mask=None, position_ids=pos[0], **(cache or {})
+        )
+        if after_batch is not None:
+            after_batch()
+    return out

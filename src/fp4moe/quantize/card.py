@@ -34,9 +34,12 @@ WHY = {
 }
 
 
-def recipe(options: QuantizeOptions, calibration: str, calibration_tokens: int) -> dict:
-    """Every option that changed the written bytes, the tool's version and the calibration actually used."""
-    return {
+def recipe(
+    options: QuantizeOptions, calibration: str, calibration_tokens: int, search: dict | None = None
+) -> dict:
+    """Every option that changed the written bytes, the tool's version and the calibration actually used
+    (with a format search: its target and the formats it chose, per layer and part)."""
+    out = {
         "tool": "fp4moe",
         "version": __version__,
         "format": options.format.value,
@@ -58,6 +61,13 @@ def recipe(options: QuantizeOptions, calibration: str, calibration_tokens: int) 
         },
         "max_shard_size": options.max_shard_size,
     }
+    if search is not None:
+        out["search"] = {
+            "target": search["target"],
+            "sensitivity_samples": options.sensitivity_samples,
+            "formats": {f"{r['layer']}.{r['part']}": r["format"] for r in search["formats"]},
+        }
+    return out
 
 
 def command_line(src: Path, dst: Path, options: QuantizeOptions) -> str:
@@ -77,11 +87,18 @@ def command_line(src: Path, dst: Path, options: QuantizeOptions) -> str:
         ("--batch-size", options.batch_size, d.batch_size),
         ("--calib-dtype", options.calib_dtype, d.calib_dtype),
         ("--kv-cache-quant-algo", options.kv_cache_quant_algo, None),
+        ("--sensitivity-samples", options.sensitivity_samples, d.sensitivity_samples),
     ]
     args += [x for flag, value, default in pairs if value != default for x in (flag, str(value))]
     args += ["--gptq"] if options.gptq else []
     args += ["--calibrate-all-experts"] if options.calibrate_all_experts else []
     args += ["--base-model", options.base_model] if options.base_model else []
+    if options.target is not None:
+        t = options.target
+        flag = {"kl": ["--budget", f"kl={t.value!r}"], "bytes": ["--target-bytes", str(int(t.value))],
+                "bpw": ["--target-bpw", repr(t.value)]}[t.kind]  # fmt: skip
+        # the stored table makes the same choice without measuring again (bit for bit on any device)
+        args += [*flag, "--sensitivity", f"{dst.name}/sensitivity.json"]
     return shlex.join(args)
 
 
@@ -130,12 +147,51 @@ def _front_matter(src: Path, config: dict, options: QuantizeOptions, has_vision:
     return "\n".join(lines)
 
 
+def search_section(search: dict) -> list[str]:
+    """The card's account of a format search: the target, predicted against measured KL, and the format
+    chosen for every layer and part."""
+    t = search["target"]
+    target = {"kl": f"`--budget kl={t['value']:g}` (predicted mean KL per token, nats)",
+              "bytes": f"`--target-bytes {int(t['value'])}`", "bpw": f"`--target-bpw {t['value']:g}`"}[t["kind"]]  # fmt: skip
+    measured = "not measured" if search["measured_kl"] is None else f"{search['measured_kl']:.5g}"
+    by_layer: dict[int, dict[str, str]] = {}
+    for r in search["formats"]:
+        by_layer.setdefault(r["layer"], {})[r["part"]] = r["format"]
+    rows = [
+        "## Formats chosen per layer (search)",
+        "",
+        f"Target: {target}. Each part's cost was measured as the KL(bf16 ‖ model) over the full vocabulary on "
+        f"{search['held_out_tokens']:,} held-out calibration tokens with only that part in that format "
+        "(`sensitivity.json`, plotted in `sensitivity.png`); the search took the fewest bytes whose predicted KL "
+        "(the sum of the chosen parts' KLs, a first-order model) meets the target.",
+        "",
+        f"- Predicted KL: {search['predicted_kl']:.5g}; measured KL of the whole build on the same held-out "
+        f"tokens: {measured}.",
+        f"- {search['bits_per_weight']:.3f} bits per searched weight; {_size(search['bytes'])} of tensors.",
+        "",
+        "| layer | routed experts | shared expert | attention / Gated DeltaNet |",
+        "|---|---|---|---|",
+    ]
+    for layer, chosen in sorted(by_layer.items()):
+        kind = "attention" if "attention" in chosen else "deltanet"
+        rows.append(
+            f"| {layer} | {chosen.get('experts', '-')} | {chosen.get('shared', '-')} | "
+            f"{chosen.get(kind, '-')} ({kind}) |"
+        )
+    return rows
+
+
 def _precision_rows(options: QuantizeOptions) -> list[str]:
     rows = ["| weights | precision | why |", "|---|---|---|"]
     rows.append(
         f"| routed experts | NVFP4: E2M1 values, an FP8-E4M3 scale per 16, an FP32 global scale; calibrated "
         f"input scales | {WHY['experts']} |"
     )
+    if options.target is not None:
+        rows.append(
+            "| shared experts, attention, Gated DeltaNet projections | per layer, bf16, FP8 or NVFP4 as the "
+            "search chose (table below) | the fewest bytes within the stated quality target |"
+        )
     for option in options.quantize_extra:
         group, algo = arch.split(option)
         what = "FP8-E4M3, one scale per tensor" if algo == "fp8" else "NVFP4, as the experts"
@@ -194,7 +250,9 @@ def write_card(
             else "off (round each block on its own)"
         )
         + ".",
-        f"- Mix: experts{''.join(', ' + o for o in options.quantize_extra)}.",
+        f"- Mix: experts{''.join(', ' + o for o in options.quantize_extra)}"
+        + (", the rest per layer as searched (below)" if options.target is not None else "")
+        + ".",
         f"- KV cache: {kv}.",
         f"- Calibration text: {report.calibration}; {report.calibration_tokens:,} tokens "
         f"({options.num_samples} sequences of {options.seq_len}, seed {options.seed}), run on {report.device} "
@@ -203,7 +261,11 @@ def write_card(
         f"(fewest tokens for one: {report.min_tokens_per_expert}); fallback experts (no calibration token: input "
         f"scales from the layer's MoE input): {len(fallbacks)}" + (f" ({shown}{' ...' if len(fallbacks) > 20 else ''})" if fallbacks else "") + ".",
         "",
-        "To rebuild it (the recipe is also in `hf_quant_config.json` under `fp4moe_recipe` for the ModelOpt format):",
+        *([*search_section(report.search), ""] if report.search else []),
+        "To rebuild it (the recipe is also in `hf_quant_config.json` under `fp4moe_recipe` for the ModelOpt format"
+        + ("; `--sensitivity` reads the table stored in this folder: write to a new DST or add --overwrite"
+           if report.search else "")
+        + "):",
         "",
         "```bash",
         command_line(src, dst, options),

@@ -71,20 +71,20 @@ def input_amax_with_fallback(stats: ExpertStats) -> tuple[torch.Tensor, torch.Te
 
 
 @torch.no_grad()
-def quantize_experts(
+def quantize_expert_weights(
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    stats: ExpertStats,
+    stats: ExpertStats | None = None,
     method: ScaleMethod = ScaleMethod.RTN,
     name: str = "experts",
     expert_chunk: int = 4,
-) -> QuantizedExperts:
+) -> tuple[nvfp4.NVFP4Tensor, nvfp4.NVFP4Tensor]:
     """NVFP4 of ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] (any float dtype/device), ``expert_chunk``
     experts at a time so float32 temporaries stay small; results on the CPU. With Hessians in ``stats``
     (calibrated with ``hessians=True``), GPTQ error compensation under the same scale method."""
     num_experts = gate_up.shape[0]
     parts_gu, parts_d = [], []
-    use_gptq = stats.gate_up_hessian is not None
+    use_gptq = stats is not None and stats.gate_up_hessian is not None
     if use_gptq:  # GPTQ walks the columns in Python: batch more experts per walk
         expert_chunk = max(expert_chunk, 16)
     for start in range(0, num_experts, expert_chunk):
@@ -98,10 +98,25 @@ def quantize_experts(
             h_d = gptq.hessian_or_identity(stats.down_hessian[chunk].to(d.device), stats.num_tokens[chunk])
         parts_gu.append(to_cpu(quantize_weight(gu, method, f"{name}[{start}:].gate_up_proj", hessian=h_gu)))
         parts_d.append(to_cpu(quantize_weight(d, method, f"{name}[{start}:].down_proj", hessian=h_d)))
+    return _cat(parts_gu), _cat(parts_d)
+
+
+@torch.no_grad()
+def quantize_experts(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    stats: ExpertStats,
+    method: ScaleMethod = ScaleMethod.RTN,
+    name: str = "experts",
+    expert_chunk: int = 4,
+) -> QuantizedExperts:
+    """``quantize_expert_weights`` with the weight amax and the calibrated (or fallback) input amax the
+    checkpoint stores beside them."""
+    q_gu, q_d = quantize_expert_weights(gate_up, down, stats, method, name, expert_chunk)
     gu_amax = gate_up.abs().amax(dim=(-2, -1)).float().cpu()
     d_amax = down.abs().amax(dim=(-2, -1)).float().cpu()
     in_gu, in_d, fallback = input_amax_with_fallback(stats)
-    return QuantizedExperts(_cat(parts_gu), _cat(parts_d), gu_amax, d_amax, in_gu, in_d, fallback)
+    return QuantizedExperts(q_gu, q_d, gu_amax, d_amax, in_gu, in_d, fallback)
 
 
 def to_cpu(q: nvfp4.NVFP4Tensor) -> nvfp4.NVFP4Tensor:

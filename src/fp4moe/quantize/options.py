@@ -13,6 +13,7 @@ from fp4moe.formats.checkpoint import parse_size
 from fp4moe.formats.layouts import OutputFormat
 from fp4moe.models import qwen3_5_moe as arch
 from fp4moe.quantize.scales import ScaleMethod
+from fp4moe.quantize.search import SearchTarget
 
 
 class QuantizeError(UserError, RuntimeError):
@@ -40,6 +41,9 @@ class QuantizeOptions:
     progress: bool = True
     quantize_extra: tuple[str, ...] = ()  # beyond the routed experts: attention, deltanet, shared, lm_head
     base_model: str | None = None  # the source's hub id, for the model card (the bytes do not depend on it)
+    target: SearchTarget | None = None  # --budget / --target-bytes / --target-bpw: search formats per layer
+    sensitivity: str | None = None  # a stored sensitivity table to search on instead of measuring one
+    sensitivity_samples: int = 8  # held-out windows (of seq_len) the sensitivity KL is measured on
 
     def __post_init__(self):
         self.format = OutputFormat(self.format)
@@ -49,7 +53,15 @@ class QuantizeOptions:
                 "--quantize GROUP:fp8 is written as ModelOpt MIXED_PRECISION: use --format modelopt"
             )
         self.scale_method = ScaleMethod(self.scale_method)
-        for name in ("num_samples", "seq_len", "batch_size"):
+        if self.target is not None and self.quantize_extra:
+            raise ValueError(
+                "--budget/--target-bytes/--target-bpw choose the formats themselves: drop --quantize"
+            )
+        if self.sensitivity is not None and self.target is None:
+            raise ValueError(
+                "--sensitivity is the table a search reuses: give --budget, --target-bytes or --target-bpw"
+            )
+        for name in ("num_samples", "seq_len", "batch_size", "sensitivity_samples"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.calib_dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -97,6 +109,7 @@ class QuantizeReport:
     seconds: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=dict)
     peak_rss_bytes: int = 0
+    search: dict | None = None  # --budget & co: the target, predicted and measured KL, the formats chosen
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -113,7 +126,24 @@ class QuantizeReport:
             f"  size: {self.bytes_in / gb:.3f} GB -> {self.bytes_out / gb:.3f} GB "
             f"({self.bytes_out / max(self.bytes_in, 1):.1%})",
             *[f"  warning: {w}" for w in self.warnings],
+            *self._search_lines(),
             f"  time {self.seconds:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in self.stage_seconds.items())}), "
             f"peak RSS {self.peak_rss_bytes / gb:.2f} GB",
         ]
         return "\n".join(lines)
+
+    def _search_lines(self) -> list[str]:
+        if not self.search:
+            return []
+        s = self.search
+        chosen: dict[str, int] = {}
+        for row in s["formats"]:
+            key = f"{row['part']} {row['format']}"
+            chosen[key] = chosen.get(key, 0) + 1
+        measured = "-" if s["measured_kl"] is None else f"{s['measured_kl']:.5g}"
+        return [
+            f"  search ({s['target']['kind']} {s['target']['value']:g}): predicted KL {s['predicted_kl']:.5g} "
+            f"(sum of per-part KLs), measured KL {measured} on {s['held_out_tokens']} held-out calibration "
+            f"tokens; {s['bits_per_weight']:.3f} bits per searched weight",
+            "  formats chosen (layers): " + ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items())),
+        ]

@@ -98,13 +98,28 @@ def _load_tokenizer(src: Path):
 def calibration_token_ids(
     src: Path, cfg: arch.ModelConfig, options: QuantizeOptions
 ) -> tuple[torch.Tensor, str]:
+    tokens, _, source = calibration_windows(src, cfg, options)
+    return tokens, source
+
+
+def calibration_windows(
+    src: Path, cfg: arch.ModelConfig, options: QuantizeOptions
+) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """(calibration windows [num_samples, seq_len], held-out windows for the format search or None, source).
+    With a search target the tail of the text is held out (``search_pass.split_held_out``)."""
     text, source = calib_data.calibration_text(options.calib_file, options.calib_dataset)
     tokenizer = _load_tokenizer(src)
     ids = calib_data.tokenize(tokenizer, text)
+    held = None
+    if options.target is not None:
+        from fp4moe.quantize.search_pass import split_held_out
+
+        ids, held = split_held_out(ids, options)
     tokens = random_windows(ids, options.num_samples, options.seq_len, options.seed)
-    if int(tokens.max()) >= cfg.text.vocab_size:
-        raise QuantizeError(f"tokenizer produced id {int(tokens.max())} >= vocab_size {cfg.text.vocab_size}")
-    return tokens, source
+    top = max(int(tokens.max()), -1 if held is None else int(held.max()))
+    if top >= cfg.text.vocab_size:
+        raise QuantizeError(f"tokenizer produced id {top} >= vocab_size {cfg.text.vocab_size}")
+    return tokens, held, source
 
 
 def _validate_dims(cfg: arch.ModelArgs) -> None:
@@ -132,6 +147,8 @@ class _Run:
     fallbacks: list[list[int]] = field(default_factory=list)  # [layer, expert] with no calibration token
     num_calibrated: int = 0
     min_tokens: int | None = None
+    assignment: object = None  # search.Assignment under --budget & co: the formats of each layer's parts
+    tracker: object = None  # sensitivity.KLTracker: the measured KL of the assignment, on held-out windows
 
 
 @dataclass
@@ -218,7 +235,11 @@ def _quantize_layer(run: _Run, i: int, block, hidden: torch.Tensor, tensors: _La
         layer_tensors["mlp.experts.down_proj"] = down
         layer = calibrate.build_layer(run.text_config, i, layer_tensors, run.dtype, device)
         modules = {n.removesuffix(".weight") for n in layer_tensors if n.endswith(".weight")}
-        groups = arch.layer_groups(options.quantize_extra, modules)
+        if run.assignment is not None:
+            groups = run.assignment.layer_groups(i)
+            gptq = run.assignment.experts_gptq(i)
+        else:
+            groups, gptq = arch.layer_groups(options.quantize_extra, modules), options.gptq
         taps = extra.InputAmax(layer, [m for g, _ in groups for m in g])
         attention = run.text_config.layer_types[i] == "full_attention"
         kv_tap = calibrate.KVTap() if options.kv_cache_quant_algo == "FP8" and attention else None
@@ -229,12 +250,16 @@ def _quantize_layer(run: _Run, i: int, block, hidden: torch.Tensor, tensors: _La
                 run.rotary,
                 all_experts=options.calibrate_all_experts,
                 batch_size=options.batch_size,
-                hessians=options.gptq,
+                hessians=gptq,
                 kv_tap=kv_tap,
             )
         finally:
             taps.remove()
-        del layer, layer_tensors
+    if run.tracker is not None:
+        with timer("measure"):
+            chosen = {part: fmt for (j, part), fmt in run.assignment.formats.items() if j == i}
+            run.tracker.step(layer, layer_tensors, chosen, stats)
+    del layer, layer_tensors
     with timer("quantize"):
         # the checkpoint's own values (not the calibration-dtype copy), on the device
         q = quantize_experts(
@@ -312,7 +337,8 @@ def _write_config(run: _Run, cfg, tmp: Path, src: Path, has_mtp: bool, recipe: d
     }
     exclude = layouts.excluded_modules(tensors, options.format, arch.is_routed_expert)
     qcfg, hf_qcfg = quantization_configs(options.format, exclude, options.kv_cache_quant_algo)
-    if arch.uses_fp8(options.quantize_extra):  # some FP8, some NVFP4: ModelOpt MIXED_PRECISION
+    if arch.uses_fp8(options.quantize_extra) or "fp8" in run.quantized_modules.values():
+        # some FP8, some NVFP4: ModelOpt MIXED_PRECISION
         layers = {f"{run.prefix}layers.{i}.mlp.experts": "nvfp4" for i in range(cfg.text.num_layers)}
         layers.update(run.quantized_modules)
         qcfg, hf_qcfg = layouts.modelopt_mixed_configs(exclude, options.kv_cache_quant_algo, layers)
@@ -382,9 +408,21 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
     dtype = options.resolve_dtype(reader.info(f"{prefix}embed_tokens.weight").torch_dtype or torch.float32)
     timer = StageTimer()
     with timer("tokenize"):
-        tokens, source = calibration_token_ids(src, cfg, options)
+        tokens, held, source = calibration_windows(src, cfg, options)
     text_config = calibrate.text_config_for(cfg.raw)
     show = options.progress
+    table = assignment = None
+    if options.target is not None:
+        from fp4moe.quantize import search_pass
+
+        pipe = _Run(reader, None, options, prefix, text_config, calibrate.rotary_for(text_config, device),
+                    device, dtype, timer)  # fmt: skip
+
+        def layer_reader() -> LayerReader:
+            return LayerReader(reader, prefix, blocks, timer, ahead=options.read_ahead)
+
+        with timer("sensitivity"):
+            table, assignment = search_pass.prepare(pipe, src, dst, tokens, held, layer_reader, blocks)
 
     with atomic_output_dir(dst, overwrite=options.overwrite) as tmp:
         writer = ShardedWriter(tmp, options.max_shard_bytes)
@@ -393,6 +431,8 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
         embed_name = f"{prefix}embed_tokens.weight"
         embed = _finite(embed_name, reader.get(embed_name))
         hidden = F.embedding(tokens.to(device), embed.to(device=device, dtype=dtype))  # [B, S, H]
+        if assignment is not None:
+            run.assignment, run.tracker = assignment, search_pass.tracker(run, embed, held)
         writer.add(embed_name, embed)
         run.done.add(embed_name)
         del embed
@@ -420,7 +460,10 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             writer.close()
         for bar in (layer_bar, expert_bar, shard_bar):
             bar.close()
-        _write_config(run, cfg, tmp, src, bool(mtp_names), card.recipe(options, source, int(tokens.numel())))
+        search = None if assignment is None else search_pass.finish(run, tmp, table)
+        _write_config(
+            run, cfg, tmp, src, bool(mtp_names), card.recipe(options, source, int(tokens.numel()), search)
+        )
 
         with timer("inspect"):
             check = inspect_checkpoint(tmp, reference=reader)
@@ -449,8 +492,11 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions | None =
             seconds=time.perf_counter() - t0,
             stage_seconds={k: round(v, 2) for k, v in timer.seconds.items()},
             peak_rss_bytes=peak_rss_bytes(),
+            search=search,
         )
         check.path = dst.name  # the card names the checkpoint, not its temporary folder
         card.write_card(tmp, src, dst, options, report, check.table(), cfg.raw, cfg.has_vision)
+    if options.target is not None:
+        search_pass.drop_saved_table(dst, options)
     report.seconds = time.perf_counter() - t0
     return report
