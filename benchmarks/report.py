@@ -467,6 +467,8 @@ def render_index(manifest: dict) -> str:
         elif path.suffix == ".log" and not rel.startswith("gpu-test"):
             what = f"log of the run; {what}"
         stem = path.name.split(".")[0]
+        if re.search(r"\d{4}-\d{2}-\d{2}", path.parent.name):  # a dated run's folder: the run cites the folder
+            stem = path.parent.name
         m = COMMIT.search(path.name)
         cited = next((h for h, text in sections if stem in text), "") or next(
             (f"{h} (cites its commit)" for h, text in sections if m and m[1] in text), ""
