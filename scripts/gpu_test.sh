@@ -50,8 +50,8 @@ part kernels "kernel tests, first half ($jobs processes)" "${parallel[@]}" tests
 part kernels2 "kernel tests, second half, and layers ($jobs processes)" "${parallel[@]}" tests/kernels/test_[g-z]*.py \
   tests/layers
 # the rest one process at a time: each engine sizes its KV cache from the GPU memory left free
-# (tests/eval/test_lm_eval.py holds no gpu-marked test: its server runs on the CPU, in CI; lm-eval and its needs,
-# datasets and pyarrow among them, are larger than a device call carries)
+# (tests/eval/test_lm_eval.py holds no gpu-marked test -- its server runs on the CPU, and CI runs it -- so here it
+# only showed as a skip: lm-eval and its needs, datasets and pyarrow among them, are not among the carried wheels)
 part marked "the other gpu-marked tests" -m gpu tests --ignore=tests/kernels --ignore=tests/layers \
   --ignore=tests/eval/test_lm_eval.py
 part runner "the CUDA runner and the KV-cache scales" -m "not gpu" tests/engine/test_cuda_runner.py \
