@@ -233,11 +233,14 @@ def test_impossible_targets_name_the_nearest_feasible_one(planted, tmp_path, cap
     assert _fails(capsys, [*base, "--budget", "0.1"]).endswith(
         "write it as kl=X, X the mean KL in nats (e.g. kl=0.01)"
     )
+    assert "must be a positive number" in _fails(capsys, [*base, "--budget", "kl=0"])
     assert "drop --quantize" in _fails(capsys, [*base, "--budget", "kl=1", "--quantize", "attention"])
     assert "scale_method='mse'" in _fails(capsys, [*base, "--budget", "kl=1", "--scale-method", "rtn"])
     # the values named are feasible
     assert main([*base, "--budget", f"kl={feasible}"]) == 0
     assert main([*base[:2], str(tmp_path / "y"), *base[3:], "--target-bytes", str(least)]) == 0
+    by_folder = [*base[:2], str(tmp_path / "z"), *base[3:-1], str(out)]  # --sensitivity OUTPUT_DIR: its table
+    assert main([*by_folder, "--budget", f"kl={feasible}"]) == 0
     assert all(f == P.BF16 or p == "experts" for (_, p), f in
                search(SensitivityTable.load(table), SearchTarget("kl", float(feasible))).formats.items())  # fmt: skip
 
@@ -264,6 +267,7 @@ def test_interrupted_search_leaves_no_output_and_resumes(planted, tmp_path, monk
         m.setattr(search_pass, "measure_table", interrupt)  # resuming must not measure again
         quantize(src, dst, _options(target=SearchTarget("kl", 100.0), sensitivity=str(saved)))
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert not saved.exists()  # the output holds the table now
     assert _same_bytes(load_all(out), load_all(dst))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import errno
 import sys
+from pathlib import Path
 
 from fp4moe import __version__
 from fp4moe.cli import bench, convert, demo, env, eval, generate, inspect, quantize, serve
@@ -24,6 +25,17 @@ COMMANDS = {
     "env": env,
 }
 
+
+
+def _resume_hint(args) -> str:
+    """Where an interrupted ``quantize`` search kept its measured table: how to resume from it."""
+    dst = getattr(args, "dst", None)
+    if args.command != "quantize" or dst is None:
+        return ""
+    from fp4moe.quantize.search_pass import saved_table_path
+
+    saved = saved_table_path(Path(dst))
+    return f" but the measured table, {saved}: add --sensitivity {saved} to resume" if saved.exists() else ""
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -55,5 +67,5 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_ERROR
         raise
     except KeyboardInterrupt:
-        print(f"fp4moe {args.command}: interrupted; nothing was written", file=sys.stderr)
+        print(f"fp4moe {args.command}: interrupted; nothing was written{_resume_hint(args)}", file=sys.stderr)
         return 130

@@ -78,13 +78,15 @@ def add(sub) -> None:
     search.add_argument(
         "--target-bytes",
         metavar="N",
-        help="instead: the least predicted KL within N bytes of tensors (e.g. 18GB); at least the all-NVFP4 size",
+        help="instead: the least predicted KL within N bytes of tensors (e.g. 18GB, 1 GB = 2^30 bytes; fp8 KV scales, "
+        "8 bytes an attention layer, not counted); at least the all-NVFP4 size",
     )
     search.add_argument(
         "--target-bpw",
         type=float,
         metavar="B",
-        help="instead: the least predicted KL within B stored bits per searched weight (all-NVFP4 is ~4.5)",
+        help="instead: the least predicted KL within B stored bits per searched weight (all-NVFP4 is a little over 4.5, "
+        "its scales included; the error for too small a B names the least)",
     )
     searching.add_argument(
         "--sensitivity",

@@ -162,8 +162,10 @@ def search_section(search: dict) -> list[str]:
         "",
         f"Target: {target}. Each part's cost was measured as the KL(bf16 ‖ model) over the full vocabulary on "
         f"{search['held_out_tokens']:,} held-out calibration tokens with only that part in that format "
-        "(`sensitivity.json`, plotted in `sensitivity.png`); the search took the fewest bytes whose predicted KL "
-        "(the sum of the chosen parts' KLs, a first-order model) meets the target.",
+        "(`sensitivity.json`, plotted in `sensitivity.png`); the search took "
+        + ("the fewest bytes whose predicted KL" if t["kind"] == "kl" else "the least predicted KL")
+        + " (the sum of the chosen parts' KLs, a first-order model) "
+        + ("meets the target." if t["kind"] == "kl" else "within the target's size."),
         "",
         f"- Predicted KL: {search['predicted_kl']:.5g}; measured KL of the whole build on the same held-out "
         f"tokens: {measured}.",
@@ -246,6 +248,7 @@ def write_card(
         + (
             "on: each expert's weights quantized column by column with earlier columns' rounding error folded "
             "in, from the input second moments of the tokens routed to it"
+            + (" -- in the layers where the format search chose it (its table)" if options.target else "")
             if options.gptq
             else "off (round each block on its own)"
         )

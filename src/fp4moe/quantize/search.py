@@ -56,9 +56,10 @@ class SearchTarget:
                     f"--budget {budget!r}: write it as kl=X, X the mean KL in nats (e.g. kl=0.01)"
                 )
             try:
-                return cls("kl", float(value))
+                number = float(value)
             except ValueError:
                 raise ValueError(f"--budget {budget!r}: {value!r} is not a number") from None
+            return cls("kl", number)
         if target_bytes is not None:
             return cls("bytes", float(parse_size(target_bytes)))
         if target_bpw is not None:
@@ -209,7 +210,8 @@ def search(table, target: SearchTarget) -> Assignment:
             if target.kind == "bytes":
                 raise SearchError(
                     f"--target-bytes {int(target.value)} is under the smallest checkpoint the search can write "
-                    f"(all NVFP4: {least_bytes} bytes, {least_bytes / 1e9:.3f} GB); ask for at least {least_bytes}"
+                    f"(all NVFP4: {least_bytes} bytes, {least_bytes / (1 << 30):.3f} GB as --target-bytes counts them, "
+                    f"1 GB = 2^30 bytes); ask for at least {least_bytes}"
                 )
             least_bpw = 8 * parts_least / params
             raise SearchError(

@@ -73,8 +73,9 @@ def measure_table(
         stats = None
         if options.gptq:
             calib_hidden, stats = calibrate.calibrate_layer(
-                layer, calib_hidden, pipe.rotary, batch_size=options.batch_size, hessians=True
-            )
+                layer, calib_hidden, pipe.rotary, all_experts=options.calibrate_all_experts,
+                batch_size=options.batch_size, hessians=True,
+            )  # fmt: skip  (as the quantize pass calibrates, so GPTQ's measured KL is the written layer's)
         m.step(i, layer, tensors, stats)
         del layer, tensors, lt, stats
     bar.close()
@@ -95,7 +96,7 @@ def prepare(
     and saved beside DST; ``layer_reader()`` opens the pipeline's ``LayerReader`` for the pass) and the
     search's assignment for ``options.target``."""
     options = pipe.options
-    fp = sensitivity.fingerprint(src, pipe.reader, options)
+    fp = sensitivity.fingerprint(src, pipe.reader, options, tokens, held)
     if options.sensitivity:
         table = SensitivityTable.load(options.sensitivity)
         table.check(fp, options.sensitivity)

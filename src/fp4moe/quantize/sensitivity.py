@@ -68,6 +68,8 @@ class SensitivityTable:
     @classmethod
     def load(cls, path: str | Path) -> SensitivityTable:
         path = Path(path)
+        if path.is_dir():  # an output folder: its table
+            path = path / "sensitivity.json"
         try:
             raw = json.loads(path.read_text())
             if raw.get("version") != TABLE_VERSION:
@@ -77,6 +79,8 @@ class SensitivityTable:
             return cls(**raw)
         except FileNotFoundError:
             raise SensitivityError(f"--sensitivity {path}: no such file") from None
+        except OSError as e:
+            raise SensitivityError(f"--sensitivity {path}: cannot be read ({e.strerror or e})") from None
         except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as e:
             raise SensitivityError(f"--sensitivity {path}: not a sensitivity table ({e})") from None
 
@@ -98,12 +102,22 @@ class SensitivityTable:
             )
 
 
-def fingerprint(src: Path, reader, options) -> dict:
-    """The source (config.json's digest and the tensor bytes) and every option the KL numbers depend on."""
+def fingerprint(src: Path, reader, options, tokens: torch.Tensor, held: torch.Tensor) -> dict:
+    """The source (config.json's digest, the tensor bytes, a digest of its small tensors: norms and routers,
+    which a fine-tune of the same architecture changes), the calibration and held-out token windows
+    themselves (so another text or tokenizer under the same file name is caught) and every option the KL
+    numbers depend on."""
     config = hashlib.sha256((src / "config.json").read_bytes()).hexdigest()[:16]
+    small = hashlib.sha256()
+    for name in sorted(n for n in reader.names() if n.endswith(("norm.weight", "mlp.gate.weight")))[:64]:
+        small.update(name.encode() + reader.get(name).float().numpy().tobytes())
+    windows = hashlib.sha256(tokens.to(torch.int64).numpy().tobytes() + held.to(torch.int64).numpy().tobytes())
     return {
         "config_sha256": config,
         "tensor_bytes": reader.total_bytes(),
+        "small_tensors_sha256": small.hexdigest()[:16],
+        "tokens_sha256": windows.hexdigest()[:16],
+        "calibrate_all_experts": options.calibrate_all_experts,
         "scale_method": options.scale_method.value,
         "gptq": options.gptq,
         "format": options.format.value,
