@@ -271,6 +271,25 @@ def test_interrupted_search_leaves_no_output_and_resumes(planted, tmp_path, monk
     assert _same_bytes(load_all(out), load_all(dst))
 
 
+def test_ctrl_c_names_the_kept_table_and_how_to_resume(planted, tmp_path, monkeypatch, capsys):
+    src, _, _ = planted
+    dst = tmp_path / "c"
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("fp4moe.quantize.pipeline.write_experts", interrupt)
+    argv = ["quantize", str(src), str(dst), "--no-progress", "--num-samples", "8", "--seq-len", "64",
+            "--calib-dtype", "float32", "--sensitivity-samples", "4", "--budget", "kl=100"]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 130
+    saved = search_pass.saved_table_path(dst)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"fp4moe quantize: interrupted; nothing was written but the measured table, {saved}: add "
+                   f"--sensitivity {saved} to resume"], err  # fmt: skip
+    assert not dst.exists() and saved.exists()
+
+
 def test_part_bytes_match_the_written_tensors(planted):
     """The bytes the search counts are the bytes the checkpoint holds (safetensors headers aside)."""
     _, out, report = planted
