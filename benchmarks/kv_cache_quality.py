@@ -90,7 +90,7 @@ def main() -> None:
 
     from fp4moe.engine.front.llm import LLM
     from fp4moe.engine.loading import kv_scales
-    from fp4moe.eval.divergence import token_kl, top1_agrees
+    from fp4moe.layers.divergence import token_kl, top1_agrees
     from fp4moe.eval.quality import window_outputs
 
     cpu = torch.device("cpu")

@@ -17,9 +17,12 @@ PROMPTS = [[5, 17, 300, 2, 9], list(range(40, 110)), [7]]
 # How far the fused path may drift from the module path, measured (2026-12-05, Triton's interpreter on this
 # x86 CPU, every comparison of test_cuda_runner.py, test_cuda_spec.py and test_async_steps.py): decode steps
 # after prompts through the modules moved the chosen token's logprob by at most 0.031 nats and the
-# reference's top-2 gap by at most 0.031, every token identical. Both bounds at 0.05 (1.6x): a token may part
-# only where the reference's two best were closer than the gap can move (``tie``).
-DECODE = dict(tol=0.05, tie=0.05)
+# reference's top-2 gap by at most 0.031, every token identical. ``tol`` at 0.05 (1.6x). The gap's bound
+# (``tie``: a token may part only where the reference's two best were closer than that) is 0.07: the logits
+# are bf16, one ulp is 0.031 at |logit| in [4, 8), and two logits rounded from nearby values each move by up to
+# an ulp, so their gap by up to two (0.0625). Seen on this CI's CPU with an fp8 cache (2026-12-07): gaps moved
+# 0.031 wherever tokens agreed, and a token parted at a reference margin of exactly 0.0625.
+DECODE = dict(tol=0.05, tie=0.07)
 # The fused prefill rounds differently at one op: it sums the experts in fp32 where the modules round each
 # expert's output to bf16: 0.046 nats and a gap moved by 0.047 (two splits, at margins 0.016 and 0.047). Bounds
 # at 0.08 (1.7x).

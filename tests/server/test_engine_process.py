@@ -2,8 +2,9 @@
 detokenizing, stop strings, SSE) in the server's. Checked against the same server with the engine on a
 thread (``server``, conftest), request by request: both run the fp32 CPU path on one sequence at a time. Text,
 tokens and usage are equal exactly; logprobs within 1e-5: the two processes' CPU kernels may split their
-reductions over different numbers of threads (4.8e-7 apart on a 16-core GPU host, equal on 2 cores), which no
-token here is near enough a tie for."""
+reductions over different numbers of threads (4.8e-7 apart on a 16-core GPU host; under pytest-xdist on 2 cores
+a worker runs torch on one thread, the server process on two: 4.8e-7 apart too), which no token here is near
+enough a tie for."""
 
 import json
 import os
@@ -198,5 +199,12 @@ def test_echoed_prompt_logprobs_cross_from_the_engine_process(process_server, se
         httpx.post(f"{root}/completions", json=body, timeout=60).json()
         for root in (f"{process_server}/v1", server.base_url)
     ]
-    assert answers[0]["choices"] == answers[1]["choices"]
+    for got, want in zip(answers[0]["choices"], answers[1]["choices"], strict=True):  # logprobs: module docstring
+        assert {k: v for k, v in got.items() if k != "logprobs"} == {k: v for k, v in want.items() if k != "logprobs"}
+        got, want = got["logprobs"], want["logprobs"]
+        assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"]
+        assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-5)
+        assert [list(t or {}) for t in got["top_logprobs"]] == [list(t or {}) for t in want["top_logprobs"]]
+        for a, b in zip(got["top_logprobs"], want["top_logprobs"], strict=True):
+            assert (a or {}) == pytest.approx(b or {}, abs=1e-5)
     assert answers[0]["choices"][1]["logprobs"]["token_logprobs"][0] is None

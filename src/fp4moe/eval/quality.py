@@ -26,7 +26,7 @@ from fp4moe.data.windows import consecutive_windows
 from fp4moe.engine.reference.context import StepContext
 from fp4moe.engine.request.sampler import SamplingParams
 from fp4moe.engine.request.sequence import Sequence
-from fp4moe.eval.divergence import token_kl, top1_agrees
+from fp4moe.layers.divergence import token_kl, top1_agrees
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fp4moe.eval.divergence import token_kl, top1_agrees
+from fp4moe.layers.divergence import token_kl, top1_agrees
 from fp4moe.quantize.dequant import dequantized_state_dict
 
 

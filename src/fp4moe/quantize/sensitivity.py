@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fp4moe.errors import UserError
-from fp4moe.eval.divergence import token_kl
+from fp4moe.layers.divergence import token_kl
 from fp4moe.layers.norm import rms_norm_zero_centred
 from fp4moe.quantize import calibrate
 from fp4moe.quantize import parts as P

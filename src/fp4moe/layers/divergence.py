@@ -1,6 +1,7 @@
 """How far a model's next-token distributions are from a reference's, token by token: KL(ref ‖ model) over the
-full vocabulary and whether both put the same token first. Used by ``fp4moe eval`` (the engine's log-probs)
-and the quick check against transformers (``reference_kl``)."""
+full vocabulary and whether both put the same token first. Used by ``fp4moe eval`` (the engine's log-probs),
+the quick check against transformers (``reference_kl``) and the format search's sensitivity pass
+(``quantize.sensitivity``); here, below both, so that quantize need not import eval."""
 
 from __future__ import annotations
 
