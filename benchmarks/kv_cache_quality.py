@@ -90,8 +90,8 @@ def main() -> None:
 
     from fp4moe.engine.front.llm import LLM
     from fp4moe.engine.loading import kv_scales
-    from fp4moe.layers.divergence import token_kl, top1_agrees
     from fp4moe.eval.quality import window_outputs
+    from fp4moe.layers.divergence import token_kl, top1_agrees
 
     cpu = torch.device("cpu")
     ref = LLM(args.model, dtype="bfloat16", device="cpu")
