@@ -16,8 +16,9 @@ import torch
 from fp4moe.formats import fp8, nvfp4
 from fp4moe.models import qwen3_5_moe as arch
 from fp4moe.quantize.calibrate import ExpertStats
-from fp4moe.quantize.experts import quantize_expert_weights, quantize_weight
+from fp4moe.quantize.experts import quantize_expert_weights
 from fp4moe.quantize.scales import ScaleMethod
+from fp4moe.quantize.writing import quantize_linear_group
 
 PARTS = ("experts", "shared", "attention", "deltanet")
 EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # fused [E, 2I, H], [E, H, I]
@@ -97,7 +98,7 @@ def part_weights(
     stats: ExpertStats | None = None,
 ) -> dict[str, torch.Tensor]:
     """The weights ``part`` decodes to in ``fmt`` (names relative to the layer, ``dtype`` on ``device``): the
-    same quantization the writer stores (``write_linear_group``: one global scale per fused group;
+    quantization the writer stores (``writing.quantize_linear_group``: one scale per fused group;
     ``quantize_expert_weights``), decoded. ``stats`` with Hessians for ``nvfp4-gptq``."""
     if part == "experts":
         gu, down = (tensors[n] for n in EXPERT_TENSORS)
@@ -113,15 +114,10 @@ def part_weights(
                 EXPERT_TENSORS[1]: q_d.dequantize(dtype).to(device)}  # fmt: skip
     out = {}
     for group in groups(part):
-        weights = {m: tensors[f"{m}.weight"] for m in group}
-        amax = torch.stack([w.abs().amax().float().cpu() for w in weights.values()]).max()
-        for m, w in weights.items():
-            if fmt == FP8:
-                scale = fp8.scale_from_amax(amax)
-                out[f"{m}.weight"] = fp8.decode(fp8.encode(w, scale), scale, dtype).to(device)
-            else:
-                gs = nvfp4.global_scale_from_amax(amax).to(device)
-                out[f"{m}.weight"] = quantize_weight(w.to(device), method, m, gs).dequantize(dtype)
+        _, scale, quantized = quantize_linear_group({m: tensors[f"{m}.weight"] for m in group}, method, device,
+                                                    "fp8" if fmt == FP8 else "nvfp4")  # fmt: skip
+        for m, q in quantized.items():
+            out[f"{m}.weight"] = (fp8.decode(q, scale, dtype) if fmt == FP8 else q.dequantize(dtype)).to(device)
     return out
 
 

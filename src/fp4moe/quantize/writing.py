@@ -37,6 +37,20 @@ def write_experts(writer: ShardedWriter, fmt: OutputFormat, experts_prefix: str,
                 writer.add(arch.per_expert_name(experts_prefix, e, proj, suffix), t.clone())
 
 
+def quantize_linear_group(
+    weights: dict[str, torch.Tensor], method: ScaleMethod, device: torch.device, algo: str = "nvfp4"
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor | nvfp4.NVFP4Tensor]]:
+    """A fused group of linears (module name -> weight) under one scale from their joint amax, as vLLM's fused
+    modules need -> (amax, the per-tensor FP8 scale or the NVFP4 global scale, module -> FP8 codes or
+    NVFP4Tensor on ``device``). What ``write_linear_group`` stores and the format search decodes."""
+    amax = torch.stack([w.abs().amax().float().cpu() for w in weights.values()]).max()
+    if algo == "fp8":
+        scale = fp8.scale_from_amax(amax)
+        return amax, scale, {module: fp8.encode(w, scale) for module, w in weights.items()}
+    global_scale = nvfp4.global_scale_from_amax(amax).to(device)
+    return amax, global_scale, {m: quantize_weight(w.to(device), method, m, global_scale) for m, w in weights.items()}
+
+
 def write_linear_group(
     writer: ShardedWriter,
     fmt: OutputFormat,
@@ -48,18 +62,14 @@ def write_linear_group(
 ) -> None:
     """NVFP4 (or per-tensor FP8) of a fused group of linears (module name -> weight) under one global scale
     from their joint amax and one input scale, as vLLM's fused modules need."""
-    amax = torch.stack([w.abs().amax().float().cpu() for w in weights.values()]).max()
-    if algo == "fp8":
-        scale = fp8.scale_from_amax(amax)
-        for module, w in weights.items():
-            writer.add(f"{module}.weight", fp8.encode(w, scale))
+    amax, scale, quantized = quantize_linear_group(weights, method, device, algo)
+    for module, q in quantized.items():
+        if algo == "fp8":
+            writer.add(f"{module}.weight", q)
             writer.add(f"{module}.weight_scale", scale.reshape(()).clone())
             writer.add(f"{module}.input_scale", (input_amax.float() / fp8.MAX).reshape(()).clone())
-        return
-    global_scale = nvfp4.global_scale_from_amax(amax).to(device)
-    for module, w in weights.items():
-        q = to_cpu(quantize_weight(w.to(device), method, module, global_scale))
-        for suffix, t in layouts.quantized_linear_tensors(fmt, q, amax, input_amax).items():
+            continue
+        for suffix, t in layouts.quantized_linear_tensors(fmt, to_cpu(q), amax, input_amax).items():
             writer.add(f"{module}.{suffix}", t.clone())
 
 
